@@ -1,0 +1,31 @@
+import Fastify, { type FastifyBaseLogger, type FastifyInstance } from 'fastify';
+import type { Logger } from '../observability/logger.js';
+import type { Registry } from 'prom-client';
+import { registerHealthRoutes, type Probe } from './health.js';
+
+export interface ApiServerOptions {
+  readonly logger: Logger;
+  readonly probes: Record<string, Probe>;
+  readonly metrics: Registry;
+  /** Extra route registrations (the v1 API), applied before listening. */
+  readonly register?: (app: FastifyInstance) => Promise<void> | void;
+  /** Largest accepted request body in bytes; default 256 KiB. */
+  readonly bodyLimit?: number;
+}
+
+/** Builds the node's HTTP server: health, readiness, metrics, and whatever `register` adds. */
+export async function buildApiServer(options: ApiServerOptions): Promise<FastifyInstance> {
+  const app = Fastify({
+    loggerInstance: options.logger.child({ part: 'api' }) as FastifyBaseLogger,
+    bodyLimit: options.bodyLimit ?? 256 * 1024,
+    disableRequestLogging: true,
+    forceCloseConnections: true,
+  });
+  registerHealthRoutes(app, options.probes);
+  app.get('/metrics', async (_request, reply) => {
+    reply.type(options.metrics.contentType);
+    return options.metrics.metrics();
+  });
+  await options.register?.(app);
+  return app;
+}

@@ -1,0 +1,194 @@
+import { hostname } from 'node:os';
+import { ConfigError } from './errors.js';
+
+/** What a node does; every node may have any subset. */
+export type Role = 'scheduler' | 'worker' | 'api';
+const ROLES: readonly Role[] = ['scheduler', 'worker', 'api'];
+
+export type ApiRole = 'admin' | 'viewer';
+
+/** The validated, defaulted, frozen settings of one node. Only this module reads `process.env`. */
+export interface HeliosConfig {
+  /** HELIOS_NODE_ID: unique per node; default `<hostname>-<pid>`. */
+  readonly nodeId: string;
+  /** HELIOS_ROLES: comma list of scheduler, worker, api; default all three. */
+  readonly roles: ReadonlySet<Role>;
+  /** HELIOS_HTTP_HOST: address the HTTP server binds; default 127.0.0.1. */
+  readonly httpHost: string;
+  /** HELIOS_HTTP_PORT: port of the HTTP server (0 = any free port); default 8080. */
+  readonly httpPort: number;
+  /** HELIOS_PUBLIC_URL: the URL other nodes and tools use to reach this node's API; default from host and port. */
+  readonly publicUrl: string | undefined;
+  /** HELIOS_DATABASE_URL: PostgreSQL connection string (required). */
+  readonly databaseUrl: string;
+  /** HELIOS_DATABASE_POOL_SIZE: connections in this node's pool; default 20. */
+  readonly databasePoolSize: number;
+  /** HELIOS_ETCD_ENDPOINTS: comma list of etcd client URLs (required). */
+  readonly etcdEndpoints: readonly string[];
+  /** HELIOS_ETCD_PREFIX: key prefix for the leader key and node registry; default `/helios`. */
+  readonly etcdPrefix: string;
+  /** HELIOS_KAFKA_BROKERS: comma list of host:port (required). */
+  readonly kafkaBrokers: readonly string[];
+  /** HELIOS_KAFKA_TOPIC: dispatch topic; default `helios.runs`. */
+  readonly runsTopic: string;
+  /** HELIOS_KAFKA_DLQ_TOPIC: dead-letter topic; default `helios.runs.dlq`. */
+  readonly deadLetterTopic: string;
+  /** HELIOS_KAFKA_PARTITIONS: partitions when creating the topics; default 6. */
+  readonly topicPartitions: number;
+  /** HELIOS_KAFKA_GROUP: consumer group of the workers; default `helios-workers`. */
+  readonly consumerGroup: string;
+  /** HELIOS_LEASE_TTL_MS: leader lease TTL (rounded up to whole seconds for etcd); default 3000. */
+  readonly leaseTtlMs: number;
+  /** HELIOS_LEADER_SAFETY_MARGIN_MS: a leader stops this long before its lease could expire; default 500. */
+  readonly leaderSafetyMarginMs: number;
+  /** HELIOS_WORKER_CONCURRENCY: runs executing at once on this node; default 64. */
+  readonly workerConcurrency: number;
+  /** HELIOS_DISPATCH_LOOKAHEAD_MS: runs are created this long before they are due so workers fire on time; default 1000. */
+  readonly dispatchLookaheadMs: number;
+  /** HELIOS_DISPATCH_BATCH: jobs per dispatch transaction; default 500. */
+  readonly dispatchBatchSize: number;
+  /** HELIOS_SHUTDOWN_TIMEOUT_MS: how long shutdown waits for in-flight runs; default 10000. */
+  readonly shutdownTimeoutMs: number;
+  /** HELIOS_API_TOKENS: `token:role` pairs (role admin or viewer). */
+  readonly apiTokens: ReadonlyMap<string, ApiRole>;
+  /** HELIOS_LOG_LEVEL: pino level; default info. */
+  readonly logLevel: string;
+}
+
+type Env = Record<string, string | undefined>;
+
+function str(env: Env, name: string, fallback?: string): string {
+  const raw = env[name]?.trim();
+  if (raw) return raw;
+  if (fallback !== undefined) return fallback;
+  throw new ConfigError(name, 'is required');
+}
+
+function int(env: Env, name: string, fallback: number, min: number, max: number): number {
+  const raw = env[name]?.trim();
+  if (!raw) return fallback;
+  if (!/^-?\d+$/.test(raw)) throw new ConfigError(name, `must be an integer, got "${raw}"`);
+  const value = Number(raw);
+  if (value < min || value > max) throw new ConfigError(name, `must be between ${min} and ${max}, got ${value}`);
+  return value;
+}
+
+function list(env: Env, name: string, check: (item: string) => string | null): string[] {
+  const items = str(env, name)
+    .split(',')
+    .map((s) => s.trim())
+    .filter(Boolean);
+  if (items.length === 0) throw new ConfigError(name, 'is required');
+  for (const item of items) {
+    const problem = check(item);
+    if (problem) throw new ConfigError(name, `${problem}: "${item}"`);
+  }
+  return items;
+}
+
+function checkUrl(protocols: string[]) {
+  return (item: string): string | null => {
+    try {
+      const url = new URL(item);
+      return protocols.includes(url.protocol) ? null : `protocol must be one of ${protocols.join(' ')}`;
+    } catch {
+      return 'is not a URL';
+    }
+  };
+}
+
+function checkHostPort(item: string): string | null {
+  return /^[A-Za-z0-9.[\]:-]+:\d{1,5}$/.test(item) ? null : 'must be host:port';
+}
+
+function parseRoles(env: Env): Set<Role> {
+  const raw = env.HELIOS_ROLES?.trim() || ROLES.join(',');
+  const roles = new Set<Role>();
+  for (const item of raw.split(',').map((s) => s.trim())) {
+    if (!ROLES.includes(item as Role)) {
+      throw new ConfigError('HELIOS_ROLES', `unknown role "${item}" (expected ${ROLES.join(', ')})`);
+    }
+    roles.add(item as Role);
+  }
+  return roles;
+}
+
+function parseTokens(env: Env): Map<string, ApiRole> {
+  const tokens = new Map<string, ApiRole>();
+  const raw = env.HELIOS_API_TOKENS?.trim();
+  if (!raw) return tokens;
+  for (const [index, pair] of raw.split(',').entries()) {
+    const cut = pair.lastIndexOf(':');
+    const token = pair.slice(0, cut).trim();
+    const role = pair.slice(cut + 1).trim();
+    // The token itself never goes into an error message: only its position.
+    if (cut <= 0 || (role !== 'admin' && role !== 'viewer')) {
+      throw new ConfigError('HELIOS_API_TOKENS', `entry ${index + 1} must be token:admin or token:viewer`);
+    }
+    if (token.length < 16) {
+      throw new ConfigError('HELIOS_API_TOKENS', `entry ${index + 1}: tokens must be at least 16 characters`);
+    }
+    tokens.set(token, role);
+  }
+  return tokens;
+}
+
+/** Validates and freezes the configuration; throws ConfigError naming the first bad variable. */
+export function loadConfig(env: Env = process.env): HeliosConfig {
+  const leaseTtlMs = int(env, 'HELIOS_LEASE_TTL_MS', 3000, 2000, 60_000);
+  const leaderSafetyMarginMs = int(env, 'HELIOS_LEADER_SAFETY_MARGIN_MS', 500, 100, 10_000);
+  if (leaderSafetyMarginMs >= leaseTtlMs / 2) {
+    throw new ConfigError('HELIOS_LEADER_SAFETY_MARGIN_MS', `must be less than half of HELIOS_LEASE_TTL_MS`);
+  }
+  const nodeId = str(env, 'HELIOS_NODE_ID', `${hostname()}-${process.pid}`);
+  if (!/^[A-Za-z0-9._-]{1,64}$/.test(nodeId)) {
+    throw new ConfigError('HELIOS_NODE_ID', 'must be 1-64 characters of letters, digits, ".", "_" or "-"');
+  }
+  const publicUrl = env.HELIOS_PUBLIC_URL?.trim() || undefined;
+  if (publicUrl) {
+    const problem = checkUrl(['http:', 'https:'])(publicUrl);
+    if (problem) throw new ConfigError('HELIOS_PUBLIC_URL', problem);
+  }
+  const etcdPrefix = str(env, 'HELIOS_ETCD_PREFIX', '/helios').replace(/\/+$/, '');
+  if (!etcdPrefix.startsWith('/')) throw new ConfigError('HELIOS_ETCD_PREFIX', 'must start with "/"');
+  const logLevel = str(env, 'HELIOS_LOG_LEVEL', 'info');
+  if (!['fatal', 'error', 'warn', 'info', 'debug', 'trace', 'silent'].includes(logLevel)) {
+    throw new ConfigError('HELIOS_LOG_LEVEL', `unknown level "${logLevel}"`);
+  }
+  const databaseUrl = str(env, 'HELIOS_DATABASE_URL');
+  const dbProblem = checkUrl(['postgres:', 'postgresql:'])(databaseUrl);
+  if (dbProblem) throw new ConfigError('HELIOS_DATABASE_URL', dbProblem);
+
+  const config: HeliosConfig = {
+    nodeId,
+    roles: parseRoles(env),
+    httpHost: str(env, 'HELIOS_HTTP_HOST', '127.0.0.1'),
+    httpPort: int(env, 'HELIOS_HTTP_PORT', 8080, 0, 65535),
+    publicUrl,
+    databaseUrl,
+    databasePoolSize: int(env, 'HELIOS_DATABASE_POOL_SIZE', 20, 2, 500),
+    etcdEndpoints: list(env, 'HELIOS_ETCD_ENDPOINTS', checkUrl(['http:', 'https:'])),
+    etcdPrefix,
+    kafkaBrokers: list(env, 'HELIOS_KAFKA_BROKERS', checkHostPort),
+    runsTopic: str(env, 'HELIOS_KAFKA_TOPIC', 'helios.runs'),
+    deadLetterTopic: str(env, 'HELIOS_KAFKA_DLQ_TOPIC', 'helios.runs.dlq'),
+    topicPartitions: int(env, 'HELIOS_KAFKA_PARTITIONS', 6, 1, 1000),
+    consumerGroup: str(env, 'HELIOS_KAFKA_GROUP', 'helios-workers'),
+    leaseTtlMs,
+    leaderSafetyMarginMs,
+    workerConcurrency: int(env, 'HELIOS_WORKER_CONCURRENCY', 64, 1, 10_000),
+    dispatchLookaheadMs: int(env, 'HELIOS_DISPATCH_LOOKAHEAD_MS', 1000, 0, 60_000),
+    dispatchBatchSize: int(env, 'HELIOS_DISPATCH_BATCH', 500, 1, 10_000),
+    shutdownTimeoutMs: int(env, 'HELIOS_SHUTDOWN_TIMEOUT_MS', 10_000, 0, 600_000),
+    apiTokens: parseTokens(env),
+    logLevel,
+  };
+  return Object.freeze(config);
+}
+
+/** The URL at which this node's API is reachable, for the node registry. */
+export function apiUrlOf(config: HeliosConfig, boundPort: number): string {
+  if (config.publicUrl) return config.publicUrl;
+  const host = config.httpHost === '0.0.0.0' || config.httpHost === '::' ? hostname() : config.httpHost;
+  return `http://${host.includes(':') ? `[${host}]` : host}:${boundPort}`;
+}

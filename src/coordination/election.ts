@@ -1,0 +1,306 @@
+import { performance } from 'node:perf_hooks';
+import { setTimeout as sleep } from 'node:timers/promises';
+import type { Etcd3, Lease, Watcher } from 'etcd3';
+import type { Logger } from '../observability/logger.js';
+import { LifecycleError, toError, withTimeout } from '../errors.js';
+
+/** One epoch of leadership, handed to the parts that only the leader runs. */
+export interface Leadership {
+  readonly nodeId: string;
+  /** The leader key's create_revision: the fencing token of this epoch; it only grows. */
+  readonly token: bigint;
+  readonly since: Date;
+  /** Aborted the moment this node stops being leader, for whatever reason. */
+  readonly signal: AbortSignal;
+  /** True while this node's own monotonic deadline has not passed. Check before each leader write. */
+  isValid(): boolean;
+}
+
+/** Who leads, as etcd says. */
+export interface LeaderRecord {
+  readonly nodeId: string;
+  readonly token: bigint;
+  readonly since: string;
+}
+
+export type StepDownReason = 'deadline' | 'keepalive-failed' | 'lease-lost' | 'fenced' | 'shutdown';
+
+export interface LeaderElectionOptions {
+  readonly client: Etcd3;
+  /** The leader key, e.g. `/helios/leader`. */
+  readonly key: string;
+  readonly nodeId: string;
+  /** Lease TTL; etcd leases are whole seconds, so this is rounded up. */
+  readonly ttlMs: number;
+  /** The leader stops this long before the lease could expire at etcd. */
+  readonly safetyMarginMs: number;
+  readonly logger: Logger;
+  /** Called when this node becomes leader; the leader's parts are started from here. */
+  readonly onElected: (leadership: Leadership) => void;
+  /** Called once per epoch when leadership ends (after the epoch's signal was aborted). */
+  readonly onDemoted?: (leadership: Leadership, reason: StepDownReason) => void;
+}
+
+type State = 'idle' | 'running' | 'stopping' | 'stopped';
+
+/**
+ * Campaigns for one etcd key with `create_revision == 0 → put(key, lease)` and, while leader,
+ * keeps the lease alive itself (not with the client's automatic keep-alive, which reports a lost
+ * lease only ~2×TTL after etcd became unreachable). Leadership ends at once when the monotonic
+ * deadline passes, when a keep-alive fails, when etcd says the lease is gone, or on `stepDown()`.
+ *
+ * The deadline is measured from when a keep-alive was *sent*: etcd can only have renewed the
+ * lease after that instant, so `sentAt + TTL` is never later than the real expiry at etcd, and
+ * `− safetyMargin` absorbs clock-rate drift and the time a final write needs to reach PostgreSQL.
+ */
+export class LeaderElection {
+  private state: State = 'idle';
+  private readonly abort = new AbortController();
+  private loop: Promise<void> = Promise.resolve();
+  private stopping?: Promise<void>;
+  private epoch?: {
+    leadership: Leadership;
+    controller: AbortController;
+    lease: Lease;
+    deadline: number;
+    timer?: NodeJS.Timeout;
+  };
+  private wake?: () => void;
+  private readonly ttlSeconds: number;
+
+  constructor(private readonly options: LeaderElectionOptions) {
+    this.ttlSeconds = Math.ceil(options.ttlMs / 1000);
+  }
+
+  /** The current epoch if this node leads and its deadline has not passed. */
+  current(): Leadership | null {
+    const epoch = this.epoch;
+    return epoch && epoch.leadership.isValid() ? epoch.leadership : null;
+  }
+
+  /** Begins campaigning in the background. */
+  start(): void {
+    if (this.state !== 'idle') throw new LifecycleError(`election is ${this.state}`);
+    this.state = 'running';
+    this.loop = this.campaignLoop();
+  }
+
+  /**
+   * Ends the current epoch (if any) and campaigns again after `pauseMs`: used when the fence
+   * rejected a write, which proves a newer leader exists.
+   */
+  stepDown(reason: StepDownReason, pauseMs = 0): void {
+    const epoch = this.epoch;
+    if (!epoch) return;
+    this.endEpoch(reason);
+    void this.release(epoch.lease);
+    if (pauseMs > 0) this.pauseUntil = performance.now() + pauseMs;
+  }
+  private pauseUntil = 0;
+
+  /** Steps down (deleting the key so another node takes over at once) and stops campaigning. */
+  stop(): Promise<void> {
+    this.stopping ??= (async () => {
+      this.state = 'stopping';
+      this.abort.abort();
+      this.wake?.();
+      const epoch = this.epoch;
+      if (epoch) {
+        this.endEpoch('shutdown');
+        await this.release(epoch.lease);
+      }
+      await this.loop;
+      const watcher = await this.watcher;
+      await watcher?.cancel().catch(() => undefined);
+      this.state = 'stopped';
+    })();
+    return this.stopping;
+  }
+
+  private async campaignLoop(): Promise<void> {
+    const { logger } = this.options;
+    const signal = this.abort.signal;
+    const keepAliveEveryMs = Math.max(200, Math.floor((this.ttlSeconds * 1000) / 3));
+    while (!signal.aborted) {
+      try {
+        const wait = this.pauseUntil - performance.now();
+        if (wait > 0) await sleep(wait, undefined, { signal });
+        if (this.epoch) {
+          await this.keepAlive(keepAliveEveryMs);
+        } else if (!(await this.tryAcquire())) {
+          await this.waitForVacancy(keepAliveEveryMs);
+        }
+      } catch (err) {
+        if (signal.aborted) break;
+        logger.warn({ err: toError(err) }, 'election step failed; retrying');
+        await sleep(Math.min(500, keepAliveEveryMs), undefined, { signal }).catch(() => undefined);
+      }
+    }
+  }
+
+  /** One campaign attempt: grant a lease, then the create-if-absent transaction. */
+  private async tryAcquire(): Promise<boolean> {
+    const { client, key, nodeId, logger } = this.options;
+    const current = await client.get(key).string();
+    if (current !== null) return false;
+
+    const lease = client.lease(this.ttlSeconds, { autoKeepAlive: false });
+    lease.on('lost', () => undefined); // loss is detected by our own keep-alives and deadline
+    const sentAt = performance.now();
+    const leaseId = await withTimeout(lease.grant(), 2000, 'etcd lease grant');
+    const since = new Date();
+    const value = JSON.stringify({ nodeId, since: since.toISOString() });
+    const result = await withTimeout(
+      client
+        .if(key, 'Create', '==', 0)
+        .then(client.put(key).value(value).lease(leaseId))
+        .commit(),
+      2000,
+      'etcd campaign txn',
+    );
+    if (!result.succeeded) {
+      void this.release(lease);
+      return false;
+    }
+    // The txn's revision is the revision at which our put created the key: its create_revision.
+    const token = BigInt(result.header.revision);
+    const controller = new AbortController();
+    const epoch = {
+      controller,
+      lease,
+      deadline: sentAt + this.ttlSeconds * 1000 - this.options.safetyMarginMs,
+      timer: undefined as NodeJS.Timeout | undefined,
+      leadership: {
+        nodeId,
+        token,
+        since,
+        signal: controller.signal,
+        isValid: () => !controller.signal.aborted && performance.now() < epoch.deadline,
+      },
+    };
+    this.epoch = epoch;
+    this.armDeadline();
+    logger.info({ token: token.toString() }, 'became leader');
+    try {
+      this.options.onElected(epoch.leadership);
+    } catch (err) {
+      logger.error({ err: toError(err) }, 'starting the leader parts failed; stepping down');
+      this.stepDown('shutdown', 1000);
+    }
+    return true;
+  }
+
+  /** Renews the lease every third of the TTL; any failure ends the epoch at once. */
+  private async keepAlive(everyMs: number): Promise<void> {
+    const epoch = this.epoch;
+    if (!epoch) return;
+    await sleep(everyMs, undefined, { signal: epoch.controller.signal }).catch(() => undefined);
+    if (this.epoch !== epoch || epoch.controller.signal.aborted) return;
+    const sentAt = performance.now();
+    try {
+      const response = await withTimeout(
+        epoch.lease.keepaliveOnce({ deadline: Date.now() + everyMs }),
+        everyMs,
+        'etcd keep-alive',
+      );
+      if (this.epoch !== epoch) return;
+      if (Number(response.TTL) <= 0) {
+        this.options.logger.warn('etcd says our leader lease is gone');
+        this.endEpoch('lease-lost');
+        return;
+      }
+      epoch.deadline = sentAt + this.ttlSeconds * 1000 - this.options.safetyMarginMs;
+      this.armDeadline();
+    } catch (err) {
+      if (this.epoch !== epoch) return;
+      this.options.logger.warn({ err: toError(err) }, 'leader keep-alive failed; stepping down');
+      this.endEpoch('keepalive-failed');
+      void this.release(epoch.lease);
+    }
+  }
+
+  private armDeadline(): void {
+    const epoch = this.epoch;
+    if (!epoch) return;
+    clearTimeout(epoch.timer);
+    epoch.timer = setTimeout(
+      () => {
+        if (this.epoch !== epoch) return;
+        // Re-check: the timer can fire late (a paused process) or early relative to a renewal.
+        if (performance.now() < epoch.deadline) return this.armDeadline();
+        this.options.logger.warn('leader deadline passed without a keep-alive; stepping down');
+        this.endEpoch('deadline');
+        void this.release(epoch.lease);
+      },
+      Math.max(0, epoch.deadline - performance.now()),
+    );
+    epoch.timer.unref();
+  }
+
+  private endEpoch(reason: StepDownReason): void {
+    const epoch = this.epoch;
+    if (!epoch) return;
+    this.epoch = undefined;
+    clearTimeout(epoch.timer);
+    epoch.controller.abort(reason);
+    this.options.logger.info({ token: epoch.leadership.token.toString(), reason }, 'stepped down');
+    try {
+      this.options.onDemoted?.(epoch.leadership, reason);
+    } catch (err) {
+      this.options.logger.error({ err: toError(err) }, 'onDemoted failed');
+    }
+    this.wake?.();
+  }
+
+  /** Revokes a lease (deleting the leader key if it still holds it), best effort. */
+  private async release(lease: Lease): Promise<void> {
+    try {
+      await withTimeout(lease.revoke(), 1500, 'etcd lease revoke');
+    } catch (err) {
+      this.options.logger.debug({ err: toError(err) }, 'lease revoke failed; it will expire');
+    }
+  }
+
+  /** Waits until the leader key is deleted (watch) or `pollMs` passes, whichever is first. */
+  private async waitForVacancy(pollMs: number): Promise<void> {
+    if (!this.watcher) this.watchLeaderKey();
+    await new Promise<void>((resolve) => {
+      const timer = setTimeout(resolve, pollMs);
+      this.wake = () => {
+        clearTimeout(timer);
+        resolve();
+      };
+      if (this.abort.signal.aborted) this.wake();
+    });
+    this.wake = undefined;
+  }
+
+  /** One watcher for the life of the election; polling covers the moments it is reconnecting. */
+  private watchLeaderKey(): void {
+    this.watcher = this.options.client
+      .watch()
+      .key(this.options.key)
+      .create()
+      .then((watcher) => {
+        watcher.on('delete', () => this.wake?.());
+        watcher.on('error', (err) => this.options.logger.debug({ err }, 'leader key watch error'));
+        if (this.abort.signal.aborted) void watcher.cancel();
+        return watcher;
+      })
+      .catch((err: unknown) => {
+        this.watcher = undefined;
+        this.options.logger.debug({ err: toError(err) }, 'leader key watch failed; polling');
+        return undefined;
+      });
+  }
+  private watcher?: Promise<Watcher | undefined>;
+}
+
+/** Reads who leads from etcd (for the cluster view); null when nobody does. */
+export async function readLeader(client: Etcd3, key: string): Promise<LeaderRecord | null> {
+  const response = await client.get(key).exec();
+  const kv = response.kvs[0];
+  if (!kv) return null;
+  const value = JSON.parse(kv.value.toString()) as { nodeId: string; since: string };
+  return { nodeId: value.nodeId, since: value.since, token: BigInt(kv.create_revision) };
+}

@@ -1,0 +1,230 @@
+import { hostname } from 'node:os';
+import type { FastifyInstance } from 'fastify';
+import type { Etcd3 } from 'etcd3';
+import type pg from 'pg';
+import { apiUrlOf, type HeliosConfig } from './config.js';
+import { LifecycleError, toError, withTimeout } from './errors.js';
+import { createLogger, type Logger } from './observability/logger.js';
+import { createMetrics, type Metrics } from './observability/metrics.js';
+import { createPool } from './store/db.js';
+import { migrate } from './store/migrate.js';
+import { Notifications } from './store/notifications.js';
+import { createEtcdClient } from './coordination/etcd.js';
+import { NodeRegistry } from './coordination/registry.js';
+import { LeaderElection, type Leadership } from './coordination/election.js';
+import { createKafka, ensureTopics, RunPublisher, type BrokerClient } from './broker/index.js';
+import { KafkaProbe } from './broker/health.js';
+import { Dispatcher } from './scheduling/dispatcher.js';
+import { OutboxRelay } from './outbox/relay.js';
+import { buildApiServer } from './api/server.js';
+
+type State = 'idle' | 'starting' | 'running' | 'stopping' | 'stopped';
+
+export interface HeliosNodeOptions {
+  readonly config: HeliosConfig;
+  /** Default: a pino logger on stdout at `config.logLevel`. */
+  readonly logger?: Logger;
+  /** Fault injection for fence tests; see DispatcherOptions.beforeWrite. */
+  readonly beforeLeaderWrite?: () => Promise<void>;
+  /** Misfire threshold of the dispatcher; default 5000 ms. */
+  readonly misfireThresholdMs?: number;
+}
+
+/**
+ * One Helios node: composes the parts its roles need and starts/stops them in order.
+ * Parts stop in reverse order of start; each cleanup runs on its own, failures are collected.
+ */
+export class HeliosNode {
+  readonly config: HeliosConfig;
+  readonly logger: Logger;
+  readonly metrics: Metrics;
+  private state: State = 'idle';
+  private starting?: Promise<void>;
+  private stopping?: Promise<void>;
+  private readonly cleanups: { name: string; run: () => Promise<void> }[] = [];
+  private pool?: pg.Pool;
+  private etcd?: Etcd3;
+  private kafka?: BrokerClient;
+  private notifications?: Notifications;
+  private publisher?: RunPublisher;
+  private election?: LeaderElection;
+  private app?: FastifyInstance;
+  private leaderTasks = new Set<Promise<void>>();
+  private _apiUrl: string | null = null;
+
+  constructor(private readonly options: HeliosNodeOptions) {
+    this.config = options.config;
+    this.logger = options.logger ?? createLogger({ level: options.config.logLevel, nodeId: options.config.nodeId });
+    this.metrics = createMetrics(options.config.nodeId);
+  }
+
+  /** The URL of this node's HTTP server once started (null without the api role's server). */
+  get apiUrl(): string | null {
+    return this._apiUrl;
+  }
+
+  /** The current leadership epoch, if this node leads. */
+  leadership(): Leadership | null {
+    return this.election?.current() ?? null;
+  }
+
+  start(): Promise<void> {
+    if (this.state !== 'idle') return this.starting ?? Promise.reject(new LifecycleError(`node is ${this.state}`));
+    this.state = 'starting';
+    this.starting = this.startParts().then(
+      () => {
+        this.state = 'running';
+      },
+      async (err: unknown) => {
+        // A node that could not start releases whatever it had opened.
+        await this.stop().catch(() => undefined);
+        throw toError(err);
+      },
+    );
+    return this.starting;
+  }
+
+  private onStop(name: string, run: () => Promise<void> | void) {
+    this.cleanups.push({ name, run: async () => run() });
+  }
+
+  private async startParts(): Promise<void> {
+    const { config, logger } = this;
+    logger.info({ roles: [...config.roles] }, 'starting node');
+
+    const pool = (this.pool = createPool({
+      connectionString: config.databaseUrl,
+      max: config.databasePoolSize,
+      logger,
+      applicationName: `helios-${config.nodeId}`,
+    }));
+    this.onStop('postgres pool', () => pool.end());
+    const applied = await migrate(pool);
+    if (applied.length > 0) logger.info({ applied }, 'applied migrations');
+
+    const notifications = (this.notifications = new Notifications(
+      config.databaseUrl,
+      ['helios_jobs', 'helios_outbox', 'helios_runs'],
+      logger,
+    ));
+    notifications.start();
+    this.onStop('notifications', () => notifications.stop());
+
+    const etcd = (this.etcd = createEtcdClient(config.etcdEndpoints));
+    this.onStop('etcd client', () => etcd.close());
+
+    const kafka = (this.kafka = createKafka({ brokers: [...config.kafkaBrokers], clientId: config.nodeId, logger }));
+    const probe = new KafkaProbe(kafka);
+    this.onStop('kafka probe', () => probe.close());
+    await ensureTopics(kafka, [
+      { name: config.runsTopic, partitions: config.topicPartitions },
+      { name: config.deadLetterTopic, partitions: 1 },
+    ]);
+
+    const app = (this.app = await buildApiServer({
+      logger,
+      metrics: this.metrics.registry,
+      probes: {
+        postgres: async () => void (await pool.query('SELECT 1')),
+        etcd: async () => void (await etcd.get(`${config.etcdPrefix}/readyz`).string()),
+        kafka: () => probe.check(),
+      },
+    }));
+    await app.listen({ host: config.httpHost, port: config.httpPort });
+    this.onStop('http server', () => app.close());
+    const address = app.server.address();
+    const port = typeof address === 'object' && address ? address.port : config.httpPort;
+    this._apiUrl = apiUrlOf(config, port);
+
+    const registry = new NodeRegistry({
+      client: etcd,
+      prefix: config.etcdPrefix,
+      info: {
+        id: config.nodeId,
+        host: hostname(),
+        pid: process.pid,
+        apiUrl: this._apiUrl,
+        roles: [...config.roles],
+      },
+      logger,
+    });
+    await registry.start();
+    this.onStop('node registration', () => registry.stop());
+
+    if (config.roles.has('scheduler')) {
+      const publisher = (this.publisher = new RunPublisher({ kafka, logger }));
+      this.onStop('kafka publisher', () => publisher.disconnect());
+      const election = (this.election = new LeaderElection({
+        client: etcd,
+        key: `${config.etcdPrefix}/leader`,
+        nodeId: config.nodeId,
+        ttlMs: config.leaseTtlMs,
+        safetyMarginMs: config.leaderSafetyMarginMs,
+        logger,
+        onElected: (leadership) => this.lead(leadership),
+        onDemoted: () => this.metrics.isLeader.set(0),
+      }));
+      election.start();
+      // Stopping the election resigns (deletes the key) so another node takes over at once;
+      // then the leader's loops, already aborted, are awaited.
+      this.onStop('leader tasks', () => Promise.allSettled([...this.leaderTasks]).then(() => undefined));
+      this.onStop('election', () => election.stop());
+    }
+    logger.info({ apiUrl: this._apiUrl }, 'node started');
+  }
+
+  /** Starts the leader's loops for one epoch; they end when the epoch's signal aborts. */
+  private lead(leadership: Leadership): void {
+    const { config, logger, metrics } = this;
+    metrics.isLeader.set(1);
+    metrics.leaderElections.inc();
+    const track = (name: string, task: Promise<void>) => {
+      const tracked = task.catch((err: unknown) => logger.error({ err: toError(err) }, `${name} crashed`));
+      this.leaderTasks.add(tracked);
+      void tracked.finally(() => this.leaderTasks.delete(tracked));
+    };
+    const dispatcher = new Dispatcher({
+      pool: this.pool!,
+      leadership,
+      notifications: this.notifications!,
+      runsTopic: config.runsTopic,
+      lookaheadMs: config.dispatchLookaheadMs,
+      batchSize: config.dispatchBatchSize,
+      misfireThresholdMs: this.options.misfireThresholdMs ?? 5000,
+      logger: logger.child({ part: 'dispatcher' }),
+      metrics,
+      onFenced: () => this.election?.stepDown('fenced', config.leaseTtlMs),
+      beforeWrite: this.options.beforeLeaderWrite,
+    });
+    track('dispatcher', dispatcher.run());
+    const relay = new OutboxRelay({
+      pool: this.pool!,
+      publisher: this.publisher!,
+      notifications: this.notifications!,
+      signal: leadership.signal,
+      logger: logger.child({ part: 'outbox-relay' }),
+      metrics,
+    });
+    track('outbox relay', relay.run());
+  }
+
+  /** Graceful stop within `config.shutdownTimeoutMs` per part. Safe to call twice. */
+  stop(): Promise<void> {
+    this.stopping ??= (async () => {
+      this.state = 'stopping';
+      const failures: Error[] = [];
+      for (const cleanup of this.cleanups.reverse()) {
+        try {
+          await withTimeout(cleanup.run(), Math.max(this.config.shutdownTimeoutMs, 1000), `stopping ${cleanup.name}`);
+        } catch (err) {
+          failures.push(toError(err));
+          this.logger.warn({ err: toError(err), part: cleanup.name }, 'part did not stop cleanly');
+        }
+      }
+      this.state = 'stopped';
+      this.logger.info('node stopped');
+      if (failures.length > 0) throw new AggregateError(failures, 'node stopped with errors');
+    })();
+    return this.stopping;
+  }
+}

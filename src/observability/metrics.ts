@@ -1,0 +1,69 @@
+import { Counter, Gauge, Histogram, Registry, collectDefaultMetrics } from 'prom-client';
+
+/** Every metric of one node, on its own registry (several nodes may share a process in tests). */
+export function createMetrics(nodeId: string) {
+  const registry = new Registry();
+  registry.setDefaultLabels({ node: nodeId });
+  collectDefaultMetrics({ register: registry });
+  return {
+    registry,
+    isLeader: new Gauge({ name: 'helios_is_leader', help: '1 while this node leads', registers: [registry] }),
+    leaderElections: new Counter({
+      name: 'helios_leader_elections_total',
+      help: 'Epochs this node has led',
+      registers: [registry],
+    }),
+    fenceRejections: new Counter({
+      name: 'helios_fence_rejections_total',
+      help: 'Leader writes rejected because a newer fencing token had written',
+      registers: [registry],
+    }),
+    runsCreated: new Counter({
+      name: 'helios_runs_created_total',
+      help: 'Runs created by the dispatcher, by resulting state',
+      labelNames: ['state'],
+      registers: [registry],
+    }),
+    dispatchDuration: new Histogram({
+      name: 'helios_dispatch_batch_seconds',
+      help: 'Time of one dispatch transaction',
+      buckets: [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5],
+      registers: [registry],
+    }),
+    outboxPublished: new Counter({
+      name: 'helios_outbox_published_total',
+      help: 'Outbox rows published to Kafka',
+      registers: [registry],
+    }),
+    outboxPublishFailures: new Counter({
+      name: 'helios_outbox_publish_failures_total',
+      help: 'Failed publish attempts of outbox batches',
+      registers: [registry],
+    }),
+    runsExecuted: new Counter({
+      name: 'helios_runs_executed_total',
+      help: 'Attempts executed by this worker, by outcome',
+      labelNames: ['outcome'],
+      registers: [registry],
+    }),
+    staleCompletions: new Counter({
+      name: 'helios_stale_completions_total',
+      help: 'Completions discarded because the claim had been lost',
+      registers: [registry],
+    }),
+    lateness: new Histogram({
+      name: 'helios_run_start_lateness_seconds',
+      help: 'Time between a run being due and its HTTP call starting',
+      buckets: [0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10],
+      registers: [registry],
+    }),
+    runsReaped: new Counter({
+      name: 'helios_runs_reaped_total',
+      help: 'Runs whose claim expired and were re-queued or dead-lettered',
+      labelNames: ['to'],
+      registers: [registry],
+    }),
+  };
+}
+
+export type Metrics = ReturnType<typeof createMetrics>;

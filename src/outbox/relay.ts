@@ -1,0 +1,98 @@
+import type pg from 'pg';
+import type { Logger } from '../observability/logger.js';
+import type { Metrics } from '../observability/metrics.js';
+import type { Notifications } from '../store/notifications.js';
+import { toError } from '../errors.js';
+import {
+  markPublished,
+  markPublishFailed,
+  msUntilNextOutboxRow,
+  purgePublished,
+  selectDueOutbox,
+  type OutboxRow,
+} from '../store/outbox.js';
+
+/** What the relay needs from the broker (structurally satisfied by broker/RunPublisher). */
+export interface MessagePublisher {
+  publish(topic: string, messages: { key: string; value: string }[]): Promise<unknown>;
+}
+
+export interface OutboxRelayOptions {
+  readonly pool: pg.Pool;
+  readonly publisher: MessagePublisher;
+  readonly notifications: Notifications;
+  /** Ends the relay (the leader's epoch signal). */
+  readonly signal: AbortSignal;
+  /** Rows per publish; default 1000. */
+  readonly batchSize?: number;
+  /** Published rows are deleted after this long; default 10 minutes. */
+  readonly retainPublishedMs?: number;
+  readonly logger: Logger;
+  readonly metrics: Metrics;
+}
+
+const MAX_SLEEP_MS = 1000;
+
+/**
+ * Publishes due outbox rows to Kafka, then marks them published. A crash between the two
+ * re-publishes the batch: consumers dedupe by claiming the run in PostgreSQL. Rows are never
+ * skipped: a failed batch stays pending and is retried with backoff.
+ */
+export class OutboxRelay {
+  constructor(private readonly options: OutboxRelayOptions) {}
+
+  /** Runs until the signal aborts; never rejects. */
+  async run(): Promise<void> {
+    const { signal, notifications, logger, metrics, pool } = this.options;
+    const batchSize = this.options.batchSize ?? 1000;
+    let failures = 0;
+    let lastPurge = 0;
+    while (!signal.aborted) {
+      let rows: OutboxRow[] = [];
+      try {
+        rows = await selectDueOutbox(pool, batchSize);
+        if (rows.length > 0) {
+          await this.publish(rows);
+          await markPublished(
+            pool,
+            rows.map((r) => r.id),
+          );
+          metrics.outboxPublished.inc(rows.length);
+          failures = 0;
+          if (rows.length === batchSize) continue;
+        }
+        if (Date.now() - lastPurge > 30_000) {
+          lastPurge = Date.now();
+          await purgePublished(pool, this.options.retainPublishedMs ?? 600_000, 10_000);
+        }
+        const untilDue = await msUntilNextOutboxRow(pool);
+        const sleepMs = untilDue === null ? MAX_SLEEP_MS : Math.min(MAX_SLEEP_MS, Math.max(untilDue, 5));
+        await notifications.wait('helios_outbox', sleepMs, signal);
+      } catch (err) {
+        if (signal.aborted) return;
+        failures += 1;
+        metrics.outboxPublishFailures.inc();
+        const error = toError(err);
+        logger.warn({ err: error, rows: rows.length, failures }, 'outbox publish failed; retrying');
+        if (rows.length > 0) {
+          await markPublishFailed(
+            pool,
+            rows.map((r) => r.id),
+            error.message,
+          ).catch(() => undefined);
+        }
+        await notifications.wait('helios_outbox', Math.min(5000, 100 * 2 ** failures), signal);
+      }
+    }
+  }
+
+  private async publish(rows: OutboxRow[]): Promise<void> {
+    const byTopic = new Map<string, { key: string; value: string }[]>();
+    for (const row of rows) {
+      let list = byTopic.get(row.topic);
+      if (!list) byTopic.set(row.topic, (list = []));
+      list.push({ key: row.key, value: JSON.stringify(row.payload) });
+    }
+    for (const [topic, messages] of byTopic) await this.options.publisher.publish(topic, messages);
+  }
+}

@@ -1,0 +1,123 @@
+import type pg from 'pg';
+import type { Leadership } from '../coordination/election.js';
+import type { Logger } from '../observability/logger.js';
+import type { Metrics } from '../observability/metrics.js';
+import type { Notifications } from '../store/notifications.js';
+import { NotLeaderError, StaleFencingTokenError, toError } from '../errors.js';
+import { inFencedTransaction } from '../store/fence.js';
+import { advanceJobs, createRuns, msUntilNextDue, selectDueJobs } from '../store/dispatch.js';
+import { parseCron, type CronSchedule } from './cron.js';
+import { planOccurrences } from './occurrences.js';
+
+export interface DispatcherOptions {
+  readonly pool: pg.Pool;
+  readonly leadership: Leadership;
+  readonly notifications: Notifications;
+  readonly runsTopic: string;
+  /** Runs are created this long before they are due; default 1000 ms. */
+  readonly lookaheadMs: number;
+  /** Jobs per dispatch transaction; default 500. */
+  readonly batchSize: number;
+  /** Occurrences older than this when seen are misfires (see planOccurrences); default 5000 ms. */
+  readonly misfireThresholdMs: number;
+  readonly logger: Logger;
+  readonly metrics: Metrics;
+  /** Called when the fence rejected a write: a newer leader exists. */
+  readonly onFenced: (err: StaleFencingTokenError) => void;
+  /**
+   * Fault injection for tests of the fence: awaited after the leadership check and before the
+   * fenced transaction, i.e. where a real GC pause or SIGSTOP would hurt most.
+   */
+  readonly beforeWrite?: () => Promise<void>;
+}
+
+/** Longest sleep between passes even when no job is due soon (a safety net for lost wake-ups). */
+const MAX_SLEEP_MS = 1000;
+
+/**
+ * The leader's loop: turns due occurrences into runs and outbox rows, in fenced transactions,
+ * then sleeps until the next job is due (minus the lookahead) or a job changes.
+ */
+export class Dispatcher {
+  private readonly schedules = new Map<string, CronSchedule>();
+
+  constructor(private readonly options: DispatcherOptions) {}
+
+  /** Runs until leadership ends; never rejects. */
+  async run(): Promise<void> {
+    const { leadership, logger, notifications, lookaheadMs } = this.options;
+    const signal = leadership.signal;
+    let failures = 0;
+    while (!signal.aborted) {
+      try {
+        const { jobs, full } = await this.dispatchBatch();
+        failures = 0;
+        if (full) continue; // more due jobs are waiting
+        const untilDue = await msUntilNextDue(this.options.pool);
+        const sleepMs = untilDue === null ? MAX_SLEEP_MS : Math.min(MAX_SLEEP_MS, untilDue - lookaheadMs);
+        // A due job that another transaction holds locked must not turn this into a busy loop.
+        await notifications.wait('helios_jobs', Math.max(sleepMs, jobs === 0 ? 20 : 0), signal);
+      } catch (err) {
+        if (err instanceof StaleFencingTokenError) {
+          this.options.metrics.fenceRejections.inc();
+          logger.warn({ token: leadership.token.toString() }, 'dispatch rejected by the fence; stepping down');
+          this.options.onFenced(err);
+          return;
+        }
+        if (err instanceof NotLeaderError || signal.aborted) return;
+        failures += 1;
+        logger.warn({ err: toError(err), failures }, 'dispatch pass failed; retrying');
+        await notifications.wait('helios_jobs', Math.min(2000, 100 * 2 ** failures), signal);
+      }
+    }
+  }
+
+  /** One fenced transaction over at most `batchSize` due jobs. */
+  private async dispatchBatch(): Promise<{ jobs: number; full: boolean }> {
+    const { pool, leadership, lookaheadMs, batchSize, misfireThresholdMs, metrics, runsTopic } = this.options;
+    if (!leadership.isValid()) throw new NotLeaderError('leadership ended before dispatch');
+    await this.options.beforeWrite?.();
+    const stopTimer = metrics.dispatchDuration.startTimer();
+    const result = await inFencedTransaction(pool, leadership, async (client) => {
+      const { now, jobs } = await selectDueJobs(client, lookaheadMs, batchSize);
+      if (jobs.length === 0) return { jobs: 0, created: 0 };
+      const horizon = new Date(now.getTime() + lookaheadMs);
+      const occurrences: { jobId: string; scheduledFor: Date }[] = [];
+      const advances: { id: string; nextRunAt: Date | null }[] = [];
+      for (const job of jobs) {
+        let plan;
+        try {
+          plan = planOccurrences(this.schedule(job), job, now, horizon, misfireThresholdMs);
+        } catch (err) {
+          // A schedule that cannot be evaluated must not block every other job: park this one.
+          this.options.logger.error({ err: toError(err), job: job.id }, 'cannot evaluate schedule; job parked');
+          advances.push({ id: job.id, nextRunAt: null });
+          continue;
+        }
+        for (const at of plan.fire) occurrences.push({ jobId: job.id, scheduledFor: at });
+        advances.push({ id: job.id, nextRunAt: plan.nextRunAt });
+        if (plan.dropped > 0) {
+          this.options.logger.info({ job: job.id, dropped: plan.dropped, misfire: job.misfire }, 'misfired');
+        }
+      }
+      const created = await createRuns(client, occurrences, leadership.token, runsTopic);
+      await advanceJobs(client, advances);
+      return { jobs: jobs.length, created };
+    });
+    stopTimer();
+    if (result.created > 0) metrics.runsCreated.inc({ state: 'queued' }, result.created);
+    return { jobs: result.jobs, full: result.jobs === batchSize };
+  }
+
+  /** Parsed schedules are cached per (expression, zone); a job edit changes the key. */
+  private schedule(job: { schedule: string; timezone: string }): CronSchedule {
+    const key = `${job.timezone}\u0000${job.schedule}`;
+    let schedule = this.schedules.get(key);
+    if (!schedule) {
+      if (this.schedules.size > 50_000) this.schedules.clear();
+      schedule = parseCron(job.schedule, job.timezone);
+      this.schedules.set(key, schedule);
+    }
+    return schedule;
+  }
+}

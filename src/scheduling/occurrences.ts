@@ -1,0 +1,68 @@
+import type { CronSchedule } from './cron.js';
+
+export type MisfirePolicy = 'fire-once' | 'fire-all' | 'skip';
+
+/** What the dispatcher does with one due job in one pass. */
+export interface OccurrencePlan {
+  /** Occurrences to turn into runs, oldest first. */
+  readonly fire: Date[];
+  /** Late occurrences dropped by the misfire policy (capped count, for logs and metrics). */
+  readonly dropped: number;
+  /** The first occurrence after the horizon; null when the schedule has none. */
+  readonly nextRunAt: Date | null;
+}
+
+/** Most on-time occurrences one pass creates for one job (an every-second job in a long lookahead). */
+const MAX_ON_TIME = 1000;
+
+/**
+ * Decides which occurrences of a job become runs now.
+ * - Occurrences in [nextRunAt, now − misfireThreshold) are *late* (the cluster was down or
+ *   leaderless): `skip` drops them, `fire-once` keeps the latest, `fire-all` keeps the latest
+ *   `maxCatchUp` of them, oldest first.
+ * - Occurrences in [now − misfireThreshold, horizon] are on time and always fire. The horizon is
+ *   `now + lookahead`: runs are created ahead so workers can start them exactly when due.
+ * The threshold keeps an ordinary failover (a few seconds without a leader) from counting as a
+ * misfire, as Quartz's misfireThreshold does.
+ */
+export function planOccurrences(
+  schedule: CronSchedule,
+  job: { nextRunAt: Date; misfire: MisfirePolicy; maxCatchUp: number },
+  now: Date,
+  horizon: Date,
+  misfireThresholdMs: number,
+): OccurrencePlan {
+  const cutoff = new Date(now.getTime() - misfireThresholdMs);
+  const fire: Date[] = [];
+  let dropped = 0;
+  if (job.nextRunAt < cutoff) {
+    const keep = job.misfire === 'skip' ? 0 : job.misfire === 'fire-once' ? 1 : job.maxCatchUp;
+    const late = latestBefore(schedule, job.nextRunAt, cutoff, Math.max(keep, 1) + 1);
+    dropped = Math.max(0, late.total - keep);
+    if (keep > 0) fire.push(...late.instants.slice(-keep));
+  }
+  const onTimeFrom = job.nextRunAt < cutoff ? cutoff : job.nextRunAt;
+  const onTime = schedule.between(new Date(onTimeFrom.getTime() - 1), horizon, MAX_ON_TIME);
+  fire.push(...onTime);
+  // When the cap cut the on-time list short, the rest are picked up by the next pass.
+  const after = onTime.length === MAX_ON_TIME ? onTime[MAX_ON_TIME - 1]! : horizon;
+  return { fire, dropped, nextRunAt: schedule.next(after) };
+}
+
+/**
+ * The latest `want` occurrences in [from, before), found by widening a window back from `before`
+ * so a job that missed a month of every-second runs costs a few dozen cron steps, not millions.
+ * `total` is the number of occurrences seen, which is exact when the window reached `from`.
+ */
+function latestBefore(schedule: CronSchedule, from: Date, before: Date, want: number) {
+  const end = new Date(before.getTime() - 1);
+  for (let windowMs = 2000; ; windowMs *= 2) {
+    const start = Math.max(from.getTime(), before.getTime() - windowMs);
+    const instants = schedule.between(new Date(start - 1), end, 1_000_000);
+    if (instants.length >= want || start === from.getTime()) {
+      // When the window stopped short of `from`, more were missed than we counted.
+      const total = start === from.getTime() ? instants.length : Math.max(instants.length, want);
+      return { instants, total };
+    }
+  }
+}

@@ -1,0 +1,57 @@
+import pg from 'pg';
+import type { Logger } from '../observability/logger.js';
+import { toError } from '../errors.js';
+
+/** Anything that can run a query: the pool or a client inside a transaction. */
+export type Queryable = Pick<pg.Pool, 'query'> | pg.PoolClient;
+
+// timestamptz arrives as Date (pg default); bigint (int8) as a string is turned into bigint where used.
+
+/** Opens the node's pool. Errors on idle clients are logged, not thrown (they would crash the process). */
+export function createPool(options: {
+  connectionString: string;
+  max: number;
+  logger: Logger;
+  applicationName: string;
+}): pg.Pool {
+  const pool = new pg.Pool({
+    connectionString: options.connectionString,
+    max: options.max,
+    application_name: options.applicationName,
+    connectionTimeoutMillis: 5000,
+    idleTimeoutMillis: 30_000,
+    // A statement that hangs (a lock we did not expect, a server in trouble) must not hang a loop forever.
+    statement_timeout: 30_000,
+    // A paused process (GC, SIGSTOP) holding row locks inside a transaction must not block the
+    // cluster: PostgreSQL ends its session and the locks are released.
+    idle_in_transaction_session_timeout: 5_000,
+    keepAlive: true,
+    // One clock and one zone for every timestamp we format in SQL.
+    options: '-c TimeZone=UTC',
+  });
+  pool.on('error', (err) => options.logger.warn({ err }, 'idle PostgreSQL client failed'));
+  return pool;
+}
+
+/** Runs `work` in a transaction on one client; rolls back on any error and rethrows it. */
+export async function inTransaction<T>(pool: pg.Pool, work: (client: pg.PoolClient) => Promise<T>): Promise<T> {
+  const client = await pool.connect();
+  let broken = false;
+  try {
+    await client.query('BEGIN');
+    const result = await work(client);
+    await client.query('COMMIT');
+    return result;
+  } catch (err) {
+    try {
+      await client.query('ROLLBACK');
+    } catch (rollbackErr) {
+      // The connection is unusable: make the pool discard it instead of handing it out again.
+      broken = true;
+      void rollbackErr;
+    }
+    throw toError(err);
+  } finally {
+    client.release(broken);
+  }
+}

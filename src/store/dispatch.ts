@@ -1,0 +1,94 @@
+import type { Queryable } from './db.js';
+import type { MisfirePolicy } from '../scheduling/occurrences.js';
+
+/** A job due for dispatch, locked by the dispatch transaction. */
+export interface DueJob {
+  readonly id: string;
+  readonly schedule: string;
+  readonly timezone: string;
+  readonly misfire: MisfirePolicy;
+  readonly maxCatchUp: number;
+  readonly nextRunAt: Date;
+}
+
+/** Enabled jobs due within the lookahead, locked, oldest first. $1 = lookahead ms, $2 = batch size. */
+const SELECT_DUE = `
+  SELECT id, schedule, timezone, misfire, max_catch_up AS "maxCatchUp", next_run_at AS "nextRunAt",
+         now() AS "dbNow"
+  FROM jobs
+  WHERE enabled AND next_run_at <= now() + $1 * interval '1 millisecond'
+  ORDER BY next_run_at
+  LIMIT $2
+  FOR UPDATE SKIP LOCKED`;
+
+/** Returns due jobs and the database's clock, the one clock for scheduling decisions. */
+export async function selectDueJobs(db: Queryable, lookaheadMs: number, limit: number) {
+  const { rows } = await db.query<DueJob & { dbNow: Date }>(SELECT_DUE, [lookaheadMs, limit]);
+  const now = rows[0]?.dbNow ?? (await databaseNow(db));
+  return { now, jobs: rows };
+}
+
+export async function databaseNow(db: Queryable): Promise<Date> {
+  const { rows } = await db.query<{ now: Date }>('SELECT now() AS now');
+  return rows[0]!.now;
+}
+
+/**
+ * Creates one queued run per (job, occurrence) with a snapshot of the job, skipping occurrences
+ * that already have a run, and one outbox row per created run, in one statement.
+ * $1 = job ids, $2 = occurrences (parallel arrays), $3 = fencing token, $4 = topic.
+ */
+const CREATE_RUNS = `
+  WITH created AS (
+    INSERT INTO runs (job_id, scheduled_for, trigger, state, max_attempts, target, timeout_ms,
+                      backoff_ms, backoff_multiplier, concurrency, not_before, created_epoch)
+    SELECT j.id, o.scheduled_for, 'schedule', 'queued', j.max_attempts, j.target, j.timeout_ms,
+           j.backoff_ms, j.backoff_multiplier, j.concurrency, o.scheduled_for, $3
+    FROM unnest($1::uuid[], $2::timestamptz[]) AS o (job_id, scheduled_for)
+    JOIN jobs j ON j.id = o.job_id
+    ON CONFLICT (job_id, scheduled_for) DO NOTHING
+    RETURNING id, job_id, scheduled_for, not_before
+  )
+  INSERT INTO outbox (topic, key, payload)
+  SELECT $4, job_id::text,
+         jsonb_build_object('runId', id, 'jobId', job_id, 'attempt', 1,
+                            'scheduledFor', scheduled_for, 'notBefore', not_before)
+  FROM created`;
+
+/** Returns how many runs were created (existing occurrences are not counted). */
+export async function createRuns(
+  db: Queryable,
+  occurrences: { jobId: string; scheduledFor: Date }[],
+  token: bigint,
+  topic: string,
+): Promise<number> {
+  if (occurrences.length === 0) return 0;
+  const { rowCount } = await db.query(CREATE_RUNS, [
+    occurrences.map((o) => o.jobId),
+    occurrences.map((o) => o.scheduledFor),
+    token.toString(),
+    topic,
+  ]);
+  return rowCount ?? 0;
+}
+
+/** Moves each job's next_run_at forward. $1 = job ids, $2 = next instants (NULL = none). */
+const ADVANCE_JOBS = `
+  UPDATE jobs SET next_run_at = u.next_run_at
+  FROM unnest($1::uuid[], $2::timestamptz[]) AS u (id, next_run_at)
+  WHERE jobs.id = u.id`;
+
+export async function advanceJobs(db: Queryable, updates: { id: string; nextRunAt: Date | null }[]) {
+  if (updates.length === 0) return;
+  await db.query(ADVANCE_JOBS, [updates.map((u) => u.id), updates.map((u) => u.nextRunAt)]);
+}
+
+/** Milliseconds until the earliest enabled job is due (by the database clock); null if none. */
+const NEXT_DUE = `
+  SELECT (extract(epoch FROM min(next_run_at) - now()) * 1000)::float8 AS "inMs"
+  FROM jobs WHERE enabled AND next_run_at IS NOT NULL`;
+
+export async function msUntilNextDue(db: Queryable): Promise<number | null> {
+  const { rows } = await db.query<{ inMs: number | null }>(NEXT_DUE);
+  return rows[0]?.inMs ?? null;
+}

@@ -1,0 +1,64 @@
+import type { Queryable } from './db.js';
+
+export interface OutboxRow {
+  readonly id: string;
+  readonly topic: string;
+  readonly key: string;
+  readonly payload: unknown;
+}
+
+/** Unpublished rows that are due, oldest first. $1 = limit. */
+const SELECT_DUE = `
+  SELECT id, topic, key, payload FROM outbox
+  WHERE published_at IS NULL AND publish_after <= now()
+  ORDER BY publish_after, id
+  LIMIT $1`;
+
+export async function selectDueOutbox(db: Queryable, limit: number): Promise<OutboxRow[]> {
+  const { rows } = await db.query<OutboxRow>(SELECT_DUE, [limit]);
+  return rows;
+}
+
+/** Marks rows published. $1 = ids. */
+const MARK_PUBLISHED = `UPDATE outbox SET published_at = now() WHERE id = ANY($1::bigint[]) AND published_at IS NULL`;
+
+export async function markPublished(db: Queryable, ids: string[]): Promise<void> {
+  await db.query(MARK_PUBLISHED, [ids]);
+}
+
+/** Records a failed publish on rows (they stay pending). $1 = ids, $2 = error text. */
+const MARK_FAILED = `
+  UPDATE outbox SET publish_tries = publish_tries + 1, last_error = left($2, 1000)
+  WHERE id = ANY($1::bigint[])`;
+
+export async function markPublishFailed(db: Queryable, ids: string[], error: string): Promise<void> {
+  await db.query(MARK_FAILED, [ids, error]);
+}
+
+/** Milliseconds until the next pending row is due; null when none is pending. */
+const NEXT_DUE = `
+  SELECT (extract(epoch FROM min(publish_after) - now()) * 1000)::float8 AS "inMs"
+  FROM outbox WHERE published_at IS NULL`;
+
+export async function msUntilNextOutboxRow(db: Queryable): Promise<number | null> {
+  const { rows } = await db.query<{ inMs: number | null }>(NEXT_DUE);
+  return rows[0]?.inMs ?? null;
+}
+
+/** Deletes rows published more than $1 ms ago, at most $2 of them. */
+const PURGE = `
+  DELETE FROM outbox WHERE id IN (
+    SELECT id FROM outbox WHERE published_at < now() - $1 * interval '1 millisecond' LIMIT $2)`;
+
+export async function purgePublished(db: Queryable, olderThanMs: number, limit: number): Promise<number> {
+  const { rowCount } = await db.query(PURGE, [olderThanMs, limit]);
+  return rowCount ?? 0;
+}
+
+/** Rows not yet published (for the cluster view). */
+export async function countPendingOutbox(db: Queryable): Promise<number> {
+  const { rows } = await db.query<{ n: number }>(
+    'SELECT count(*)::int AS n FROM outbox WHERE published_at IS NULL',
+  );
+  return rows[0]?.n ?? 0;
+}
