@@ -40,7 +40,12 @@ async function runNode(): Promise<void> {
 async function runMigrate(): Promise<void> {
   const config = loadConfig();
   const logger = createLogger({ level: config.logLevel, nodeId: config.nodeId });
-  const pool = createPool({ connectionString: config.databaseUrl, max: 2, logger, applicationName: 'helios-migrate' });
+  const pool = createPool({
+    connectionString: config.databaseUrl,
+    max: 2,
+    logger,
+    applicationName: 'helios-migrate',
+  });
   try {
     const applied = await migrate(pool);
     logger.info({ applied }, applied.length ? 'migrations applied' : 'schema is up to date');

@@ -54,7 +54,8 @@ export class HeliosNode {
 
   constructor(private readonly options: HeliosNodeOptions) {
     this.config = options.config;
-    this.logger = options.logger ?? createLogger({ level: options.config.logLevel, nodeId: options.config.nodeId });
+    this.logger =
+      options.logger ?? createLogger({ level: options.config.logLevel, nodeId: options.config.nodeId });
     this.metrics = createMetrics(options.config.nodeId);
   }
 
@@ -69,7 +70,8 @@ export class HeliosNode {
   }
 
   start(): Promise<void> {
-    if (this.state !== 'idle') return this.starting ?? Promise.reject(new LifecycleError(`node is ${this.state}`));
+    if (this.state !== 'idle')
+      return this.starting ?? Promise.reject(new LifecycleError(`node is ${this.state}`));
     this.state = 'starting';
     this.starting = this.startParts().then(
       () => {
@@ -113,7 +115,11 @@ export class HeliosNode {
     const etcd = (this.etcd = createEtcdClient(config.etcdEndpoints));
     this.onStop('etcd client', () => etcd.close());
 
-    const kafka = (this.kafka = createKafka({ brokers: [...config.kafkaBrokers], clientId: config.nodeId, logger }));
+    const kafka = (this.kafka = createKafka({
+      brokers: [...config.kafkaBrokers],
+      clientId: config.nodeId,
+      logger,
+    }));
     const probe = new KafkaProbe(kafka);
     this.onStop('kafka probe', () => probe.close());
     await ensureTopics(kafka, [
@@ -215,7 +221,11 @@ export class HeliosNode {
       const failures: Error[] = [];
       for (const cleanup of this.cleanups.reverse()) {
         try {
-          await withTimeout(cleanup.run(), Math.max(this.config.shutdownTimeoutMs, 1000), `stopping ${cleanup.name}`);
+          await withTimeout(
+            cleanup.run(),
+            Math.max(this.config.shutdownTimeoutMs, 1000),
+            `stopping ${cleanup.name}`,
+          );
         } catch (err) {
           failures.push(toError(err));
           this.logger.warn({ err: toError(err), part: cleanup.name }, 'part did not stop cleanly');

@@ -151,10 +151,7 @@ export class LeaderElection {
     const since = new Date();
     const value = JSON.stringify({ nodeId, since: since.toISOString() });
     const result = await withTimeout(
-      client
-        .if(key, 'Create', '==', 0)
-        .then(client.put(key).value(value).lease(leaseId))
-        .commit(),
+      client.if(key, 'Create', '==', 0).then(client.put(key).value(value).lease(leaseId)).commit(),
       2000,
       'etcd campaign txn',
     );

@@ -60,8 +60,16 @@ export class NodeRegistry {
       });
       this.lease = lease;
     }
-    const value: NodeInfo = { ...this.options.info, startedAt: this.startedAt, lastSeen: new Date().toISOString() };
-    await withTimeout(this.lease.put(this.key).value(JSON.stringify(value)).exec(), 3000, 'etcd node registration');
+    const value: NodeInfo = {
+      ...this.options.info,
+      startedAt: this.startedAt,
+      lastSeen: new Date().toISOString(),
+    };
+    await withTimeout(
+      this.lease.put(this.key).value(JSON.stringify(value)).exec(),
+      3000,
+      'etcd node registration',
+    );
   }
 
   private async refreshLoop(): Promise<void> {
@@ -86,7 +94,10 @@ export class NodeRegistry {
       try {
         await withTimeout(this.lease?.revoke() ?? Promise.resolve(), 2000, 'etcd lease revoke');
       } catch (err) {
-        this.options.logger.warn({ err: toError(err) }, 'could not revoke the registration lease; it will expire');
+        this.options.logger.warn(
+          { err: toError(err) },
+          'could not revoke the registration lease; it will expire',
+        );
       }
       this.state = 'stopped';
     })();

@@ -14,7 +14,11 @@ const REDACT_PATHS = [
 ];
 
 /** The process-wide logger: JSON lines on stdout (or `destination`), secrets redacted. */
-export function createLogger(options: { level: string; nodeId: string; destination?: NodeJS.WritableStream }) {
+export function createLogger(options: {
+  level: string;
+  nodeId: string;
+  destination?: NodeJS.WritableStream;
+}) {
   return pino(
     {
       level: options.level,

@@ -60,7 +60,10 @@ export class Dispatcher {
       } catch (err) {
         if (err instanceof StaleFencingTokenError) {
           this.options.metrics.fenceRejections.inc();
-          logger.warn({ token: leadership.token.toString() }, 'dispatch rejected by the fence; stepping down');
+          logger.warn(
+            { token: leadership.token.toString() },
+            'dispatch rejected by the fence; stepping down',
+          );
           this.options.onFenced(err);
           return;
         }
@@ -90,7 +93,10 @@ export class Dispatcher {
           plan = planOccurrences(this.schedule(job), job, now, horizon, misfireThresholdMs);
         } catch (err) {
           // A schedule that cannot be evaluated must not block every other job: park this one.
-          this.options.logger.error({ err: toError(err), job: job.id }, 'cannot evaluate schedule; job parked');
+          this.options.logger.error(
+            { err: toError(err), job: job.id },
+            'cannot evaluate schedule; job parked',
+          );
           advances.push({ id: job.id, nextRunAt: null });
           continue;
         }

@@ -34,7 +34,10 @@ export function createPool(options: {
 }
 
 /** Runs `work` in a transaction on one client; rolls back on any error and rethrows it. */
-export async function inTransaction<T>(pool: pg.Pool, work: (client: pg.PoolClient) => Promise<T>): Promise<T> {
+export async function inTransaction<T>(
+  pool: pg.Pool,
+  work: (client: pg.PoolClient) => Promise<T>,
+): Promise<T> {
   const client = await pool.connect();
   let broken = false;
   try {

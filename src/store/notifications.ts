@@ -32,7 +32,10 @@ export class Notifications {
   private async connectLoop(): Promise<void> {
     const signal = this.abort.signal;
     while (!signal.aborted) {
-      const client = new pg.Client({ connectionString: this.connectionString, application_name: 'helios-listen' });
+      const client = new pg.Client({
+        connectionString: this.connectionString,
+        application_name: 'helios-listen',
+      });
       const ended = new Promise<void>((resolve) => {
         client.on('error', (err) => {
           this.logger.warn({ err }, 'LISTEN connection failed; reconnecting');

@@ -1,0 +1,81 @@
+import assert from 'node:assert/strict';
+import { spawn } from 'node:child_process';
+import { once } from 'node:events';
+import { after, before, test } from 'node:test';
+import { loadMigrations } from '../../src/store/migrate.js';
+import { createTestDatabase, type TestDatabase } from '../support/database.js';
+import { REPO_ROOT, serverEnv } from '../support/env.js';
+
+let db: TestDatabase;
+before(async () => {
+  db = await createTestDatabase({ empty: true });
+});
+after(async () => {
+  await db?.drop();
+});
+
+/** Runs `helios migrate` (the built CLI) against the test database. */
+async function runMigrateCli(): Promise<{ code: number | null; output: string }> {
+  const child = spawn(process.execPath, [`${REPO_ROOT}dist/main.js`, 'migrate'], {
+    env: {
+      PATH: process.env.PATH,
+      HELIOS_DATABASE_URL: db.url,
+      HELIOS_ETCD_ENDPOINTS: serverEnv().etcdEndpoints,
+      HELIOS_KAFKA_BROKERS: serverEnv().kafkaBrokers,
+    },
+    stdio: ['ignore', 'pipe', 'pipe'],
+  });
+  let output = '';
+  child.stdout.on('data', (c: Buffer) => (output += c.toString()));
+  child.stderr.on('data', (c: Buffer) => (output += c.toString()));
+  const [code] = (await once(child, 'exit')) as [number | null];
+  return { code, output };
+}
+
+test('two processes migrating an empty database at once end in one schema', async () => {
+  const [a, b] = await Promise.all([runMigrateCli(), runMigrateCli()]);
+  assert.equal(a.code, 0, a.output);
+  assert.equal(b.code, 0, b.output);
+  const expected = (await loadMigrations(`${REPO_ROOT}src/store/migrations`)).map((m) => m.version);
+  const { rows } = await db.pool.query<{ version: number }>(
+    'SELECT version FROM schema_migrations ORDER BY 1',
+  );
+  assert.deepEqual(
+    rows.map((r) => r.version),
+    expected,
+  );
+  // Exactly one of the two applied the migrations; the other found the schema up to date.
+  const appliedBy = [a, b].filter((r) => r.output.includes('migrations applied'));
+  assert.equal(appliedBy.length, 1, `${a.output}\n---\n${b.output}`);
+
+  const tables = await db.pool.query<{ table_name: string }>(
+    `SELECT table_name FROM information_schema.tables WHERE table_schema = 'public' ORDER BY 1`,
+  );
+  for (const table of ['dead_letters', 'jobs', 'leader_fence', 'outbox', 'run_attempts', 'runs']) {
+    assert.ok(
+      tables.rows.some((r) => r.table_name === table),
+      `missing table ${table}`,
+    );
+  }
+});
+
+test('migrating again changes nothing', async () => {
+  const before = await db.pool.query('SELECT version, applied_at FROM schema_migrations ORDER BY 1');
+  const run = await runMigrateCli();
+  assert.equal(run.code, 0, run.output);
+  assert.match(run.output, /schema is up to date/);
+  const afterRun = await db.pool.query('SELECT version, applied_at FROM schema_migrations ORDER BY 1');
+  assert.deepEqual(afterRun.rows, before.rows);
+});
+
+test('runs are unique per (job, scheduled_for) and the fence row exists', async () => {
+  const { rows } = await db.pool.query<{ token: string }>('SELECT token FROM leader_fence');
+  assert.deepEqual(rows, [{ token: '0' }]);
+  const job = await db.pool.query<{ id: string }>(
+    `INSERT INTO jobs (name, schedule, target) VALUES ('j', '* * * * *', '{"url":"http://x"}') RETURNING id`,
+  );
+  const insertRun = `INSERT INTO runs (job_id, scheduled_for, state, max_attempts, target, timeout_ms, backoff_ms,
+      backoff_multiplier, not_before) VALUES ($1, '2026-01-01T00:00:00Z', 'queued', 1, '{}', 1000, 0, 1, now())`;
+  await db.pool.query(insertRun, [job.rows[0]!.id]);
+  await assert.rejects(db.pool.query(insertRun, [job.rows[0]!.id]), /runs_one_per_occurrence/);
+});

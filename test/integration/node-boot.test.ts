@@ -1,0 +1,75 @@
+import assert from 'node:assert/strict';
+import { after, before, test } from 'node:test';
+import { createEtcdClient } from '../../src/coordination/etcd.js';
+import { listNodes } from '../../src/coordination/registry.js';
+import { createTestDatabase, type TestDatabase } from '../support/database.js';
+import { serverEnv, uniqueId } from '../support/env.js';
+import { infra, spawnNode, type ManagedProcess } from '../support/processes.js';
+
+let db: TestDatabase;
+let node: ManagedProcess | undefined;
+const etcd = createEtcdClient(serverEnv().etcdEndpoints.split(','));
+const prefix = `/helios-test/${uniqueId()}`;
+const topic = `helios.test.${uniqueId()}`;
+
+before(async () => {
+  db = await createTestDatabase();
+});
+after(async () => {
+  await node?.stop();
+  await infra('up', 'pg'); // whatever happened, leave PostgreSQL running for the next file
+  await db.drop();
+  await etcd.delete().prefix(prefix);
+  etcd.close();
+});
+
+async function readyz(url: string) {
+  const response = await fetch(`${url}/readyz`);
+  return { status: response.status, body: (await response.json()) as { failing: string[] } };
+}
+
+test('a node boots, registers, reports readiness, and names PostgreSQL when it is stopped', async () => {
+  node = spawnNode('boot-1', { databaseUrl: db.url, etcdPrefix: prefix, topic });
+  const started = await node.waitForLog((l) => l.msg === 'node started');
+  const apiUrl = started.apiUrl as string;
+
+  assert.equal((await fetch(`${apiUrl}/healthz`)).status, 200);
+  const ready = await readyz(apiUrl);
+  assert.equal(ready.status, 200);
+  assert.deepEqual(ready.body.failing, []);
+
+  const nodes = await listNodes(etcd, prefix);
+  assert.deepEqual(
+    nodes.map((n) => [n.id, n.apiUrl, n.pid]),
+    [['boot-1', apiUrl, node.pid]],
+  );
+
+  await infra('down', 'pg');
+  try {
+    const down = await readyz(apiUrl);
+    assert.equal(down.status, 503);
+    assert.deepEqual(down.body.failing, ['postgres']);
+    assert.equal((await fetch(`${apiUrl}/healthz`)).status, 200, 'the process itself is still healthy');
+  } finally {
+    await infra('up', 'pg');
+  }
+  // The pool reconnects on its own once PostgreSQL is back.
+  const deadline = Date.now() + 10_000;
+  let again = await readyz(apiUrl);
+  while (again.status !== 200 && Date.now() < deadline) {
+    await new Promise((r) => setTimeout(r, 200));
+    again = await readyz(apiUrl);
+  }
+  assert.equal(again.status, 200);
+});
+
+test('SIGTERM stops the node within a few seconds and removes its registration', async () => {
+  assert.ok(node?.running);
+  const start = Date.now();
+  node.signal('SIGTERM');
+  const exit = await node.exited;
+  assert.equal(exit.code, 0, node.stderr.join('\n'));
+  assert.ok(Date.now() - start < 5000, `shutdown took ${Date.now() - start} ms`);
+  assert.ok(node.hasLog((l) => l.msg === 'node stopped'));
+  assert.deepEqual(await listNodes(etcd, prefix), []);
+});

@@ -1,0 +1,87 @@
+import assert from 'node:assert/strict';
+import { test } from 'node:test';
+import { loadConfig } from '../../src/config.js';
+import { ConfigError } from '../../src/errors.js';
+
+const BASE = {
+  HELIOS_DATABASE_URL: 'postgres://u@127.0.0.1:5432/db',
+  HELIOS_ETCD_ENDPOINTS: 'http://127.0.0.1:2379',
+  HELIOS_KAFKA_BROKERS: '127.0.0.1:9092',
+};
+
+function failsOn(env: Record<string, string>, variable: string, pattern?: RegExp) {
+  assert.throws(
+    () => loadConfig({ ...BASE, ...env }),
+    (err: unknown) => {
+      assert.ok(err instanceof ConfigError, `expected ConfigError, got ${String(err)}`);
+      assert.equal(err.variable, variable);
+      assert.ok(err.message.startsWith(`${variable}:`), err.message);
+      if (pattern) assert.match(err.message, pattern);
+      return true;
+    },
+  );
+}
+
+test('defaults are applied and the result is frozen', () => {
+  const config = loadConfig({ ...BASE, HELIOS_NODE_ID: 'n1' });
+  assert.equal(config.nodeId, 'n1');
+  assert.deepEqual([...config.roles].sort(), ['api', 'scheduler', 'worker']);
+  assert.equal(config.leaseTtlMs, 3000);
+  assert.equal(config.httpHost, '127.0.0.1');
+  assert.equal(config.httpPort, 8080);
+  assert.equal(config.workerConcurrency, 64);
+  assert.equal(config.runsTopic, 'helios.runs');
+  assert.equal(config.deadLetterTopic, 'helios.runs.dlq');
+  assert.deepEqual(config.etcdEndpoints, ['http://127.0.0.1:2379']);
+  assert.ok(Object.isFrozen(config));
+});
+
+test('lists and numbers are parsed', () => {
+  const config = loadConfig({
+    ...BASE,
+    HELIOS_ETCD_ENDPOINTS: 'http://a:1, http://b:2',
+    HELIOS_KAFKA_BROKERS: 'k1:9092,k2:9093',
+    HELIOS_ROLES: 'worker',
+    HELIOS_LEASE_TTL_MS: '5000',
+    HELIOS_API_TOKENS: 'aaaaaaaaaaaaaaaa:admin,bbbbbbbbbbbbbbbb:viewer',
+  });
+  assert.deepEqual(config.etcdEndpoints, ['http://a:1', 'http://b:2']);
+  assert.deepEqual(config.kafkaBrokers, ['k1:9092', 'k2:9093']);
+  assert.deepEqual([...config.roles], ['worker']);
+  assert.equal(config.leaseTtlMs, 5000);
+  assert.equal(config.apiTokens.get('bbbbbbbbbbbbbbbb'), 'viewer');
+});
+
+test('missing required variables are named', () => {
+  assert.throws(() => loadConfig({}), /HELIOS_DATABASE_URL: is required/);
+  failsOn({ HELIOS_ETCD_ENDPOINTS: '' }, 'HELIOS_ETCD_ENDPOINTS', /required/);
+});
+
+test('bad values give an error naming the variable', () => {
+  failsOn({ HELIOS_DATABASE_URL: 'mysql://x/y' }, 'HELIOS_DATABASE_URL', /protocol/);
+  failsOn({ HELIOS_ETCD_ENDPOINTS: 'not a url' }, 'HELIOS_ETCD_ENDPOINTS', /not a URL/);
+  failsOn({ HELIOS_KAFKA_BROKERS: 'localhost' }, 'HELIOS_KAFKA_BROKERS', /host:port/);
+  failsOn({ HELIOS_HTTP_PORT: 'eighty' }, 'HELIOS_HTTP_PORT', /integer/);
+  failsOn({ HELIOS_HTTP_PORT: '70000' }, 'HELIOS_HTTP_PORT', /between/);
+  failsOn({ HELIOS_LEASE_TTL_MS: '500' }, 'HELIOS_LEASE_TTL_MS', /between/);
+  failsOn({ HELIOS_ROLES: 'scheduler,cook' }, 'HELIOS_ROLES', /cook/);
+  failsOn({ HELIOS_NODE_ID: 'has space' }, 'HELIOS_NODE_ID');
+  failsOn({ HELIOS_WORKER_CONCURRENCY: '0' }, 'HELIOS_WORKER_CONCURRENCY');
+  failsOn({ HELIOS_LOG_LEVEL: 'loud' }, 'HELIOS_LOG_LEVEL');
+  failsOn({ HELIOS_LEADER_SAFETY_MARGIN_MS: '2000' }, 'HELIOS_LEADER_SAFETY_MARGIN_MS');
+});
+
+test('a bad API token entry is reported by position, never by value', () => {
+  const secret = 'supersecretvalue-123';
+  assert.throws(
+    () => loadConfig({ ...BASE, HELIOS_API_TOKENS: `${secret}:root` }),
+    (err: unknown) => {
+      assert.ok(err instanceof ConfigError);
+      assert.equal(err.variable, 'HELIOS_API_TOKENS');
+      assert.match(err.message, /entry 1/);
+      assert.ok(!err.message.includes(secret));
+      return true;
+    },
+  );
+  failsOn({ HELIOS_API_TOKENS: 'short:admin' }, 'HELIOS_API_TOKENS', /16 characters/);
+});
