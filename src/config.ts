@@ -45,6 +45,8 @@ export interface HeliosConfig {
   readonly workerConcurrency: number;
   /** HELIOS_DISPATCH_LOOKAHEAD_MS: runs are created this long before they are due so workers fire on time; default 1000. */
   readonly dispatchLookaheadMs: number;
+  /** HELIOS_MISFIRE_THRESHOLD_MS: an occurrence found this late is a misfire (handled by the job's `misfire` policy); default 5000. */
+  readonly misfireThresholdMs: number;
   /** HELIOS_DISPATCH_BATCH: jobs per dispatch transaction; default 500. */
   readonly dispatchBatchSize: number;
   /** HELIOS_SHUTDOWN_TIMEOUT_MS: how long shutdown waits for in-flight runs; default 10000. */
@@ -180,6 +182,7 @@ export function loadConfig(env: Env = process.env): HeliosConfig {
     workerConcurrency: int(env, 'HELIOS_WORKER_CONCURRENCY', 64, 1, 10_000),
     dispatchLookaheadMs: int(env, 'HELIOS_DISPATCH_LOOKAHEAD_MS', 1000, 0, 60_000),
     dispatchBatchSize: int(env, 'HELIOS_DISPATCH_BATCH', 500, 1, 10_000),
+    misfireThresholdMs: int(env, 'HELIOS_MISFIRE_THRESHOLD_MS', 5000, 0, 86_400_000),
     shutdownTimeoutMs: int(env, 'HELIOS_SHUTDOWN_TIMEOUT_MS', 10_000, 0, 600_000),
     apiTokens: parseTokens(env),
     logLevel,

@@ -26,8 +26,8 @@ export interface HeliosNodeOptions {
   readonly logger?: Logger;
   /** Fault injection for fence tests; see DispatcherOptions.beforeWrite. */
   readonly beforeLeaderWrite?: () => Promise<void>;
-  /** Misfire threshold of the dispatcher; default 5000 ms. */
-  readonly misfireThresholdMs?: number;
+  /** Fault injection for outbox tests; see OutboxRelayOptions.beforePublish. */
+  readonly beforePublish?: () => Promise<void>;
 }
 
 /**
@@ -196,7 +196,7 @@ export class HeliosNode {
       runsTopic: config.runsTopic,
       lookaheadMs: config.dispatchLookaheadMs,
       batchSize: config.dispatchBatchSize,
-      misfireThresholdMs: this.options.misfireThresholdMs ?? 5000,
+      misfireThresholdMs: config.misfireThresholdMs,
       logger: logger.child({ part: 'dispatcher' }),
       metrics,
       onFenced: () => this.election?.stepDown('fenced', config.leaseTtlMs),
@@ -208,6 +208,7 @@ export class HeliosNode {
       publisher: this.publisher!,
       notifications: this.notifications!,
       signal: leadership.signal,
+      beforePublish: this.options.beforePublish,
       logger: logger.child({ part: 'outbox-relay' }),
       metrics,
     });

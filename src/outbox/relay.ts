@@ -29,6 +29,8 @@ export interface OutboxRelayOptions {
   readonly retainPublishedMs?: number;
   readonly logger: Logger;
   readonly metrics: Metrics;
+  /** Fault injection for tests: awaited after rows were read and before they are published. */
+  readonly beforePublish?: () => Promise<void>;
 }
 
 const MAX_SLEEP_MS = 1000;
@@ -52,6 +54,7 @@ export class OutboxRelay {
       try {
         rows = await selectDueOutbox(pool, batchSize);
         if (rows.length > 0) {
+          await this.options.beforePublish?.();
           await this.publish(rows);
           await markPublished(
             pool,
