@@ -16,7 +16,10 @@ import { createKafka, ensureTopics, RunPublisher, type BrokerClient } from './br
 import { KafkaProbe } from './broker/health.js';
 import { Dispatcher } from './scheduling/dispatcher.js';
 import { OutboxRelay } from './outbox/relay.js';
+import { Worker } from './execution/worker.js';
+import { Reaper } from './execution/reaper.js';
 import { buildApiServer } from './api/server.js';
+import { registerApi } from './api/v1.js';
 
 type State = 'idle' | 'starting' | 'running' | 'stopping' | 'stopped';
 
@@ -55,7 +58,12 @@ export class HeliosNode {
   constructor(private readonly options: HeliosNodeOptions) {
     this.config = options.config;
     this.logger =
-      options.logger ?? createLogger({ level: options.config.logLevel, nodeId: options.config.nodeId });
+      options.logger ??
+      createLogger({
+        level: options.config.logLevel,
+        nodeId: options.config.nodeId,
+        sensitiveHeaders: options.config.sensitiveHeaders,
+      });
     this.metrics = createMetrics(options.config.nodeId);
   }
 
@@ -135,7 +143,30 @@ export class HeliosNode {
         etcd: async () => void (await etcd.get(`${config.etcdPrefix}/readyz`).string()),
         kafka: () => probe.check(),
       },
+      bodyLimit: config.apiBodyLimit,
+      // Any node with the api role serves the operator API (writes go to PostgreSQL); the others
+      // serve only health, readiness and (token-checked) metrics.
+      register: (server) =>
+        registerApi(server, {
+          pool,
+          etcd,
+          etcdPrefix: config.etcdPrefix,
+          runsTopic: config.runsTopic,
+          tokens: config.apiTokens,
+          targetPolicy: config.targetPolicy,
+          sensitiveHeaders: config.sensitiveHeaders,
+          metricsPublic: config.metricsPublic,
+          routes: config.roles.has('api'),
+          logger,
+        }),
     }));
+    if (config.apiTokens.size === 0) {
+      // loadConfig refused any non-loopback HELIOS_HTTP_HOST without tokens.
+      logger.warn(
+        { host: config.httpHost },
+        'HELIOS_API_TOKENS is empty: the API is open to every local user; binding loopback only',
+      );
+    }
     await app.listen({ host: config.httpHost, port: config.httpPort });
     this.onStop('http server', () => app.close());
     const address = app.server.address();
@@ -157,9 +188,39 @@ export class HeliosNode {
     await registry.start();
     this.onStop('node registration', () => registry.stop());
 
+    if (config.roles.has('worker')) {
+      const worker = new Worker({
+        pool,
+        kafka,
+        notifications,
+        nodeId: config.nodeId,
+        runsTopic: config.runsTopic,
+        deadLetterTopic: config.deadLetterTopic,
+        consumerGroup: config.consumerGroup,
+        concurrency: config.workerConcurrency,
+        prefetch: config.workerPrefetch,
+        claimGraceMs: config.claimGraceMs,
+        skewToleranceMs: config.clockSkewToleranceMs,
+        pollIntervalMs: config.pollIntervalMs,
+        pollOverdueMs: config.pollOverdueMs,
+        claimCheckIntervalMs: config.claimCheckIntervalMs,
+        // The node gives each part shutdownTimeoutMs; keep a second of it for aborting and
+        // handing back the claims of calls that did not finish.
+        drainTimeoutMs: Math.max(0, config.shutdownTimeoutMs - 1000),
+        maxExcerptBytes: config.responseExcerptBytes,
+        targetPolicy: config.targetPolicy,
+        logger,
+        metrics: this.metrics,
+      });
+      await worker.start();
+      this.onStop('worker', () => worker.stop());
+    }
+
     if (config.roles.has('scheduler')) {
       const publisher = (this.publisher = new RunPublisher({ kafka, logger }));
       this.onStop('kafka publisher', () => publisher.disconnect());
+      // Connect early so a wrong broker address shows at start; publish() reconnects by itself.
+      await publisher.connect().catch((err: unknown) => logger.warn({ err: toError(err) }, 'publisher connect failed'));
       const election = (this.election = new LeaderElection({
         client: etcd,
         key: `${config.etcdPrefix}/leader`,
@@ -213,6 +274,16 @@ export class HeliosNode {
       metrics,
     });
     track('outbox relay', relay.run());
+    const reaper = new Reaper({
+      pool: this.pool!,
+      leadership,
+      topics: { runsTopic: config.runsTopic, deadLetterTopic: config.deadLetterTopic },
+      intervalMs: config.reaperIntervalMs,
+      logger: logger.child({ part: 'reaper' }),
+      metrics,
+      onFenced: () => this.election?.stepDown('fenced', config.leaseTtlMs),
+    });
+    track('reaper', reaper.run());
   }
 
   /** Graceful stop within `config.shutdownTimeoutMs` per part. Safe to call twice. */
