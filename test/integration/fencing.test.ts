@@ -79,7 +79,11 @@ async function assertNoHolesNoDuplicates(jobId: string) {
   assert.equal(runs, span, `missing occurrences: ${span - runs} of ${span}`);
 }
 
-async function waitFor<T>(what: string, probe: () => Promise<T | undefined | null | false>, timeoutMs = 15_000) {
+async function waitFor<T>(
+  what: string,
+  probe: () => Promise<T | undefined | null | false>,
+  timeoutMs = 15_000,
+) {
   const deadline = Date.now() + timeoutMs;
   for (;;) {
     const value = await probe();
@@ -114,9 +118,10 @@ test('a paused leader (SIGSTOP past its lease) has its pending write rejected by
     return rows.length > 0;
   });
   await sleep(1000);
-  const before = await db.pool.query<{ n: number }>('SELECT count(*)::int AS n FROM runs WHERE created_epoch = $1', [
-    aLead.token,
-  ]);
+  const before = await db.pool.query<{ n: number }>(
+    'SELECT count(*)::int AS n FROM runs WHERE created_epoch = $1',
+    [aLead.token],
+  );
 
   a.signal('SIGCONT');
   a.child.send({ release: 'write' });
@@ -127,7 +132,9 @@ test('a paused leader (SIGSTOP past its lease) has its pending write rejected by
     [aLead.token],
   );
   assert.equal(afterRejection.rows[0]!.n, before.rows[0]!.n, 'the old leader wrote runs after waking up');
-  const fence = await db.pool.query<{ token: string; node_id: string }>('SELECT token, node_id FROM leader_fence');
+  const fence = await db.pool.query<{ token: string; node_id: string }>(
+    'SELECT token, node_id FROM leader_fence',
+  );
   assert.ok(BigInt(fence.rows[0]!.token) >= BigInt(bLead.token as string));
   assert.equal(fence.rows[0]!.node_id, 'fence-b');
 
@@ -174,10 +181,12 @@ test('a leader killed after commit and before publish: the run is published afte
     console.log('recorded', recorder.messages.length, 'pending', pendingIds.length);
     throw err;
   });
-  const runs = await db.pool.query<{ id: string }>('SELECT id FROM runs WHERE id = ANY($1::uuid[])', [pendingIds]);
+  const runs = await db.pool.query<{ id: string }>('SELECT id FROM runs WHERE id = ANY($1::uuid[])', [
+    pendingIds,
+  ]);
   assert.equal(runs.rows.length, pendingIds.length, 'each pending run has exactly one run row');
   const stillPending = await db.pool.query(
-    'SELECT 1 FROM outbox WHERE published_at IS NULL AND publish_after <= now() - interval \'2 seconds\'',
+    "SELECT 1 FROM outbox WHERE published_at IS NULL AND publish_after <= now() - interval '2 seconds'",
   );
   assert.equal(stillPending.rows.length, 0, 'outbox rows left unpublished');
   await assertNoHolesNoDuplicates(jobId);

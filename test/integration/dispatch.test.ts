@@ -1,0 +1,170 @@
+import assert from 'node:assert/strict';
+import { setTimeout as sleep } from 'node:timers/promises';
+import { after, before, test } from 'node:test';
+import { createEtcdClient } from '../../src/coordination/etcd.js';
+import { createTestDatabase, type TestDatabase } from '../support/database.js';
+import { serverEnv, uniqueId } from '../support/env.js';
+import { spawnNode, stopAll, type ManagedProcess, type NodeEnv } from '../support/processes.js';
+
+const etcd = createEtcdClient(serverEnv().etcdEndpoints.split(','));
+let db: TestDatabase;
+let env: NodeEnv;
+const processes: ManagedProcess[] = [];
+
+before(async () => {
+  db = await createTestDatabase();
+  env = {
+    databaseUrl: db.url,
+    etcdPrefix: `/helios-test/${uniqueId()}`,
+    topic: `helios.test.${uniqueId()}`,
+    extra: { HELIOS_ROLES: 'scheduler,api', HELIOS_MISFIRE_THRESHOLD_MS: '1000' },
+  };
+});
+after(async () => {
+  await stopAll(processes);
+  await etcd.delete().prefix(env.etcdPrefix);
+  etcd.close();
+  await db.drop();
+});
+
+async function startLeader(name: string): Promise<ManagedProcess> {
+  const node = spawnNode(name, env);
+  processes.push(node);
+  await node.waitForLog((l) => l.msg === 'became leader', 15_000);
+  return node;
+}
+
+async function insertJob(
+  name: string,
+  schedule: string,
+  fields: { timezone?: string; misfire?: string; maxCatchUp?: number; nextRunAt?: string } = {},
+): Promise<string> {
+  const { rows } = await db.pool.query<{ id: string }>(
+    `INSERT INTO jobs (name, schedule, timezone, target, misfire, max_catch_up, next_run_at)
+     VALUES ($1, $2, $3, '{"url":"http://127.0.0.1:9/"}', $4, $5,
+             coalesce($6::timestamptz, date_trunc('second', now()) + interval '1 second'))
+     RETURNING id`,
+    [
+      name,
+      schedule,
+      fields.timezone ?? 'UTC',
+      fields.misfire ?? 'fire-once',
+      fields.maxCatchUp ?? 100,
+      fields.nextRunAt ?? null,
+    ],
+  );
+  return rows[0]!.id;
+}
+
+/** Runs of a job: how many, distinct occurrences, seconds spanned, and how many were created late. */
+async function runStats(jobId: string) {
+  const { rows } = await db.pool.query<{ runs: number; distinct: number; span: number; late: number }>(
+    `SELECT count(*)::int AS runs, count(DISTINCT scheduled_for)::int AS distinct,
+            coalesce(extract(epoch FROM max(scheduled_for) - min(scheduled_for))::int + 1, 0) AS span,
+            count(*) FILTER (WHERE created_at - scheduled_for > interval '1.5 seconds')::int AS late
+     FROM runs WHERE job_id = $1`,
+    [jobId],
+  );
+  return rows[0]!;
+}
+
+test('a 6-field every-second job produces one run per second', async () => {
+  const node = await startLeader('every-second');
+  const jobId = await insertJob('every-second', '* * * * * *');
+  await sleep(5000);
+  await node.stop();
+  const stats = await runStats(jobId);
+  assert.ok(stats.runs >= 4, `only ${stats.runs} runs in 5 s`);
+  assert.equal(stats.distinct, stats.runs, 'an occurrence has two runs');
+  assert.equal(stats.span, stats.runs, 'a second was skipped');
+  assert.equal(stats.late, 0, 'runs were created late');
+});
+
+test('misfire policies after a 10 s leaderless gap: fire-all every missed occurrence, fire-once one, skip none', async () => {
+  const jobs = {
+    all: await insertJob('misfire-all', '* * * * * *', { misfire: 'fire-all', maxCatchUp: 100 }),
+    capped: await insertJob('misfire-all-capped', '* * * * * *', { misfire: 'fire-all', maxCatchUp: 3 }),
+    once: await insertJob('misfire-once', '* * * * * *', { misfire: 'fire-once' }),
+    skip: await insertJob('misfire-skip', '* * * * * *', { misfire: 'skip' }),
+  };
+  const first = await startLeader('misfire-1');
+  await sleep(2500);
+  await first.stop();
+  await sleep(10_000); // nobody leads: the cluster is down
+  const second = await startLeader('misfire-2');
+  await sleep(2500);
+  await second.stop();
+
+  const all = await runStats(jobs.all);
+  assert.equal(all.distinct, all.runs);
+  assert.equal(all.span, all.runs, 'fire-all left a hole');
+  assert.ok(all.late >= 7 && all.late <= 12, `fire-all created ${all.late} late runs, expected about 9`);
+
+  const capped = await runStats(jobs.capped);
+  assert.equal(capped.late, 3, 'fire-all is bounded by maxCatchUp');
+
+  const once = await runStats(jobs.once);
+  assert.equal(once.late, 1, 'fire-once creates exactly one run for the missed occurrences');
+  assert.ok(once.span - once.runs >= 6, 'fire-once must not fill the gap');
+
+  const skip = await runStats(jobs.skip);
+  assert.equal(skip.late, 0, 'skip creates no run for missed occurrences');
+  assert.ok(skip.span - skip.runs >= 7, 'skip must leave the gap empty');
+  for (const stats of [capped, once, skip]) assert.equal(stats.distinct, stats.runs);
+});
+
+test('02:30 Europe/Berlin fires once on the DST days of 2026 (gap: 03:00 CEST; overlap: first 02:30)', async () => {
+  // next_run_at in March: the dispatcher catches up through every day since (fire-all), taking
+  // each occurrence from the real cron maths, DST days included.
+  const jobId = await insertJob('berlin-0230', '0 30 2 * * *', {
+    timezone: 'Europe/Berlin',
+    misfire: 'fire-all',
+    maxCatchUp: 1000,
+    nextRunAt: '2026-03-27T01:30:00Z',
+  });
+  const node = await startLeader('dst');
+  await sleep(1500);
+  await node.stop();
+  const { rows } = await db.pool.query<{ day: string; at: Date[] }>(
+    `SELECT to_char(scheduled_for AT TIME ZONE 'Europe/Berlin', 'YYYY-MM-DD') AS day, array_agg(scheduled_for) AS at
+     FROM runs WHERE job_id = $1 GROUP BY 1 ORDER BY 1`,
+    [jobId],
+  );
+  const byDay = new Map(rows.map((r) => [r.day, r.at.map((d) => d.toISOString())]));
+  assert.deepEqual(byDay.get('2026-03-28'), ['2026-03-28T01:30:00.000Z']); // 02:30 CET
+  assert.deepEqual(byDay.get('2026-03-29'), ['2026-03-29T01:00:00.000Z']); // gap: 03:00 CEST
+  assert.deepEqual(byDay.get('2026-03-30'), ['2026-03-30T00:30:00.000Z']); // 02:30 CEST
+  assert.deepEqual(byDay.get('2026-10-25'), ['2026-10-25T00:30:00.000Z']); // overlap: the first 02:30
+  assert.deepEqual(byDay.get('2026-10-26'), ['2026-10-26T01:30:00.000Z']); // 02:30 CET
+  for (const [day, at] of byDay) assert.equal(at.length, 1, `${day} fired ${at.length} times`);
+  const first = Date.parse('2026-03-27T00:00:00Z');
+  const last = Date.parse(`${rows.at(-1)!.day}T00:00:00Z`);
+  assert.equal(rows.length, Math.round((last - first) / 86_400_000) + 1, 'a day without a run');
+});
+
+test('1,000 jobs due in the same second are all dispatched in that second', async () => {
+  const node = await startLeader('herd');
+  const { rows } = await db.pool.query<{ due: Date }>(
+    `SELECT date_trunc('second', now()) + interval '3 seconds' AS due`,
+  );
+  const due = rows[0]!.due;
+  await db.pool.query(
+    `INSERT INTO jobs (name, schedule, target, next_run_at)
+     SELECT 'herd-' || i, $1, '{"url":"http://127.0.0.1:9/"}', $2 FROM generate_series(1, 1000) AS i`,
+    [`${due.getUTCSeconds()} * * * * *`, due],
+  );
+  await sleep(due.getTime() - Date.now() + 1000);
+  const counts = await db.pool.query<{ runs: number; in_time: number; published: number }>(
+    `SELECT count(*)::int AS runs,
+            count(*) FILTER (WHERE r.created_at < r.scheduled_for + interval '1 second')::int AS in_time,
+            count(o.published_at)::int AS published
+     FROM runs r JOIN jobs j ON j.id = r.job_id
+     LEFT JOIN outbox o ON o.payload->>'runId' = r.id::text
+     WHERE j.name LIKE 'herd-%' AND r.scheduled_for = $1`,
+    [due],
+  );
+  await node.stop();
+  assert.equal(counts.rows[0]!.runs, 1000);
+  assert.equal(counts.rows[0]!.in_time, 1000, 'some runs were created after their second had passed');
+  assert.equal(counts.rows[0]!.published, 1000, 'some runs were not published to Kafka');
+});
