@@ -95,6 +95,9 @@ export class RunConsumer {
       rebalanceTimeout: options.rebalanceTimeoutMs ?? 10_000,
       maxWaitTimeInMs: options.maxWaitTimeMs ?? 500,
       allowAutoTopicCreation: false,
+      // After a retriable crash the client restarts itself on a timer; a crash while we are
+      // stopping must not bring it back.
+      retry: { restartOnFailure: async () => this.#state !== 'stopping' && this.#state !== 'stopped' },
     });
   }
 
@@ -167,11 +170,11 @@ export class RunConsumer {
     } catch (err) {
       const error = toError(err);
       if (this.#state === 'starting') {
-        this.#state = 'stopping';
-        await this.#shutdown().catch((e: unknown) =>
+        // Not 'starting' any more, so stop() does not wait for this very start to settle.
+        this.#state = 'failed';
+        await this.stop().catch((e: unknown) =>
           this.#logger.warn({ err: toError(e) }, 'consumer did not stop cleanly after a failed start'),
         );
-        this.#state = 'stopped';
       }
       throw error;
     }

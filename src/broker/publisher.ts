@@ -81,8 +81,9 @@ export class RunPublisher {
   }
 
   /**
-   * Connects and obtains a producer id. A second call returns the first call's promise; after a
-   * failure the publisher is `idle` again and `connect` may be retried.
+   * Connects and obtains a producer id, so that a broken broker address shows at start-up rather
+   * than at the first publish (which connects by itself otherwise). A second call returns the
+   * first call's promise; after a failure the publisher is `idle` again and may be retried.
    */
   connect(): Promise<void> {
     if (this.#state === 'disconnecting' || this.#state === 'disconnected') {
@@ -108,11 +109,23 @@ export class RunPublisher {
   }
 
   /**
-   * Publishes `messages` to `topic` and resolves once all in-sync replicas have them. Rejects with
-   * {@link PublishError} (cause: the client error or our `TimeoutError`); the messages may or may
-   * not have been written, so the caller retries and consumers must tolerate duplicates.
+   * Publishes `messages` to `topic` and resolves once all in-sync replicas have them; connects
+   * first if `connect` was not called (or failed). Throws `LifecycleError` after `disconnect`.
+   * Rejects with {@link PublishError} (cause: the client error or our `TimeoutError`); the
+   * messages may or may not have been written, so the caller retries and consumers must
+   * tolerate duplicates. Keep a batch under the broker's `message.max.bytes` (1 MiB default).
    */
   async publish(topic: string, messages: OutgoingMessage[]): Promise<PublishReceipt[]> {
+    if (this.#state === 'idle' || this.#state === 'connecting') {
+      // Connecting on first use means a node can start while Kafka is briefly away: the relay's
+      // retries then double as connection retries.
+      try {
+        await this.connect();
+      } catch (err) {
+        if (err instanceof LifecycleError) throw err;
+        throw new PublishError(topic, messages.length, { cause: toError(err) });
+      }
+    }
     if (this.#state !== 'connected') throw new LifecycleError(`cannot publish while ${this.#state}`);
     if (messages.length === 0) return [];
     const session = this.#currentSession();

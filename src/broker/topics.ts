@@ -20,7 +20,7 @@ export interface TopicState {
   name: string;
   /** Partitions the topic has now; may differ from the spec if it already existed. */
   partitions: number;
-  /** True when this call created the topic. */
+  /** True when this call created the topic (false for all when another node raced this call). */
   created: boolean;
 }
 
@@ -63,7 +63,8 @@ export async function ensureTopics(
     return topics.map((t) => ({
       name: t.name,
       partitions: partitions.get(t.name) ?? 0,
-      // `createTopics` answers false when a concurrent creator won the race for every topic.
+      // kafkajs answers false when the broker reported TOPIC_ALREADY_EXISTS, i.e. a concurrent
+      // creator won the race (for some topic: it does not say which).
       created: created && missing.includes(t),
     }));
   });
