@@ -119,6 +119,19 @@ export async function check(input: CheckInput): Promise<CheckResult> {
   if (heldPauses > 0 && rejections === 0)
     violations.push('a paused leader woke up and no write was rejected by the fence');
 
+  // 4b. In the data itself: no run created by an epoch after a newer epoch had created runs.
+  const { rows: stale } = await pool.query<{ n: number }>(
+    `WITH epochs AS (
+       SELECT created_epoch AS token, min(created_at) AS first_write, max(created_at) AS last_write
+       FROM runs WHERE job_id = ANY($1::uuid[]) AND created_epoch IS NOT NULL GROUP BY created_epoch)
+     SELECT count(*)::int AS n FROM epochs old
+     WHERE EXISTS (SELECT 1 FROM epochs newer WHERE newer.token > old.token AND newer.first_write < old.last_write)`,
+    [input.jobIds],
+  );
+  lines.push(`epochs that wrote runs after a newer epoch had written: ${stale[0]!.n}`);
+  if (stale[0]!.n > 0)
+    violations.push(`${stale[0]!.n} fenced-off leader epochs had runs accepted after a newer leader wrote`);
+
   // 5. Never two leaders: each node's own view of its epochs, in token order, must not overlap.
   const epochs = leaderEpochs(input.processes, input.faults);
   for (let i = 1; i < epochs.length; i++) {
