@@ -1,5 +1,12 @@
 import { hostname } from 'node:os';
 import { ConfigError } from './errors.js';
+import {
+  CidrRange,
+  compileTargetPolicy,
+  InvalidCidrError,
+  type TargetPolicy,
+} from './security/target-policy.js';
+import { sensitiveHeaderSet } from './security/sensitive-headers.js';
 
 /** What a node does; every node may have any subset. */
 export type Role = 'scheduler' | 'worker' | 'api';
@@ -43,6 +50,35 @@ export interface HeliosConfig {
   readonly leaderSafetyMarginMs: number;
   /** HELIOS_WORKER_CONCURRENCY: runs executing at once on this node; default 64. */
   readonly workerConcurrency: number;
+  /**
+   * HELIOS_WORKER_PREFETCH: run announcements a worker holds in memory until they are due (the
+   * dispatcher publishes runs up to the lookahead early); fetching from Kafka pauses at this many;
+   * default 1000.
+   */
+  readonly workerPrefetch: number;
+  /** HELIOS_CLAIM_GRACE_MS: a claim's deadline is now + the run's timeout + this; default 5000. */
+  readonly claimGraceMs: number;
+  /**
+   * HELIOS_CLOCK_SKEW_TOLERANCE_MS: a worker may claim a run this long before its not_before by
+   * the database clock, absorbing the error of its clock estimate; default 10.
+   */
+  readonly clockSkewToleranceMs: number;
+  /**
+   * HELIOS_CLAIM_LEAD_MS: a worker claims an `allow` run up to this long before it is due and
+   * starts the HTTP call exactly when due, keeping the claim's round trip off the critical path
+   * (forbid and replace runs are claimed only when due); default 50.
+   */
+  readonly claimLeadMs: number;
+  /** HELIOS_POLL_INTERVAL_MS: period of the workers' polling fallback; default 1000. */
+  readonly pollIntervalMs: number;
+  /** HELIOS_POLL_OVERDUE_MS: the polling fallback claims queued runs this overdue; default 2000. */
+  readonly pollOverdueMs: number;
+  /** HELIOS_CLAIM_CHECK_INTERVAL_MS: how often a worker checks that it still holds its claims; default 1000. */
+  readonly claimCheckIntervalMs: number;
+  /** HELIOS_REAPER_INTERVAL_MS: longest pause between the leader's passes over expired claims; default 1000. */
+  readonly reaperIntervalMs: number;
+  /** HELIOS_RESPONSE_EXCERPT_BYTES: bytes of a target's response body kept per attempt; default 2048. */
+  readonly responseExcerptBytes: number;
   /** HELIOS_DISPATCH_LOOKAHEAD_MS: runs are created this long before they are due so workers fire on time; default 1000. */
   readonly dispatchLookaheadMs: number;
   /** HELIOS_MISFIRE_THRESHOLD_MS: an occurrence found this late is a misfire (handled by the job's `misfire` policy); default 5000. */
@@ -53,6 +89,18 @@ export interface HeliosConfig {
   readonly shutdownTimeoutMs: number;
   /** HELIOS_API_TOKENS: `token:role` pairs (role admin or viewer). */
   readonly apiTokens: ReadonlyMap<string, ApiRole>;
+  /** HELIOS_METRICS_PUBLIC: `true` serves /metrics without a token even when tokens are configured; default false. */
+  readonly metricsPublic: boolean;
+  /**
+   * HELIOS_TARGET_DENY and HELIOS_TARGET_ALLOW: comma lists of CIDR ranges job targets are checked
+   * against when saved and when executed. Deny default: link-local and cloud metadata ranges
+   * (`none` denies nothing); allow default: empty, i.e. every address not denied. Deny wins.
+   */
+  readonly targetPolicy: TargetPolicy;
+  /** HELIOS_SENSITIVE_HEADERS: header names added to authorization, cookie, proxy-authorization, x-api-key, whose values show as `***`. */
+  readonly sensitiveHeaders: ReadonlySet<string>;
+  /** HELIOS_API_BODY_LIMIT: largest accepted API request body in bytes; default 262144 (256 KiB). */
+  readonly apiBodyLimit: number;
   /** HELIOS_LOG_LEVEL: pino level; default info. */
   readonly logLevel: string;
 }
@@ -136,6 +184,50 @@ function parseTokens(env: Env): Map<string, ApiRole> {
   return tokens;
 }
 
+function bool(env: Env, name: string, fallback: boolean): boolean {
+  const raw = env[name]?.trim().toLowerCase();
+  if (!raw) return fallback;
+  if (['true', '1', 'yes'].includes(raw)) return true;
+  if (['false', '0', 'no'].includes(raw)) return false;
+  throw new ConfigError(name, `must be true or false, got "${raw}"`);
+}
+
+/** A comma list of CIDR ranges; undefined when unset (use the default), [] for `none`. */
+function cidrs(env: Env, name: string): string[] | undefined {
+  const raw = env[name]?.trim();
+  if (!raw) return undefined;
+  if (raw.toLowerCase() === 'none') return [];
+  const items = raw
+    .split(',')
+    .map((s) => s.trim())
+    .filter(Boolean);
+  for (const item of items) {
+    try {
+      CidrRange.parse(item);
+    } catch (err) {
+      if (err instanceof InvalidCidrError) throw new ConfigError(name, err.message);
+      throw err;
+    }
+  }
+  return items;
+}
+
+function parseSensitiveHeaders(env: Env): ReadonlySet<string> {
+  const extra = (env.HELIOS_SENSITIVE_HEADERS ?? '')
+    .split(',')
+    .map((s) => s.trim())
+    .filter(Boolean);
+  const bad = extra.find((h) => !/^[!#$%&'*+.^_`|~0-9A-Za-z-]+$/.test(h));
+  if (bad !== undefined) throw new ConfigError('HELIOS_SENSITIVE_HEADERS', `"${bad}" is not a header name`);
+  return sensitiveHeaderSet(extra);
+}
+
+/** True for addresses only this host can reach. */
+export function isLoopbackHost(host: string): boolean {
+  const bare = host.replace(/^\[(.*)\]$/, '$1').toLowerCase();
+  return bare === 'localhost' || bare === '::1' || /^127\.\d{1,3}\.\d{1,3}\.\d{1,3}$/.test(bare);
+}
+
 /** Validates and freezes the configuration; throws ConfigError naming the first bad variable. */
 export function loadConfig(env: Env = process.env): HeliosConfig {
   const leaseTtlMs = int(env, 'HELIOS_LEASE_TTL_MS', 3000, 2000, 60_000);
@@ -162,10 +254,20 @@ export function loadConfig(env: Env = process.env): HeliosConfig {
   const dbProblem = checkUrl(['postgres:', 'postgresql:'])(databaseUrl);
   if (dbProblem) throw new ConfigError('HELIOS_DATABASE_URL', dbProblem);
 
+  const httpHost = str(env, 'HELIOS_HTTP_HOST', '127.0.0.1');
+  const apiTokens = parseTokens(env);
+  // Without tokens the API is open to whoever reaches it, so it must stay on this host.
+  if (apiTokens.size === 0 && !isLoopbackHost(httpHost)) {
+    throw new ConfigError(
+      'HELIOS_HTTP_HOST',
+      `binding "${httpHost}" requires HELIOS_API_TOKENS; without tokens only a loopback address is allowed`,
+    );
+  }
+
   const config: HeliosConfig = {
     nodeId,
     roles: parseRoles(env),
-    httpHost: str(env, 'HELIOS_HTTP_HOST', '127.0.0.1'),
+    httpHost,
     httpPort: int(env, 'HELIOS_HTTP_PORT', 8080, 0, 65535),
     publicUrl,
     databaseUrl,
@@ -180,11 +282,27 @@ export function loadConfig(env: Env = process.env): HeliosConfig {
     leaseTtlMs,
     leaderSafetyMarginMs,
     workerConcurrency: int(env, 'HELIOS_WORKER_CONCURRENCY', 64, 1, 10_000),
+    workerPrefetch: int(env, 'HELIOS_WORKER_PREFETCH', 1000, 1, 100_000),
+    claimGraceMs: int(env, 'HELIOS_CLAIM_GRACE_MS', 5000, 100, 3_600_000),
+    clockSkewToleranceMs: int(env, 'HELIOS_CLOCK_SKEW_TOLERANCE_MS', 10, 0, 10_000),
+    claimLeadMs: int(env, 'HELIOS_CLAIM_LEAD_MS', 50, 0, 10_000),
+    pollIntervalMs: int(env, 'HELIOS_POLL_INTERVAL_MS', 1000, 50, 600_000),
+    pollOverdueMs: int(env, 'HELIOS_POLL_OVERDUE_MS', 2000, 0, 3_600_000),
+    claimCheckIntervalMs: int(env, 'HELIOS_CLAIM_CHECK_INTERVAL_MS', 1000, 50, 600_000),
+    reaperIntervalMs: int(env, 'HELIOS_REAPER_INTERVAL_MS', 1000, 50, 600_000),
+    responseExcerptBytes: int(env, 'HELIOS_RESPONSE_EXCERPT_BYTES', 2048, 0, 1_048_576),
     dispatchLookaheadMs: int(env, 'HELIOS_DISPATCH_LOOKAHEAD_MS', 1000, 0, 60_000),
     dispatchBatchSize: int(env, 'HELIOS_DISPATCH_BATCH', 500, 1, 10_000),
     misfireThresholdMs: int(env, 'HELIOS_MISFIRE_THRESHOLD_MS', 5000, 0, 86_400_000),
     shutdownTimeoutMs: int(env, 'HELIOS_SHUTDOWN_TIMEOUT_MS', 10_000, 0, 600_000),
-    apiTokens: parseTokens(env),
+    apiTokens,
+    metricsPublic: bool(env, 'HELIOS_METRICS_PUBLIC', false),
+    targetPolicy: compileTargetPolicy({
+      deny: cidrs(env, 'HELIOS_TARGET_DENY'),
+      allow: cidrs(env, 'HELIOS_TARGET_ALLOW'),
+    }),
+    sensitiveHeaders: parseSensitiveHeaders(env),
+    apiBodyLimit: int(env, 'HELIOS_API_BODY_LIMIT', 256 * 1024, 1024, 64 * 1024 * 1024),
     logLevel,
   };
   return Object.freeze(config);
@@ -195,4 +313,20 @@ export function apiUrlOf(config: HeliosConfig, boundPort: number): string {
   if (config.publicUrl) return config.publicUrl;
   const host = config.httpHost === '0.0.0.0' || config.httpHost === '::' ? hostname() : config.httpHost;
   return `http://${host.includes(':') ? `[${host}]` : host}:${boundPort}`;
+}
+
+/** Settings of the `helios` CLI commands that talk to a node's API. */
+export interface CliConfig {
+  /** HELIOS_API_URL: base URL of any node's API; default http://127.0.0.1:8080. */
+  readonly apiUrl: string;
+  /** HELIOS_API_TOKEN: bearer token sent with every request; default none. */
+  readonly apiToken: string | undefined;
+}
+
+/** Reads the CLI's settings; throws ConfigError naming a bad variable. */
+export function loadCliConfig(env: Env = process.env): CliConfig {
+  const apiUrl = str(env, 'HELIOS_API_URL', 'http://127.0.0.1:8080').replace(/\/+$/, '');
+  const problem = checkUrl(['http:', 'https:'])(apiUrl);
+  if (problem) throw new ConfigError('HELIOS_API_URL', problem);
+  return Object.freeze({ apiUrl, apiToken: env.HELIOS_API_TOKEN?.trim() || undefined });
 }

@@ -5,13 +5,16 @@ import { createLogger } from './observability/logger.js';
 import { HeliosNode } from './node.js';
 import { createPool } from './store/db.js';
 import { migrate } from './store/migrate.js';
+import { CLI_COMMANDS, runCli } from './cli/index.js';
+import { CLI_USAGE } from './cli/usage.js';
 
 const USAGE = `usage: helios <command>
 
 commands:
   node      run a Helios node (roles from HELIOS_ROLES), configured by HELIOS_* variables
   migrate   apply pending database migrations and exit
-`;
+
+${CLI_USAGE}`;
 
 async function runNode(): Promise<void> {
   const config = loadConfig();
@@ -67,6 +70,10 @@ async function main(argv: string[]): Promise<void> {
       process.stdout.write(USAGE);
       return;
     default:
+      if (Object.hasOwn(CLI_COMMANDS, command)) {
+        process.exitCode = await runCli(command, argv.slice(1));
+        return;
+      }
       process.stderr.write(`unknown command "${command}"\n${USAGE}`);
       process.exitCode = 2;
   }

@@ -201,6 +201,7 @@ export class HeliosNode {
         prefetch: config.workerPrefetch,
         claimGraceMs: config.claimGraceMs,
         skewToleranceMs: config.clockSkewToleranceMs,
+        claimLeadMs: config.claimLeadMs,
         pollIntervalMs: config.pollIntervalMs,
         pollOverdueMs: config.pollOverdueMs,
         claimCheckIntervalMs: config.claimCheckIntervalMs,

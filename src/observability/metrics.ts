@@ -63,6 +63,44 @@ export function createMetrics(nodeId: string) {
       labelNames: ['to'],
       registers: [registry],
     }),
+    runClaims: new Counter({
+      name: 'helios_run_claims_total',
+      help: 'Claim attempts by this worker: source kafka|poll, result claimed|missed|skipped|early',
+      labelNames: ['source', 'result'],
+      registers: [registry],
+    }),
+    runsSkipped: new Counter({
+      name: 'helios_runs_skipped_total',
+      help: 'Runs skipped at claim time by their concurrency policy',
+      labelNames: ['reason'],
+      registers: [registry],
+    }),
+    runsReplaced: new Counter({
+      name: 'helios_runs_replaced_total',
+      help: 'Running runs failed with reason replaced by a newer run of a replace job',
+      registers: [registry],
+    }),
+    deadLetters: new Counter({
+      name: 'helios_dead_letters_total',
+      help: 'Runs that exhausted their attempts and were dead-lettered',
+      registers: [registry],
+    }),
+    httpDuration: new Histogram({
+      name: 'helios_run_http_seconds',
+      help: 'Duration of the HTTP call of one attempt (including reading the response excerpt)',
+      buckets: [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60],
+      registers: [registry],
+    }),
+    runsHeld: new Gauge({
+      name: 'helios_worker_held_runs',
+      help: 'Run announcements held in memory until due or until a slot frees',
+      registers: [registry],
+    }),
+    runsInFlight: new Gauge({
+      name: 'helios_worker_in_flight_runs',
+      help: 'Runs being claimed or executed by this worker',
+      registers: [registry],
+    }),
   };
 }
 

@@ -15,9 +15,10 @@ import {
   type OutgoingMessage,
 } from '../../src/broker/index.js';
 import { createLogger } from '../../src/observability/logger.js';
+import { serverEnv } from '../support/env.js';
 
 // Real Kafka from `scripts/infra.sh up` (source .helios/env). HELIOS_TEST_LOG=debug shows client logs.
-const brokers = (process.env.HELIOS_KAFKA_BROKERS ?? '').split(',').filter(Boolean);
+const brokers = serverEnv().kafkaBrokers.split(',').filter(Boolean);
 const logger = createLogger({ level: process.env.HELIOS_TEST_LOG ?? 'silent', nodeId: 'broker-test' });
 const runId = randomUUID().slice(0, 8);
 const topicName = (what: string) => `helios-test.broker.${what}.${runId}`;

@@ -1,0 +1,56 @@
+import type { TypeBoxTypeProvider } from '@fastify/type-provider-typebox';
+import type {
+  FastifyBaseLogger,
+  FastifyInstance,
+  RawReplyDefaultExpression,
+  RawRequestDefaultExpression,
+  RawServerDefault,
+} from 'fastify';
+import type { Etcd3 } from 'etcd3';
+import type pg from 'pg';
+import type { ApiRole } from '../config.js';
+import type { Logger } from '../observability/logger.js';
+import type { TargetPolicy } from '../security/target-policy.js';
+import { Problem } from './schemas.js';
+
+/** What the v1 API needs from the node; every field comes from HeliosConfig or a started part. */
+export interface ApiOptions {
+  readonly pool: pg.Pool;
+  readonly etcd: Etcd3;
+  /** Prefix of the leader key and the node registry in etcd (HELIOS_ETCD_PREFIX). */
+  readonly etcdPrefix: string;
+  /** Topic of run messages written to the outbox by manual triggers and replays. */
+  readonly runsTopic: string;
+  /** Token → role; empty means the API is open (the node then binds loopback only). */
+  readonly tokens: ReadonlyMap<string, ApiRole>;
+  readonly targetPolicy: TargetPolicy;
+  /** Lower-case header names whose values are shown as `***`. */
+  readonly sensitiveHeaders: ReadonlySet<string>;
+  /** Serve /metrics without a token even when tokens are configured; default false. */
+  readonly metricsPublic?: boolean;
+  /** Serve /api/v1, /openapi.json and /docs; false keeps only the /metrics token check. Default true. */
+  readonly routes?: boolean;
+  readonly logger: Logger;
+}
+
+/** The Fastify instance routes are declared on: TypeBox schemas type the handlers. */
+export type Api = FastifyInstance<
+  RawServerDefault,
+  RawRequestDefaultExpression,
+  RawReplyDefaultExpression,
+  FastifyBaseLogger,
+  TypeBoxTypeProvider
+>;
+
+const PROBLEM_RESPONSE = {
+  description: 'RFC 9457 problem details naming the failing fields',
+  content: { 'application/problem+json': { schema: Problem } },
+};
+
+/** Response schemas of the problem statuses a route can answer with (application/problem+json). */
+export function problems(...statuses: number[]): Record<number, typeof PROBLEM_RESPONSE> {
+  return Object.fromEntries(statuses.map((status) => [status, PROBLEM_RESPONSE]));
+}
+
+/** Statuses every /api/v1 route can answer with (auth, server failure). */
+export const COMMON_PROBLEMS = [401, 403, 500] as const;

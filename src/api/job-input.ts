@@ -1,0 +1,189 @@
+import { InvalidCronError, parseCron, type CronSchedule } from '../scheduling/cron.js';
+import { checkTargetUrl, type TargetPolicy } from '../security/target-policy.js';
+import { REDACTED } from '../security/sensitive-headers.js';
+import type { JobFields, JobRecord, StoredTarget } from '../store/jobs.js';
+import { badRequest, type FieldError } from './problems.js';
+import { JOB_DEFAULTS, type JobInput } from './schemas.js';
+
+/** The rules a job must pass beyond its schema. */
+export interface JobRules {
+  readonly targetPolicy: TargetPolicy;
+  /** Lower-case names of headers whose values are never shown. */
+  readonly sensitiveHeaders: ReadonlySet<string>;
+}
+
+const UUID = /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/i;
+export const isUuid = (text: string): boolean => UUID.test(text);
+
+/** Headers Helios or the HTTP client sets itself; a job may not override them. */
+const RESERVED_HEADERS = new Set([
+  'host',
+  'content-length',
+  'transfer-encoding',
+  'connection',
+  'keep-alive',
+  'upgrade',
+  'te',
+  'trailer',
+  'idempotency-key',
+]);
+
+const LONE_SURROGATE = /[\uD800-\uDBFF](?![\uDC00-\uDFFF])|(?<![\uD800-\uDBFF])[\uDC00-\uDFFF]/;
+const unstorable = (text: string) => text.includes('\u0000') || LONE_SURROGATE.test(text);
+
+/** Largest JSON-encoded `target.body`, and its deepest nesting (PostgreSQL's jsonb parser recurses). */
+const MAX_BODY_BYTES = 65_536;
+const MAX_BODY_DEPTH = 32;
+
+/** Nesting depth of a JSON value, counted without recursion and given up past `max`. */
+function depthExceeds(value: unknown, max: number): boolean {
+  const stack: [unknown, number][] = [[value, 0]];
+  while (stack.length > 0) {
+    const [current, depth] = stack.pop()!;
+    if (current === null || typeof current !== 'object') continue;
+    if (depth >= max) return true;
+    for (const inner of Object.values(current)) stack.push([inner, depth + 1]);
+  }
+  return false;
+}
+
+/**
+ * Strings (and object keys) PostgreSQL cannot store: NUL, and lone UTF-16 surrogates (not valid
+ * UTF-8). Only called on values whose depth is bounded.
+ */
+function unstorableStrings(value: unknown, path: string[], out: FieldError[]): void {
+  if (typeof value === 'string') {
+    if (unstorable(value)) {
+      out.push({ field: path.join('.'), message: 'must not contain NUL or unpaired surrogate characters' });
+    }
+  } else if (value !== null && typeof value === 'object') {
+    for (const [key, inner] of Object.entries(value)) {
+      if (unstorable(key)) out.push({ field: path.join('.'), message: 'has a key that cannot be stored' });
+      unstorableStrings(inner, [...path, key], out);
+    }
+  }
+}
+
+function checkBody(body: unknown, method: string, errors: FieldError[]): void {
+  if (body === undefined) return;
+  const field = 'target.body';
+  if (method === 'GET' || method === 'HEAD') {
+    errors.push({ field, message: `a ${method} request cannot have a body` });
+  } else if (depthExceeds(body, MAX_BODY_DEPTH)) {
+    errors.push({ field, message: `must not be nested deeper than ${MAX_BODY_DEPTH} levels` });
+  } else if (Buffer.byteLength(JSON.stringify(body)) > MAX_BODY_BYTES) {
+    errors.push({ field, message: `must be at most ${MAX_BODY_BYTES} bytes as JSON` });
+  } else {
+    unstorableStrings(body, [field], errors);
+  }
+}
+
+function checkHeaders(
+  headers: Readonly<Record<string, string>>,
+  rules: JobRules,
+  stored: StoredTarget | undefined,
+  errors: FieldError[],
+): Record<string, string> {
+  const out: Record<string, string> = {};
+  const seen = new Set<string>();
+  for (const [name, value] of Object.entries(headers)) {
+    const field = `target.headers.${name}`;
+    const lower = name.toLowerCase();
+    if (seen.has(lower)) errors.push({ field, message: 'is given twice (header names ignore case)' });
+    seen.add(lower);
+    if (RESERVED_HEADERS.has(lower) || lower.startsWith('x-helios-')) {
+      errors.push({ field, message: 'is set by Helios and cannot be configured' });
+    }
+    if (rules.sensitiveHeaders.has(lower) && value === REDACTED) {
+      // "***" is what reads return: sending it back means "keep the stored secret".
+      const kept = Object.entries(stored?.headers ?? {}).find(([n]) => n.toLowerCase() === lower)?.[1];
+      if (kept === undefined)
+        errors.push({ field, message: `"${REDACTED}" keeps a stored value, and none is stored` });
+      out[name] = kept ?? value;
+    } else {
+      out[name] = value;
+    }
+  }
+  return out;
+}
+
+/**
+ * Checks what the schema cannot (cron, zone, URL and target policy, headers) and fills defaults.
+ * `stored` is the job's current target on an update, for "***" header values.
+ * @throws ProblemError (400) listing every failing field.
+ */
+export function compileJob(
+  input: JobInput,
+  rules: JobRules,
+  stored?: StoredTarget,
+): { fields: Omit<JobFields, 'nextRunAt'>; schedule: CronSchedule } {
+  const errors: FieldError[] = [];
+  // The body is checked on its own (bounded depth first); everything else has a fixed shape.
+  const { body: rawBody, ...targetRest } = input.target;
+  const body = rawBody === null ? undefined : rawBody;
+  unstorableStrings({ ...input, target: targetRest }, [], errors);
+  if (isUuid(input.name)) errors.push({ field: 'name', message: 'must not look like a job id (a UUID)' });
+  const timezone = input.timezone ?? JOB_DEFAULTS.timezone;
+  let schedule: CronSchedule | undefined;
+  try {
+    schedule = parseCron(input.schedule, timezone);
+  } catch (err) {
+    if (!(err instanceof InvalidCronError)) throw err;
+    errors.push({ field: err.field, message: err.message });
+  }
+  const urlProblem = checkTargetUrl(input.target.url, rules.targetPolicy);
+  if (urlProblem) errors.push({ field: 'target.url', message: urlProblem });
+  const headers = checkHeaders(input.target.headers ?? {}, rules, stored, errors);
+  const method =
+    input.target.method ?? (body === undefined ? JOB_DEFAULTS.method : JOB_DEFAULTS.methodWithBody);
+  checkBody(body, method, errors);
+  if (errors.length > 0 || !schedule) throw badRequest(errors);
+
+  const target: StoredTarget = {
+    url: input.target.url,
+    method,
+    headers,
+    ...(body !== undefined ? { body } : {}),
+  };
+  const retry = { ...JOB_DEFAULTS.retry, ...input.retry };
+  const fields = {
+    name: input.name,
+    schedule: input.schedule,
+    timezone,
+    target,
+    timeoutMs: input.timeoutMs ?? JOB_DEFAULTS.timeoutMs,
+    maxAttempts: retry.maxAttempts,
+    backoffMs: retry.backoffMs,
+    backoffMultiplier: retry.backoffMultiplier,
+    concurrency: input.concurrency ?? JOB_DEFAULTS.concurrency,
+    misfire: input.misfire ?? JOB_DEFAULTS.misfire,
+    maxCatchUp: input.maxCatchUp ?? JOB_DEFAULTS.maxCatchUp,
+    enabled: input.enabled ?? JOB_DEFAULTS.enabled,
+  };
+  return { fields, schedule };
+}
+
+/** A stored job in input form (secrets included: server-side only), the base a PATCH applies to. */
+export function inputOf(job: JobRecord): JobInput {
+  return {
+    name: job.name,
+    schedule: job.schedule,
+    timezone: job.timezone,
+    target: {
+      url: job.target.url,
+      method: job.target.method as JobInput['target']['method'],
+      headers: { ...job.target.headers },
+      ...(job.target.body !== undefined && job.target.body !== null ? { body: job.target.body } : {}),
+    },
+    timeoutMs: job.timeoutMs,
+    retry: {
+      maxAttempts: job.maxAttempts,
+      backoffMs: job.backoffMs,
+      backoffMultiplier: job.backoffMultiplier,
+    },
+    concurrency: job.concurrency,
+    misfire: job.misfire,
+    maxCatchUp: job.maxCatchUp,
+    enabled: job.enabled,
+  };
+}

@@ -1,0 +1,133 @@
+import type { FastifyError, FastifyReply, FastifyRequest } from 'fastify';
+import type { Logger } from '../observability/logger.js';
+import { toError } from '../errors.js';
+import { DuplicateJobNameError } from '../store/jobs.js';
+
+/** One failing input field; `field` is a dotted path such as `target.url` or `limit`. */
+export interface FieldError {
+  readonly field: string;
+  readonly message: string;
+}
+
+/** An RFC 9457 problem details body, as every API error is sent (`application/problem+json`). */
+export interface ProblemBody {
+  type: string;
+  title: string;
+  status: number;
+  detail?: string;
+  instance?: string;
+  errors?: FieldError[];
+}
+
+/** An error that becomes a problem response with its own status, title and field errors. */
+export class ProblemError extends Error {
+  override name = 'ProblemError';
+  constructor(
+    readonly status: number,
+    readonly slug: string,
+    readonly title: string,
+    readonly detail?: string,
+    readonly errors?: FieldError[],
+    readonly headers: Record<string, string> = {},
+  ) {
+    super(detail ?? title);
+  }
+}
+
+export const badRequest = (errors: FieldError[], detail?: string) =>
+  new ProblemError(400, 'validation', 'Invalid request', detail ?? errors[0]?.message, errors);
+export const notFound = (what: string) =>
+  new ProblemError(404, 'not-found', 'Not found', `${what} not found`);
+export const conflict = (field: string, message: string) =>
+  new ProblemError(409, 'conflict', 'Conflict', message, [{ field, message }]);
+
+/** Turns a TypeBox/JSON-pointer path into a dotted field name (`/target/url` → `target.url`). */
+export function fieldOf(path: string, part: string): string {
+  const trimmed = path.replace(/^\//, '');
+  if (trimmed === '') return part === 'body' ? 'body' : part;
+  return trimmed
+    .split('/')
+    .map((s) => s.replaceAll('~1', '/').replaceAll('~0', '~'))
+    .join('.');
+}
+
+interface ValidationIssue {
+  instancePath?: string;
+  message?: string;
+}
+
+/** Fastify's own errors before a handler runs (content type, body size, JSON syntax). */
+const FASTIFY_ERRORS: Record<string, { status: number; slug: string; title: string }> = {
+  FST_ERR_CTP_BODY_TOO_LARGE: { status: 413, slug: 'body-too-large', title: 'Request body too large' },
+  FST_ERR_CTP_INVALID_MEDIA_TYPE: {
+    status: 415,
+    slug: 'unsupported-media-type',
+    title: 'Unsupported media type',
+  },
+  FST_ERR_CTP_EMPTY_JSON_BODY: { status: 400, slug: 'validation', title: 'Invalid request' },
+  FST_ERR_CTP_INVALID_JSON_BODY: { status: 400, slug: 'malformed-json', title: 'Malformed JSON' },
+  FST_ERR_CTP_INVALID_CONTENT_LENGTH: { status: 400, slug: 'validation', title: 'Invalid request' },
+};
+
+/** Maps anything thrown while serving a request to a problem; unknown errors are a 500. */
+export function toProblem(error: unknown): ProblemError {
+  if (error instanceof ProblemError) return error;
+  if (error instanceof DuplicateJobNameError) return conflict('name', error.message);
+  const e = error as Partial<FastifyError> & { validation?: ValidationIssue[]; code?: string };
+  if (Array.isArray(e.validation)) {
+    const part = e.validationContext ?? 'body';
+    const seen = new Set<string>();
+    const errors: FieldError[] = [];
+    for (const issue of e.validation) {
+      const field = fieldOf(issue.instancePath ?? '', part);
+      if (seen.has(field)) continue;
+      seen.add(field);
+      errors.push({ field, message: issue.message ?? 'is invalid' });
+    }
+    return badRequest(errors);
+  }
+  const known = e.code ? FASTIFY_ERRORS[e.code] : undefined;
+  if (known) {
+    // A JSON syntax error's message quotes the input; it is only a fragment, but never echo input.
+    const detail = known.slug === 'malformed-json' ? 'the body is not valid JSON' : e.message;
+    return new ProblemError(known.status, known.slug, known.title, detail, [
+      { field: 'body', message: detail ?? known.title },
+    ]);
+  }
+  // Other client errors Fastify raises before routing (e.g. prototype poisoning is a 400).
+  if (typeof e.statusCode === 'number' && e.statusCode >= 400 && e.statusCode < 500) {
+    return new ProblemError(e.statusCode, 'bad-request', 'Bad request', 'the request was rejected', [
+      { field: 'body', message: 'the request was rejected' },
+    ]);
+  }
+  // PostgreSQL data exceptions (class 22) mean input got past validation: still the client's.
+  if (typeof e.code === 'string' && /^22[0-9A-Z]{3}$/.test(e.code)) {
+    return badRequest([{ field: 'body', message: 'a value is not acceptable to the database' }]);
+  }
+  return new ProblemError(500, 'internal', 'Internal server error', 'the server failed; see its log');
+}
+
+/** Sends `problem` as application/problem+json; logs 5xx errors (never the request body). */
+export function sendProblem(
+  reply: FastifyReply,
+  request: FastifyRequest,
+  error: unknown,
+  logger: Logger,
+): FastifyReply {
+  const problem = toProblem(error);
+  if (problem.status >= 500) {
+    logger.error(
+      { err: toError(error), method: request.method, route: request.routeOptions.url },
+      'request failed',
+    );
+  }
+  const body: ProblemBody = {
+    type: `urn:helios:problem:${problem.slug}`,
+    title: problem.title,
+    status: problem.status,
+    instance: request.url.split('?')[0],
+  };
+  if (problem.detail !== undefined) body.detail = problem.detail;
+  if (problem.errors !== undefined) body.errors = problem.errors;
+  return reply.code(problem.status).headers(problem.headers).type('application/problem+json').send(body);
+}

@@ -1,0 +1,119 @@
+import { Type } from '@sinclair/typebox';
+import type { Api, ApiOptions } from '../context.js';
+import { COMMON_PROBLEMS, problems } from '../context.js';
+import { inTransaction } from '../../store/db.js';
+import { databaseNow } from '../../store/dispatch.js';
+import { deleteJob, insertJob, listJobs, skipFutureRuns, updateJob } from '../../store/jobs.js';
+import { compileJob, inputOf } from '../job-input.js';
+import { decodeCursor, DEFAULT_LIMIT, toPage } from '../cursor.js';
+import { IdParams, Job, JobInput, JobPatch, Page, PageQuery } from '../schemas.js';
+import { jobView } from '../views.js';
+import { requireJob } from './job-ref.js';
+import { notFound } from '../problems.js';
+
+/** POST /jobs, GET /jobs, GET/PATCH/DELETE /jobs/{id}. */
+export function jobRoutes(app: Api, options: ApiOptions): void {
+  const { pool, sensitiveHeaders } = options;
+  const view = (job: Parameters<typeof jobView>[0]) => jobView(job, sensitiveHeaders);
+
+  app.post(
+    '/jobs',
+    {
+      schema: {
+        tags: ['jobs'],
+        summary: 'Create a job',
+        description: 'nextRunAt is computed from the database clock. 409 when the name is taken.',
+        body: JobInput,
+        response: { 201: Job, ...problems(400, 409, 413, 415, ...COMMON_PROBLEMS) },
+      },
+    },
+    async (request, reply) => {
+      const { fields, schedule } = compileJob(request.body, options);
+      const now = await databaseNow(pool);
+      const job = await insertJob(pool, { ...fields, nextRunAt: schedule.next(now) });
+      return reply.code(201).header('location', `/api/v1/jobs/${job.id}`).send(view(job));
+    },
+  );
+
+  app.get(
+    '/jobs',
+    {
+      schema: {
+        tags: ['jobs'],
+        summary: 'List jobs in creation order',
+        querystring: PageQuery,
+        response: { 200: Page(Job), ...problems(400, ...COMMON_PROBLEMS) },
+      },
+    },
+    async (request) => {
+      const limit = request.query.limit ?? DEFAULT_LIMIT;
+      const after = decodeCursor(request.query.cursor);
+      return toPage(await listJobs(pool, after, limit + 1), limit, view);
+    },
+  );
+
+  app.get(
+    '/jobs/:id',
+    {
+      schema: {
+        tags: ['jobs'],
+        summary: 'Read a job (by id or name)',
+        params: IdParams,
+        response: { 200: Job, ...problems(404, ...COMMON_PROBLEMS) },
+      },
+    },
+    async (request) => view(await requireJob(pool, request.params.id)),
+  );
+
+  app.patch(
+    '/jobs/:id',
+    {
+      schema: {
+        tags: ['jobs'],
+        summary: 'Change some fields of a job',
+        description:
+          'Each given top-level field replaces the stored one whole. A sensitive header sent as "***" keeps its stored value. nextRunAt is recomputed when schedule or timezone change or the job is enabled again.',
+        params: IdParams,
+        body: JobPatch,
+        response: { 200: Job, ...problems(400, 404, 409, 413, 415, ...COMMON_PROBLEMS) },
+      },
+    },
+    async (request) => {
+      const job = await inTransaction(pool, async (client) => {
+        const current = await requireJob(client, request.params.id, true);
+        const { fields, schedule } = compileJob(
+          { ...inputOf(current), ...request.body },
+          options,
+          current.target,
+        );
+        const reschedule =
+          fields.schedule !== current.schedule ||
+          fields.timezone !== current.timezone ||
+          (fields.enabled && !current.enabled);
+        const nextRunAt = reschedule ? schedule.next(await databaseNow(client)) : current.nextRunAt;
+        const updated = await updateJob(client, current.id, { ...fields, nextRunAt });
+        if (current.enabled && !fields.enabled) await skipFutureRuns(client, current.id);
+        return updated!;
+      });
+      return view(job);
+    },
+  );
+
+  app.delete(
+    '/jobs/:id',
+    {
+      schema: {
+        tags: ['jobs'],
+        summary: 'Delete a job with its runs',
+        params: IdParams,
+        response: { 204: Type.Null({ description: 'deleted' }), ...problems(404, ...COMMON_PROBLEMS) },
+      },
+    },
+    async (request, reply) => {
+      const job = await requireJob(pool, request.params.id);
+      // Deleted by someone else in between: the outcome the caller wanted, but not by this call.
+      if (!(await deleteJob(pool, job.id))) throw notFound(`job "${request.params.id}"`);
+      return reply.code(204).send(null);
+    },
+  );
+}

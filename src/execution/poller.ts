@@ -1,0 +1,75 @@
+import { setTimeout as sleep } from 'node:timers/promises';
+import type pg from 'pg';
+import { toError } from '../errors.js';
+import type { Logger } from '../observability/logger.js';
+import type { Metrics } from '../observability/metrics.js';
+import { inTransaction } from '../store/db.js';
+import { claimOverdueRuns, type ClaimedRun, type ClaimOptions } from '../store/runs.js';
+import type { DbClock } from './db-clock.js';
+
+/** Options of {@link pollOverdue}. */
+export interface PollerOptions {
+  readonly pool: pg.Pool;
+  readonly claim: ClaimOptions;
+  /** Time between polls. */
+  readonly intervalMs: number;
+  /** A queued run is taken once it is this late: its message should have arrived long before. */
+  readonly overdueMs: number;
+  /** Execution slots free now; the poller claims at most this many. */
+  readonly capacity: () => number;
+  /** Reserves `n` slots while a poll is claiming (so nothing else takes them meanwhile). */
+  readonly reserve: (n: number) => () => void;
+  /** Takes the claimed runs (their slots were reserved). */
+  readonly execute: (runs: ClaimedRun[]) => void;
+  readonly clock: DbClock;
+  readonly logger: Logger;
+  readonly metrics: Metrics;
+  readonly signal: AbortSignal;
+}
+
+/** The database clock offset is re-sampled this often. */
+const CLOCK_SYNC_MS = 30_000;
+
+/**
+ * The polling fallback (contract item 5): claims queued runs whose message is overdue, with
+ * FOR UPDATE SKIP LOCKED so pollers on several nodes take disjoint runs. With Kafka down, or a
+ * message lost with a crashed worker, runs still execute, `overdueMs` to `overdueMs + intervalMs`
+ * late. Also keeps the worker's estimate of the database clock fresh. Never rejects.
+ */
+export async function pollOverdue(options: PollerOptions): Promise<void> {
+  const { pool, logger, metrics, signal, clock } = options;
+  let failures = 0;
+  while (!signal.aborted) {
+    try {
+      await clock.sync(pool, CLOCK_SYNC_MS);
+      const capacity = options.capacity();
+      if (capacity > 0) {
+        const release = options.reserve(capacity);
+        let claimed: ClaimedRun[] = [];
+        try {
+          const result = await inTransaction(pool, (client) =>
+            claimOverdueRuns(client, options.overdueMs, capacity, options.claim),
+          );
+          claimed = result.claimed;
+          if (result.skipped > 0) metrics.runsSkipped.inc({ reason: 'concurrency-forbid' }, result.skipped);
+        } finally {
+          release();
+        }
+        if (claimed.length > 0) {
+          metrics.runClaims.inc({ source: 'poll', result: 'claimed' }, claimed.length);
+          logger.info({ runs: claimed.length }, 'claimed overdue runs by polling');
+          options.execute(claimed);
+          // A full batch means more may be waiting: poll again without sleeping.
+          if (claimed.length === capacity) continue;
+        }
+      }
+      failures = 0;
+    } catch (err) {
+      if (signal.aborted) return;
+      failures += 1;
+      logger.warn({ err: toError(err), failures }, 'overdue poll failed; retrying');
+    }
+    const wait = failures === 0 ? options.intervalMs : Math.min(10_000, options.intervalMs * 2 ** failures);
+    await sleep(wait, undefined, { signal }).catch(() => undefined);
+  }
+}

@@ -1,0 +1,102 @@
+import { setTimeout as sleep } from 'node:timers/promises';
+import type pg from 'pg';
+import type { Leadership } from '../coordination/election.js';
+import { NotLeaderError, StaleFencingTokenError, toError } from '../errors.js';
+import type { Logger } from '../observability/logger.js';
+import type { Metrics } from '../observability/metrics.js';
+import { failAttempt, msUntilNextExpiry, selectExpiredRuns, type Topics } from '../store/attempts.js';
+import { inFencedTransaction } from '../store/fence.js';
+import { retryDelayMs } from './backoff.js';
+
+/** Options of {@link Reaper}. */
+export interface ReaperOptions {
+  readonly pool: pg.Pool;
+  readonly leadership: Leadership;
+  readonly topics: Topics;
+  /** Longest sleep between passes (HELIOS_REAPER_INTERVAL_MS, default 1000). */
+  readonly intervalMs: number;
+  /** Runs per fenced transaction; default 100. */
+  readonly batchSize?: number;
+  readonly logger: Logger;
+  readonly metrics: Metrics;
+  /** Called when the fence rejected a write: a newer leader exists. */
+  readonly onFenced: (err: StaleFencingTokenError) => void;
+}
+
+/**
+ * The leader's loop for stranded work (contract item 6): a run still `running` past its claim
+ * deadline belonged to a worker that died, hung or was partitioned. It goes back to `queued` as
+ * the next attempt (with backoff and an outbox row) or, with no attempt left, to `dead`. Each
+ * pass is one fenced transaction, so a deposed leader cannot re-queue anything.
+ *
+ * A worker that is merely slow cannot be reaped wrongly: its call is aborted at the run's
+ * timeout, which the claim deadline exceeds by the grace period. A paused worker that wakes up
+ * after being reaped finds its completion rejected (it is conditional on the claim).
+ */
+export class Reaper {
+  constructor(private readonly options: ReaperOptions) {}
+
+  /** Runs until leadership ends; never rejects. */
+  async run(): Promise<void> {
+    const { leadership, logger, pool, intervalMs } = this.options;
+    const signal = leadership.signal;
+    let failures = 0;
+    while (!signal.aborted) {
+      try {
+        const { reaped, full } = await this.reapBatch();
+        failures = 0;
+        if (full) continue;
+        const untilExpiry = reaped > 0 ? 0 : await msUntilNextExpiry(pool);
+        const sleepMs = untilExpiry === null ? intervalMs : Math.min(intervalMs, Math.max(untilExpiry, 10));
+        await sleep(sleepMs, undefined, { signal }).catch(() => undefined);
+      } catch (err) {
+        if (err instanceof StaleFencingTokenError) {
+          this.options.metrics.fenceRejections.inc();
+          logger.warn({ token: leadership.token.toString() }, 'reaper rejected by the fence; stepping down');
+          this.options.onFenced(err);
+          return;
+        }
+        if (err instanceof NotLeaderError || signal.aborted) return;
+        failures += 1;
+        logger.warn({ err: toError(err), failures }, 'reaper pass failed; retrying');
+        await sleep(Math.min(5000, 100 * 2 ** failures), undefined, { signal }).catch(() => undefined);
+      }
+    }
+  }
+
+  /** One fenced transaction over at most `batchSize` expired claims. */
+  async reapBatch(): Promise<{ reaped: number; full: boolean }> {
+    const { pool, leadership, topics, metrics, logger } = this.options;
+    const batchSize = this.options.batchSize ?? 100;
+    if (!leadership.isValid()) throw new NotLeaderError('leadership ended before reaping');
+    const results = await inFencedTransaction(pool, leadership, async (client) => {
+      const expired = await selectExpiredRuns(client, batchSize);
+      const outcomes: { id: string; claimedBy: string | null; to: 'queued' | 'dead' }[] = [];
+      for (const run of expired) {
+        const report = {
+          outcome: 'expired' as const,
+          statusCode: null,
+          durationMs: null,
+          error: `claim of ${run.claimedBy ?? 'unknown node'} expired before the attempt completed`,
+          responseExcerpt: null,
+        };
+        const result = await failAttempt(
+          client,
+          run,
+          { reaper: true },
+          report,
+          retryDelayMs(run.attempt, run),
+          topics,
+        );
+        if (result) outcomes.push({ id: run.id, claimedBy: run.claimedBy, to: result.state });
+      }
+      return { outcomes, selected: expired.length };
+    });
+    for (const outcome of results.outcomes) {
+      metrics.runsReaped.inc({ to: outcome.to });
+      if (outcome.to === 'dead') metrics.deadLetters.inc();
+      logger.warn(outcome, 'claim expired; run recovered');
+    }
+    return { reaped: results.outcomes.length, full: results.selected === batchSize };
+  }
+}

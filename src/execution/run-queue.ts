@@ -1,0 +1,288 @@
+import { setTimeout as sleep } from 'node:timers/promises';
+import type pg from 'pg';
+import { toError, withTimeout } from '../errors.js';
+import type { Logger } from '../observability/logger.js';
+import type { Metrics } from '../observability/metrics.js';
+import { explainClaimMiss, skipRun, type ClaimedRun, type ClaimRequest } from '../store/runs.js';
+import type { ClaimResult } from './batching.js';
+import type { DbClock } from './db-clock.js';
+import type { RunMessage } from './run-message.js';
+
+/** Options of {@link RunQueue}. */
+export interface RunQueueOptions {
+  readonly pool: pg.Pool;
+  /** Claims one run (batched with the others of this event-loop turn). */
+  readonly claim: (request: ClaimRequest) => Promise<ClaimResult>;
+  /** A run may be claimed this long before its not_before (the claim's own tolerance). */
+  readonly skewToleranceMs: number;
+  /**
+   * Claims are tried this long before a run is due, so the round trip is not on the critical
+   * path; the call itself waits for not_before (ClaimOptions.leadMs must be the same).
+   */
+  readonly claimLeadMs: number;
+  /** Claims and executions in progress at once. */
+  readonly concurrency: number;
+  /** Announcements held (waiting for their time or a slot) before back-pressure applies. */
+  readonly prefetch: number;
+  readonly clock: DbClock;
+  /** Executes a claimed run; `signal` aborts the call. Must not reject. */
+  readonly run: (run: ClaimedRun, signal: AbortSignal) => Promise<void>;
+  /** Called with true when fetching should pause (prefetch full), false when it may resume. */
+  readonly onBackpressure: (full: boolean) => void;
+  readonly logger: Logger;
+  readonly metrics: Metrics;
+}
+
+interface Held {
+  readonly message: RunMessage;
+  timer?: NodeJS.Timeout;
+  /** Times a claim found the run not yet due (clock skew) and held it again. */
+  readonly retries: number;
+  /** Claim ahead of time (false once a claim ahead was refused: forbid and replace runs). */
+  readonly early: boolean;
+}
+
+interface Execution {
+  readonly runId: string;
+  /** 0 until the claim returned. */
+  attempt: number;
+  readonly controller: AbortController;
+  done?: Promise<void>;
+  /** Set when the claim found the run not yet due: held again once this execution is gone. */
+  rehold?: { message: RunMessage; retries: number };
+}
+
+/** A claim that found the run not yet due holds it again at most this many times. */
+const MAX_REHOLDS = 3;
+/** Longest setTimeout Node accepts; a longer hold re-arms. */
+const MAX_TIMER_MS = 2_147_483_647;
+
+/**
+ * The worker's in-memory pipeline: held announcements (a timer each, until not_before by the
+ * database clock) → ready (due, waiting for a slot) → claiming/executing (at most `concurrency`).
+ * Only the claim in PostgreSQL makes a run ours; this queue only decides *when* to try, so losing
+ * it (a crash) loses nothing but time: the polling fallback claims what was held here.
+ */
+export class RunQueue {
+  private readonly held = new Map<string, Held>();
+  private readonly ready: string[] = [];
+  private readonly executing = new Map<string, Execution>();
+  private reserved = 0;
+  private full = false;
+  private draining = false;
+  private readonly watch = new AbortController();
+  private onIdle?: () => void;
+
+  constructor(private readonly options: RunQueueOptions) {}
+
+  /** Aborted once the queue has drained: the claim watch runs until then. */
+  get watchSignal(): AbortSignal {
+    return this.watch.signal;
+  }
+
+  /** Takes an announcement from Kafka: held until due, then claimed. Never blocks. */
+  hold(message: RunMessage, retries = 0, early = true): void {
+    if (this.draining) return;
+    if (this.executing.has(message.runId)) return;
+    const existing = this.held.get(message.runId);
+    // The same announcement twice (re-delivery, or the relay re-publishing) is held once.
+    if (existing && existing.message.attempt >= message.attempt) return;
+    if (existing) this.forget(message.runId);
+    const entry: Held = { message, retries, early };
+    this.held.set(message.runId, entry);
+    this.arm(entry);
+    this.update();
+  }
+
+  /** Slots the polling fallback may claim now. */
+  freeSlots(): number {
+    if (this.draining) return 0;
+    return Math.max(0, this.options.concurrency - this.busy() - this.ready.length);
+  }
+
+  /** Reserves `n` slots; the returned function gives them back (once). */
+  reserve(n: number): () => void {
+    this.reserved += n;
+    let released = false;
+    return () => {
+      if (released) return;
+      released = true;
+      this.reserved -= n;
+      this.pump();
+    };
+  }
+
+  /** Executes a run claimed elsewhere (the poller), in a slot the caller reserved. */
+  execute(run: ClaimedRun): void {
+    this.forget(run.id);
+    this.track(run.id, async (execution) => {
+      execution.attempt = run.attempt;
+      await this.options.run(run, execution.controller.signal);
+    });
+  }
+
+  /** Claims being executed, for the claim watch. */
+  *claims(): Iterable<{ runId: string; attempt: number; controller: AbortController }> {
+    for (const execution of this.executing.values()) if (execution.attempt > 0) yield execution;
+  }
+
+  /**
+   * Stops taking work; waits up to `timeoutMs` for held runs due within that time and for calls in
+   * flight; then drops what is still held (the poller of another node claims it once overdue) and
+   * aborts the calls with `reason`. Ends the claim watch.
+   */
+  async drain(timeoutMs: number, reason: Error): Promise<void> {
+    this.draining = true;
+    const deadline = this.options.clock.now() + timeoutMs;
+    for (const [runId, entry] of this.held) {
+      if (entry.message.notBefore.getTime() > deadline) this.forget(runId);
+    }
+    const idle = new Promise<void>((resolve) => (this.onIdle = resolve));
+    this.checkIdle();
+    const timer = new AbortController();
+    await Promise.race([idle, sleep(timeoutMs, undefined, { signal: timer.signal }).catch(() => undefined)]);
+    timer.abort();
+    const dropped = this.held.size;
+    for (const runId of [...this.held.keys()]) this.forget(runId);
+    const running = [...this.executing.values()];
+    if (dropped > 0 || running.length > 0) {
+      this.options.logger.warn({ dropped, aborted: running.length }, 'drain deadline passed');
+    }
+    for (const execution of running) execution.controller.abort(reason);
+    // Each aborted call hands its claim back; bounded, so a database outage cannot hang stop.
+    await withTimeout(
+      Promise.allSettled(running.map((e) => e.done)),
+      5_000,
+      'handing back aborted claims',
+    ).catch(() => undefined);
+    this.watch.abort();
+  }
+
+  private busy(): number {
+    return this.executing.size + this.reserved;
+  }
+
+  private arm(entry: Held): void {
+    const lead = entry.early ? this.options.claimLeadMs : 0;
+    const delayMs = this.options.clock.msUntil(entry.message.notBefore) - lead;
+    if (delayMs <= 0) return this.markReady(entry);
+    // Rounded up: a timer never fires before its time, but the event loop's cached clock can
+    // make it a little early; the claim's skew tolerance absorbs that.
+    entry.timer = setTimeout(
+      () => {
+        entry.timer = undefined;
+        if (this.held.get(entry.message.runId) === entry) this.arm(entry);
+      },
+      Math.min(MAX_TIMER_MS, Math.ceil(delayMs)),
+    );
+  }
+
+  private markReady(entry: Held): void {
+    if (this.held.get(entry.message.runId) !== entry) return;
+    this.ready.push(entry.message.runId);
+    this.pump();
+  }
+
+  /** Removes a held announcement (and its timer). */
+  private forget(runId: string): void {
+    const entry = this.held.get(runId);
+    if (!entry) return;
+    clearTimeout(entry.timer);
+    this.held.delete(runId);
+    const index = this.ready.indexOf(runId);
+    if (index >= 0) this.ready.splice(index, 1);
+    this.update();
+  }
+
+  /** Starts ready runs while slots are free. */
+  private pump(): void {
+    while (this.ready.length > 0 && this.busy() < this.options.concurrency) {
+      const runId = this.ready.shift()!;
+      const entry = this.held.get(runId);
+      if (!entry) continue;
+      this.held.delete(runId);
+      this.track(runId, (execution) => this.claimAndRun(entry, execution));
+    }
+    this.update();
+  }
+
+  private track(runId: string, work: (execution: Execution) => Promise<void>): void {
+    const execution: Execution = { runId, attempt: 0, controller: new AbortController() };
+    this.executing.set(runId, execution);
+    execution.done = work(execution)
+      .catch((err: unknown) => this.options.logger.error({ err: toError(err), run: runId }, 'run failed'))
+      .finally(() => {
+        this.executing.delete(runId);
+        // Held again without the lead: a forbid or replace run is only claimed once due.
+        if (execution.rehold) this.hold(execution.rehold.message, execution.rehold.retries, false);
+        this.pump();
+        this.checkIdle();
+      });
+    this.update();
+  }
+
+  private async claimAndRun(entry: Held, execution: Execution): Promise<void> {
+    const { pool, metrics } = this.options;
+    const message = entry.message;
+    const result = await this.options.claim({ runId: message.runId, expectedAttempt: message.attempt });
+    if (result === 'forbidden') {
+      // Another run of this `forbid` job is running: this occurrence is skipped, not delayed.
+      if (await skipRun(pool, message.runId, 'concurrency-forbid')) {
+        metrics.runsSkipped.inc({ reason: 'concurrency-forbid' });
+      }
+      metrics.runClaims.inc({ source: 'kafka', result: 'skipped' });
+      return;
+    }
+    if (result !== 'missed') {
+      metrics.runClaims.inc({ source: 'kafka', result: 'claimed' });
+      execution.attempt = result.attempt;
+      const signal = execution.controller.signal;
+      // Claimed ahead: the call starts when the run is due, not when the claim came back.
+      const wait = this.options.clock.msUntil(result.notBefore);
+      if (wait >= 1) await sleep(Math.floor(wait), undefined, { signal }).catch(() => undefined);
+      await this.options.run(result, signal);
+      return;
+    }
+    await this.afterMiss(entry, execution);
+  }
+
+  /** A claim returned nothing: another worker won (usual), it is not due yet (skew), or forbid. */
+  private async afterMiss(entry: Held, execution: Execution): Promise<void> {
+    const { pool, metrics, skewToleranceMs, claimLeadMs } = this.options;
+    const message = entry.message;
+    const miss = await explainClaimMiss(pool, message.runId);
+    const current = miss?.state === 'queued' && miss.attempt === message.attempt - 1;
+    if (current && miss.forbidBlocked && miss.dueInMs <= skewToleranceMs) {
+      if (await skipRun(pool, message.runId, 'concurrency-forbid')) {
+        metrics.runsSkipped.inc({ reason: 'concurrency-forbid' });
+      }
+      metrics.runClaims.inc({ source: 'kafka', result: 'skipped' });
+      return;
+    }
+    if (current && miss.dueInMs > 0 && entry.retries < MAX_REHOLDS) {
+      // A forbid or replace run claimed ahead (expected), or our estimate of the database clock
+      // is off (then re-sample it): hold again for the database's own figure.
+      metrics.runClaims.inc({ source: 'kafka', result: 'early' });
+      const explained = entry.early && miss.dueInMs <= claimLeadMs + skewToleranceMs;
+      if (!explained) void this.options.clock.sync(pool).catch(() => undefined);
+      const dueAt = new Date(this.options.clock.now() + miss.dueInMs);
+      execution.rehold = { message: { ...message, notBefore: dueAt }, retries: entry.retries + 1 };
+      return;
+    }
+    metrics.runClaims.inc({ source: 'kafka', result: 'missed' });
+  }
+
+  private checkIdle(): void {
+    if (this.onIdle && this.held.size === 0 && this.executing.size === 0) this.onIdle();
+  }
+
+  private update(): void {
+    const full = this.held.size >= this.options.prefetch;
+    if (full !== this.full) {
+      this.full = full;
+      this.options.onBackpressure(full);
+    }
+    this.options.metrics.runsHeld.set(this.held.size);
+    this.options.metrics.runsInFlight.set(this.executing.size);
+  }
+}

@@ -1,0 +1,195 @@
+import type pg from 'pg';
+import type { BrokerClient } from '../broker/index.js';
+import { LifecycleError, toError } from '../errors.js';
+import type { Logger } from '../observability/logger.js';
+import type { Metrics } from '../observability/metrics.js';
+import type { TargetPolicy } from '../security/target-policy.js';
+import type { Notifications } from '../store/notifications.js';
+import type { ClaimedRun } from '../store/runs.js';
+import { runAttempt, WorkerStoppingError, type AttemptContext } from './attempt.js';
+import { watchClaims } from './claim-watch.js';
+import { createClaimBatcher, createCompletionBatcher } from './batching.js';
+import { DbClock } from './db-clock.js';
+import { HttpExecutor } from './http-executor.js';
+import { KafkaIntake } from './intake.js';
+import { pollOverdue } from './poller.js';
+import { RunQueue } from './run-queue.js';
+
+/** Options of {@link Worker}; node.ts fills them from the config. */
+export interface WorkerOptions {
+  readonly pool: pg.Pool;
+  readonly kafka: BrokerClient;
+  readonly notifications: Notifications;
+  readonly nodeId: string;
+  readonly runsTopic: string;
+  readonly deadLetterTopic: string;
+  readonly consumerGroup: string;
+  /** Runs executing at once (HELIOS_WORKER_CONCURRENCY, default 64). */
+  readonly concurrency: number;
+  /** Announcements held in memory until due; fetching pauses at this many (default 1000). */
+  readonly prefetch: number;
+  /** Claim deadline = now + the run's timeout + this (HELIOS_CLAIM_GRACE_MS, default 5000). */
+  readonly claimGraceMs: number;
+  /** A run may be claimed this long before not_before (HELIOS_CLOCK_SKEW_TOLERANCE_MS, default 10). */
+  readonly skewToleranceMs: number;
+  /** `allow` runs are claimed this long before due, the call waiting for its time (HELIOS_CLAIM_LEAD_MS, default 50). */
+  readonly claimLeadMs: number;
+  /** Polling fallback period (HELIOS_POLL_INTERVAL_MS, default 1000). */
+  readonly pollIntervalMs: number;
+  /** Polling fallback takes runs this overdue (HELIOS_POLL_OVERDUE_MS, default 2000). */
+  readonly pollOverdueMs: number;
+  /** Lost claims are looked for this often (HELIOS_CLAIM_CHECK_INTERVAL_MS, default 1000). */
+  readonly claimCheckIntervalMs: number;
+  /** `stop()` waits this long for in-flight runs before aborting them. */
+  readonly drainTimeoutMs: number;
+  /** Bytes of a response body kept (HELIOS_RESPONSE_EXCERPT_BYTES, default 2048). */
+  readonly maxExcerptBytes: number;
+  /** Default: `compileTargetPolicy()`. */
+  readonly targetPolicy?: TargetPolicy;
+  readonly logger: Logger;
+  readonly metrics: Metrics;
+}
+
+type State = 'idle' | 'running' | 'stopping' | 'stopped';
+
+/**
+ * Executes runs on this node (contract items 5–8). Announcements arrive from Kafka and wait in a
+ * {@link RunQueue} until due; each is then claimed in PostgreSQL (one conditional UPDATE) and
+ * executed only if the claim succeeded. The polling fallback claims runs whose message is late,
+ * the claim watch aborts calls whose claim was lost, and `stop()` drains within a deadline.
+ */
+export class Worker {
+  private state: State = 'idle';
+  private readonly abort = new AbortController();
+  private readonly clock = new DbClock();
+  private readonly executor: HttpExecutor;
+  private readonly intake: KafkaIntake;
+  private readonly queue: RunQueue;
+  private readonly loops: Promise<void>[] = [];
+  private stopping?: Promise<void>;
+
+  constructor(private readonly options: WorkerOptions) {
+    const logger = options.logger.child({ part: 'worker' });
+    this.executor = new HttpExecutor({
+      maxExcerptBytes: options.maxExcerptBytes,
+      targetPolicy: options.targetPolicy,
+    });
+    const completions = createCompletionBatcher(options.pool, options.nodeId);
+    const claims = createClaimBatcher(options.pool, this.claimOptions());
+    const context: AttemptContext = {
+      pool: options.pool,
+      nodeId: options.nodeId,
+      executor: this.executor,
+      topics: { runsTopic: options.runsTopic, deadLetterTopic: options.deadLetterTopic },
+      clock: this.clock,
+      complete: (run, report) => completions.add({ run, report }),
+      logger,
+      metrics: options.metrics,
+    };
+    this.queue = new RunQueue({
+      pool: options.pool,
+      claim: (request) => claims.add(request),
+      skewToleranceMs: options.skewToleranceMs,
+      claimLeadMs: options.claimLeadMs,
+      concurrency: options.concurrency,
+      prefetch: options.prefetch,
+      clock: this.clock,
+      run: (run, signal) => runAttempt(context, run, signal),
+      onBackpressure: (full) => (full ? this.intake.pause() : this.intake.resume()),
+      logger,
+      metrics: options.metrics,
+    });
+    this.intake = new KafkaIntake({
+      kafka: options.kafka,
+      topic: options.runsTopic,
+      groupId: options.consumerGroup,
+      logger,
+      accept: (message) => this.queue.hold(message),
+    });
+  }
+
+  /** Syncs the clock estimate and starts consuming, polling and watching claims. */
+  async start(): Promise<void> {
+    if (this.state !== 'idle') throw new LifecycleError(`worker is ${this.state}`);
+    this.state = 'running';
+    const { options } = this;
+    const logger = options.logger.child({ part: 'worker' });
+    await this.clock.sync(options.pool).catch((err: unknown) => {
+      logger.warn({ err: toError(err) }, 'cannot read the database clock yet; assuming ours');
+    });
+    const signal = this.abort.signal;
+    this.intake.start();
+    this.loops.push(
+      pollOverdue({
+        pool: options.pool,
+        claim: this.claimOptions(),
+        intervalMs: options.pollIntervalMs,
+        overdueMs: options.pollOverdueMs,
+        capacity: () => this.queue.freeSlots(),
+        reserve: (n) => this.queue.reserve(n),
+        execute: (runs: ClaimedRun[]) => runs.forEach((run) => this.queue.execute(run)),
+        clock: this.clock,
+        logger: logger.child({ loop: 'poller' }),
+        metrics: options.metrics,
+        signal,
+      }),
+      watchClaims({
+        pool: options.pool,
+        nodeId: options.nodeId,
+        notifications: options.notifications,
+        claims: () => this.queue.claims(),
+        intervalMs: options.claimCheckIntervalMs,
+        logger: logger.child({ loop: 'claim-watch' }),
+        signal: this.queue.watchSignal,
+      }),
+    );
+    logger.info(
+      { concurrency: options.concurrency, clockOffsetMs: Math.round(this.clock.offset) },
+      'worker started',
+    );
+  }
+
+  /**
+   * Stops fetching and polling, lets held and in-flight runs finish for `drainTimeoutMs`, then
+   * aborts the calls still running and hands their claims back. Safe to call twice.
+   */
+  stop(): Promise<void> {
+    this.stopping ??= (async () => {
+      const wasRunning = this.state === 'running';
+      this.state = 'stopping';
+      const logger = this.options.logger.child({ part: 'worker' });
+      const failures: Error[] = [];
+      const step = async (what: string, work: () => Promise<unknown>) => {
+        try {
+          await work();
+        } catch (err) {
+          failures.push(toError(err));
+          logger.warn({ err: toError(err) }, `${what} failed during stop`);
+        }
+      };
+      if (wasRunning) {
+        // Fetching stops at once; leaving the group runs alongside the drain.
+        const intakeStopped = this.intake.stop();
+        this.abort.abort();
+        await step('draining runs', () =>
+          this.queue.drain(this.options.drainTimeoutMs, new WorkerStoppingError('worker is stopping')),
+        );
+        await step('stopping the Kafka consumer', () => intakeStopped);
+        await Promise.all(this.loops);
+      }
+      await step('closing HTTP connections', () => this.executor.close());
+      this.state = 'stopped';
+      if (failures.length > 0) throw new AggregateError(failures, 'worker stopped with errors');
+    })();
+    return this.stopping;
+  }
+
+  private claimOptions() {
+    return {
+      nodeId: this.options.nodeId,
+      graceMs: this.options.claimGraceMs,
+      skewToleranceMs: this.options.skewToleranceMs,
+      leadMs: this.options.claimLeadMs,
+    };
+  }
+}

@@ -1,0 +1,234 @@
+import type pg from 'pg';
+import type { Queryable } from './db.js';
+import { buryRun } from './dead-letters.js';
+import { enqueueAttempt } from './runs.js';
+
+/** How an attempt ended, as recorded in run_attempts.outcome. */
+export type AttemptOutcome = 'succeeded' | 'failed' | 'timeout' | 'expired' | 'replaced' | 'cancelled';
+
+/** What a worker observed during one attempt. */
+export interface AttemptReport {
+  readonly outcome: AttemptOutcome;
+  readonly statusCode: number | null;
+  readonly durationMs: number | null;
+  readonly error: string | null;
+  readonly responseExcerpt: string | null;
+}
+
+/** Who may settle an attempt: the claimant (node id), or the reaper once the claim expired. */
+export type Settler = { readonly nodeId: string } | { readonly reaper: true };
+
+// PostgreSQL text cannot hold NUL; a response body or error message may.
+const clean = (text: string | null, max: number) =>
+  text === null ? null : text.replaceAll('\u0000', '').slice(0, max);
+
+/**
+ * Records an attempt's outcome unless one was recorded already (the reaper or a replace).
+ * $1 = run id, $2 = attempt, $3 = outcome, $4 = status, $5 = duration ms, $6 = error, $7 = excerpt.
+ */
+const RECORD_ATTEMPT = `
+  UPDATE run_attempts SET outcome = $3, finished_at = now(), status_code = $4, duration_ms = $5,
+                          error = $6, response_excerpt = $7
+  WHERE run_id = $1 AND attempt = $2 AND outcome IS NULL`;
+
+async function recordAttempt(db: Queryable, runId: string, attempt: number, report: AttemptReport) {
+  await db.query(RECORD_ATTEMPT, [
+    runId,
+    attempt,
+    report.outcome,
+    report.statusCode,
+    report.durationMs === null ? null : Math.round(report.durationMs),
+    clean(report.error, 2000),
+    clean(report.responseExcerpt, 64 * 1024),
+  ]);
+}
+
+/**
+ * Marks runs succeeded where node $6 still holds the attempt, and records the attempts, in one
+ * statement. Parallel arrays: $1 = run ids, $2 = attempts, $3 = statuses, $4 = durations ms,
+ * $5 = response excerpts. Returns the ids that were completed.
+ */
+const SUCCEED = `
+  WITH input AS (
+    SELECT * FROM unnest($1::uuid[], $2::int[], $3::int[], $4::int[], $5::text[])
+      AS i (id, attempt, status, duration, excerpt)
+  ), done AS (
+    UPDATE runs r SET state = 'succeeded', finished_at = now(), claim_expires_at = NULL,
+                      last_status = i.status, last_error = NULL
+    FROM input i
+    WHERE r.id = i.id AND r.claimed_by = $6 AND r.attempt = i.attempt AND r.state = 'running'
+    RETURNING r.id, r.attempt
+  ), recorded AS (
+    UPDATE run_attempts a SET outcome = 'succeeded', finished_at = now(), status_code = i.status,
+                              duration_ms = i.duration, response_excerpt = i.excerpt
+    FROM done JOIN input i ON i.id = done.id
+    WHERE a.run_id = done.id AND a.attempt = done.attempt
+  )
+  SELECT id FROM done`;
+
+/** A successful attempt to record. */
+export interface Success {
+  readonly run: { readonly id: string; readonly attempt: number };
+  readonly report: AttemptReport;
+}
+
+/**
+ * Completes successful attempts of node `nodeId` in one statement; returns, per item, false when
+ * the claim had been lost (the completion is stale and was discarded).
+ */
+export async function completeSucceededMany(
+  db: Queryable,
+  nodeId: string,
+  items: readonly Success[],
+): Promise<boolean[]> {
+  if (items.length === 0) return [];
+  // Sorted like claims, so two batches never wait on each other's rows in opposite orders.
+  const sorted = [...items].sort((a, b) => (a.run.id < b.run.id ? -1 : a.run.id > b.run.id ? 1 : 0));
+  const { rows } = await db.query<{ id: string }>(SUCCEED, [
+    sorted.map((i) => i.run.id),
+    sorted.map((i) => i.run.attempt),
+    sorted.map((i) => i.report.statusCode),
+    sorted.map((i) => (i.report.durationMs === null ? null : Math.round(i.report.durationMs))),
+    sorted.map((i) => clean(i.report.responseExcerpt, 64 * 1024)),
+    nodeId,
+  ]);
+  const done = new Set(rows.map((r) => r.id));
+  return items.map((i) => done.has(i.run.id));
+}
+
+/** Completes one successful attempt; false when the claim had been lost. */
+export async function completeSucceeded(
+  db: Queryable,
+  run: { id: string; attempt: number },
+  nodeId: string,
+  report: AttemptReport,
+): Promise<boolean> {
+  const [done] = await completeSucceededMany(db, nodeId, [{ run, report }]);
+  return done ?? false;
+}
+
+/**
+ * Ends a failed attempt: back to `queued` after $4 ms, or `dead` when no attempt is left.
+ * $1 = run id, $2 = attempt, $3 = claimant node id (NULL: the reaper, which may only take a run
+ * whose claim has expired), $4 = retry delay ms, $5 = status, $6 = error.
+ */
+const FAIL = `
+  UPDATE runs SET
+    state = CASE WHEN attempt >= max_attempts THEN 'dead' ELSE 'queued' END,
+    not_before = CASE WHEN attempt >= max_attempts THEN not_before
+                      ELSE now() + $4 * interval '1 millisecond' END,
+    finished_at = CASE WHEN attempt >= max_attempts THEN now() END,
+    claimed_by = NULL, claim_expires_at = NULL, last_status = $5, last_error = $6
+  WHERE id = $1 AND attempt = $2 AND state = 'running'
+    AND (claimed_by = $3 OR ($3::text IS NULL AND claim_expires_at < now()))
+  RETURNING id, job_id AS "jobId", state, attempt, scheduled_for AS "scheduledFor",
+            not_before AS "notBefore"`;
+
+/** Where retries and dead letters are announced. */
+export interface Topics {
+  readonly runsTopic: string;
+  readonly deadLetterTopic: string;
+}
+
+/** What became of a failed attempt; null when the claim was lost (stale, nothing written). */
+export type FailureResult = { state: 'queued'; notBefore: Date } | { state: 'dead'; deadLetterId: string };
+
+/**
+ * Settles a failed attempt inside the caller's transaction: retry (runs row, attempt record and
+ * an outbox row with publish_after = not_before) or dead (plus dead_letters and a DLQ outbox row).
+ * Everything or nothing is written, so a retry survives any restart.
+ */
+export async function failAttempt(
+  client: pg.PoolClient,
+  run: { id: string; attempt: number },
+  settler: Settler,
+  report: AttemptReport,
+  retryDelayMs: number,
+  topics: Topics,
+): Promise<FailureResult | null> {
+  const nodeId = 'nodeId' in settler ? settler.nodeId : null;
+  const error = clean(report.error, 2000);
+  const { rows } = await client.query<{
+    id: string;
+    jobId: string;
+    state: 'queued' | 'dead';
+    attempt: number;
+    scheduledFor: Date;
+    notBefore: Date;
+  }>(FAIL, [run.id, run.attempt, nodeId, Math.max(0, Math.round(retryDelayMs)), report.statusCode, error]);
+  const row = rows[0];
+  if (!row) return null;
+  await recordAttempt(client, run.id, run.attempt, report);
+  if (row.state === 'dead') {
+    const deadLetterId = await buryRun(client, row, { error, statusCode: report.statusCode }, topics);
+    return { state: 'dead', deadLetterId };
+  }
+  await enqueueAttempt(client, row, row.attempt + 1, topics.runsTopic);
+  return { state: 'queued', notBefore: row.notBefore };
+}
+
+/**
+ * Gives a claimed run back (shutdown aborted its call): queued again at once without using up an
+ * attempt (max_attempts grows by one). $1 = run id, $2 = node id, $3 = attempt.
+ */
+const RELEASE = `
+  UPDATE runs SET state = 'queued', not_before = now(), claimed_by = NULL, claim_expires_at = NULL,
+                  max_attempts = max_attempts + 1
+  WHERE id = $1 AND claimed_by = $2 AND attempt = $3 AND state = 'running'
+  RETURNING id, job_id AS "jobId", attempt, scheduled_for AS "scheduledFor", not_before AS "notBefore"`;
+
+/** Returns false when the claim was already lost. */
+export async function releaseClaim(
+  client: pg.PoolClient,
+  run: { id: string; attempt: number },
+  nodeId: string,
+  report: AttemptReport,
+  runsTopic: string,
+): Promise<boolean> {
+  const { rows } = await client.query<{
+    id: string;
+    jobId: string;
+    attempt: number;
+    scheduledFor: Date;
+    notBefore: Date;
+  }>(RELEASE, [run.id, nodeId, run.attempt]);
+  const row = rows[0];
+  if (!row) return false;
+  await recordAttempt(client, run.id, run.attempt, report);
+  await enqueueAttempt(client, row, row.attempt + 1, runsTopic);
+  return true;
+}
+
+/** A run whose claim expired, locked for the reaper. */
+export interface ExpiredRun {
+  readonly id: string;
+  readonly attempt: number;
+  readonly claimedBy: string | null;
+  readonly backoffMs: number;
+  readonly backoffMultiplier: number;
+}
+
+/** Running runs past their claim deadline, oldest first, locked. $1 = limit. */
+const SELECT_EXPIRED = `
+  SELECT id, attempt, claimed_by AS "claimedBy", backoff_ms AS "backoffMs",
+         backoff_multiplier AS "backoffMultiplier"
+  FROM runs
+  WHERE state = 'running' AND claim_expires_at < now()
+  ORDER BY claim_expires_at
+  LIMIT $1
+  FOR UPDATE SKIP LOCKED`;
+
+export async function selectExpiredRuns(db: Queryable, limit: number): Promise<ExpiredRun[]> {
+  const { rows } = await db.query<ExpiredRun>(SELECT_EXPIRED, [limit]);
+  return rows;
+}
+
+/** Milliseconds until the earliest claim expires (database clock); null if nothing runs. */
+const NEXT_EXPIRY = `
+  SELECT (extract(epoch FROM min(claim_expires_at) - now()) * 1000)::float8 AS "inMs"
+  FROM runs WHERE state = 'running'`;
+
+export async function msUntilNextExpiry(db: Queryable): Promise<number | null> {
+  const { rows } = await db.query<{ inMs: number | null }>(NEXT_EXPIRY);
+  return rows[0]?.inMs ?? null;
+}

@@ -1,0 +1,166 @@
+import type { Queryable } from './db.js';
+import type { MisfirePolicy } from '../scheduling/occurrences.js';
+
+export type ConcurrencyPolicy = 'allow' | 'forbid' | 'replace';
+
+/** The HTTP call a job makes, as stored in `jobs.target` and snapshotted into each run. */
+export interface StoredTarget {
+  readonly url: string;
+  readonly method: string;
+  readonly headers: Readonly<Record<string, string>>;
+  /** Any JSON value, sent JSON-encoded; absent for no body. */
+  readonly body?: unknown;
+}
+
+/** Every column a job is written with (what the API validated and defaulted). */
+export interface JobFields {
+  readonly name: string;
+  readonly schedule: string;
+  readonly timezone: string;
+  readonly target: StoredTarget;
+  readonly timeoutMs: number;
+  readonly maxAttempts: number;
+  readonly backoffMs: number;
+  readonly backoffMultiplier: number;
+  readonly concurrency: ConcurrencyPolicy;
+  readonly misfire: MisfirePolicy;
+  readonly maxCatchUp: number;
+  readonly enabled: boolean;
+  readonly nextRunAt: Date | null;
+}
+
+export interface JobRecord extends JobFields {
+  readonly id: string;
+  readonly createdAt: Date;
+  readonly updatedAt: Date;
+  /** `created_at` as PostgreSQL text, with microseconds (a Date would lose them), for cursors. */
+  readonly cursorTs: string;
+}
+
+/** A job with this name already exists (unique `jobs.name`). */
+export class DuplicateJobNameError extends Error {
+  override name = 'DuplicateJobNameError';
+  constructor(readonly jobName: string) {
+    super(`a job named "${jobName}" already exists`);
+  }
+}
+
+const COLUMNS = `
+  id, name, schedule, timezone, target, timeout_ms AS "timeoutMs", max_attempts AS "maxAttempts",
+  backoff_ms AS "backoffMs", backoff_multiplier AS "backoffMultiplier", concurrency, misfire,
+  max_catch_up AS "maxCatchUp", enabled, next_run_at AS "nextRunAt", created_at AS "createdAt",
+  updated_at AS "updatedAt", created_at::text AS "cursorTs"`;
+
+function values(job: JobFields): unknown[] {
+  return [
+    job.name,
+    job.schedule,
+    job.timezone,
+    JSON.stringify(job.target),
+    job.timeoutMs,
+    job.maxAttempts,
+    job.backoffMs,
+    job.backoffMultiplier,
+    job.concurrency,
+    job.misfire,
+    job.maxCatchUp,
+    job.enabled,
+    job.nextRunAt,
+  ];
+}
+
+function isUniqueViolation(err: unknown): boolean {
+  return typeof err === 'object' && err !== null && (err as { code?: unknown }).code === '23505';
+}
+
+/** Inserts a job. $1..$13 = the fields in JobFields order. */
+const INSERT = `
+  INSERT INTO jobs (name, schedule, timezone, target, timeout_ms, max_attempts, backoff_ms,
+                    backoff_multiplier, concurrency, misfire, max_catch_up, enabled, next_run_at)
+  VALUES ($1, $2, $3, $4::jsonb, $5, $6, $7, $8, $9, $10, $11, $12, $13)
+  RETURNING ${COLUMNS}`;
+
+/** @throws DuplicateJobNameError */
+export async function insertJob(db: Queryable, job: JobFields): Promise<JobRecord> {
+  try {
+    const { rows } = await db.query<JobRecord>(INSERT, values(job));
+    return rows[0]!;
+  } catch (err) {
+    if (isUniqueViolation(err)) throw new DuplicateJobNameError(job.name);
+    throw err;
+  }
+}
+
+/** Replaces every field of job $1. $2..$14 = the fields in JobFields order. */
+const UPDATE = `
+  UPDATE jobs SET name = $2, schedule = $3, timezone = $4, target = $5::jsonb, timeout_ms = $6,
+    max_attempts = $7, backoff_ms = $8, backoff_multiplier = $9, concurrency = $10, misfire = $11,
+    max_catch_up = $12, enabled = $13, next_run_at = $14, updated_at = now()
+  WHERE id = $1
+  RETURNING ${COLUMNS}`;
+
+/** Null when the job does not exist. @throws DuplicateJobNameError on a rename onto a taken name. */
+export async function updateJob(db: Queryable, id: string, job: JobFields): Promise<JobRecord | null> {
+  try {
+    const { rows } = await db.query<JobRecord>(UPDATE, [id, ...values(job)]);
+    return rows[0] ?? null;
+  } catch (err) {
+    if (isUniqueViolation(err)) throw new DuplicateJobNameError(job.name);
+    throw err;
+  }
+}
+
+/** One job by id ($1, a uuid) or, when $1 is null, by name ($2); locked when `forUpdate`. */
+const SELECT_ONE = `
+  SELECT ${COLUMNS} FROM jobs
+  WHERE ($1::uuid IS NOT NULL AND id = $1::uuid) OR ($1::uuid IS NULL AND name = $2)`;
+
+/** Finds a job by id or name (see {@link JobRef}); null when there is none. */
+export async function findJob(db: Queryable, ref: JobRef, forUpdate = false): Promise<JobRecord | null> {
+  const sql = forUpdate ? `${SELECT_ONE} FOR UPDATE` : SELECT_ONE;
+  const { rows } = await db.query<JobRecord>(sql, [ref.id ?? null, ref.name ?? null]);
+  return rows[0] ?? null;
+}
+
+/** A job named by its id or by its name. */
+export type JobRef =
+  { readonly id: string; readonly name?: never } | { readonly name: string; readonly id?: never };
+
+/** Page of jobs in creation order after cursor ($1 created_at text, $2 id; NULL = start). $3 = limit. */
+const LIST = `
+  SELECT ${COLUMNS} FROM jobs
+  WHERE $1::timestamptz IS NULL OR (created_at, id) > ($1::timestamptz, $2::uuid)
+  ORDER BY created_at, id
+  LIMIT $3`;
+
+export async function listJobs(
+  db: Queryable,
+  after: { ts: string; id: string } | null,
+  limit: number,
+): Promise<JobRecord[]> {
+  const { rows } = await db.query<JobRecord>(LIST, [after?.ts ?? null, after?.id ?? null, limit]);
+  return rows;
+}
+
+/** Deletes job $1 (its runs, attempts and dead letters cascade). */
+const DELETE = `DELETE FROM jobs WHERE id = $1`;
+
+/** True when a job was deleted. */
+export async function deleteJob(db: Queryable, id: string): Promise<boolean> {
+  const { rowCount } = await db.query(DELETE, [id]);
+  return (rowCount ?? 0) > 0;
+}
+
+/**
+ * Marks job $1's runs that were created ahead of time (the dispatcher's lookahead) and never
+ * claimed as skipped, so pausing a job stops occurrences that had not started yet.
+ */
+const SKIP_FUTURE_RUNS = `
+  UPDATE runs SET state = 'skipped', reason = 'paused', finished_at = now()
+  WHERE job_id = $1 AND state = 'queued' AND attempt = 0 AND scheduled_for > now()`;
+
+/** Returns how many runs were skipped. */
+export async function skipFutureRuns(db: Queryable, jobId: string): Promise<number> {
+  const { rowCount } = await db.query(SKIP_FUTURE_RUNS, [jobId]);
+  return rowCount ?? 0;
+}

@@ -1,0 +1,31 @@
+import type { Queryable } from './db.js';
+
+/**
+ * Creates a queued run of job $1 for `now()` with a snapshot of the job, and its outbox row on
+ * topic $2, in one statement (so in one transaction). The message has exactly the shape the
+ * dispatcher writes (store/dispatch.ts CREATE_RUNS): { runId, jobId, attempt: 1, scheduledFor,
+ * notBefore }. A scheduled occurrence at the very same microsecond makes the insert a no-op.
+ */
+const CREATE_MANUAL_RUN = `
+  WITH created AS (
+    INSERT INTO runs (job_id, scheduled_for, trigger, state, max_attempts, target, timeout_ms,
+                      backoff_ms, backoff_multiplier, concurrency, not_before)
+    SELECT j.id, now(), 'manual', 'queued', j.max_attempts, j.target, j.timeout_ms,
+           j.backoff_ms, j.backoff_multiplier, j.concurrency, now()
+    FROM jobs j WHERE j.id = $1
+    ON CONFLICT (job_id, scheduled_for) DO NOTHING
+    RETURNING id, job_id, scheduled_for, not_before
+  ), queued AS (
+    INSERT INTO outbox (topic, key, payload)
+    SELECT $2, job_id::text,
+           jsonb_build_object('runId', id, 'jobId', job_id, 'attempt', 1,
+                              'scheduledFor', scheduled_for, 'notBefore', not_before)
+    FROM created
+  )
+  SELECT id FROM created`;
+
+/** The new run's id; null when the job does not exist or a run for this instant already exists. */
+export async function createManualRun(db: Queryable, jobId: string, topic: string): Promise<string | null> {
+  const { rows } = await db.query<{ id: string }>(CREATE_MANUAL_RUN, [jobId, topic]);
+  return rows[0]?.id ?? null;
+}

@@ -1,0 +1,313 @@
+import type pg from 'pg';
+import type { Queryable } from './db.js';
+
+/** What a run's HTTP call is made of: a snapshot of the job's `target` when the run was created. */
+export interface RunTarget {
+  readonly url: string;
+  readonly method?: string;
+  readonly headers?: Readonly<Record<string, string>>;
+  readonly body?: unknown;
+}
+
+export type ConcurrencyPolicy = 'allow' | 'forbid' | 'replace';
+
+/** A run this node has claimed: everything needed to execute the attempt and settle it. */
+export interface ClaimedRun {
+  readonly id: string;
+  readonly jobId: string;
+  /** The attempt this claim is (1 = first); completion is conditional on it. */
+  readonly attempt: number;
+  readonly maxAttempts: number;
+  readonly scheduledFor: Date;
+  readonly target: RunTarget;
+  readonly timeoutMs: number;
+  readonly backoffMs: number;
+  readonly backoffMultiplier: number;
+  readonly concurrency: ConcurrencyPolicy;
+  /** When the call may start: a run claimed ahead (see ClaimOptions.leadMs) waits until then. */
+  readonly notBefore: Date;
+  readonly claimExpiresAt: Date;
+}
+
+const CLAIMED_COLUMNS = `
+  id, job_id AS "jobId", attempt, max_attempts AS "maxAttempts", scheduled_for AS "scheduledFor",
+  target, timeout_ms AS "timeoutMs", backoff_ms AS "backoffMs",
+  backoff_multiplier AS "backoffMultiplier", concurrency, not_before AS "notBefore",
+  claim_expires_at AS "claimExpiresAt"`;
+
+/**
+ * Moves queued, due runs to running for node $2 and records their attempts, in one statement.
+ * $1 = run ids, $5 = the attempt each caller expects to start (parallel; NULL = any),
+ * $2 = node id, $3 = claim grace ms, $4 = clock-skew tolerance ms, $6 = claim lead ms.
+ * An `allow` run may be claimed up to the lead before not_before (its call still starts at
+ * not_before, so the attempt starts then and the claim deadline counts from then); `forbid` and
+ * `replace` runs only once due, so their policy is judged against the runs active at that time.
+ * A fresh occurrence of a `forbid` job is not claimed while a sibling waits to retry (that
+ * sibling is still active); a second *running* run of a `forbid` job violates
+ * runs_forbid_one_running_idx and fails the whole statement.
+ */
+const CLAIM = `
+  WITH input AS (
+    SELECT * FROM unnest($1::uuid[], $5::int[]) AS c (id, expected)
+  ), claimed AS (
+    UPDATE runs r
+    SET state = 'running', attempt = r.attempt + 1, claimed_by = $2, reason = NULL,
+        claim_expires_at = greatest(now(), r.not_before) + (r.timeout_ms + $3) * interval '1 millisecond',
+        started_at = coalesce(r.started_at, greatest(now(), r.not_before))
+    FROM input c
+    WHERE r.id = c.id AND r.state = 'queued'
+      AND r.not_before <= now() + ($4 + CASE WHEN r.concurrency = 'allow' THEN $6 ELSE 0 END)
+                                  * interval '1 millisecond'
+      AND (c.expected IS NULL OR r.attempt = c.expected - 1)
+      AND NOT (r.concurrency = 'forbid' AND r.attempt = 0 AND EXISTS (
+        SELECT 1 FROM runs o
+        WHERE o.job_id = r.job_id AND o.id <> r.id AND o.state = 'queued' AND o.attempt > 0))
+    RETURNING r.*
+  ), recorded AS (
+    INSERT INTO run_attempts (run_id, attempt, node_id, started_at)
+    SELECT id, attempt, $2, greatest(now(), not_before) FROM claimed
+  )
+  SELECT ${CLAIMED_COLUMNS} FROM claimed`;
+
+/** Options every claim needs. */
+export interface ClaimOptions {
+  readonly nodeId: string;
+  /** Added to the run's timeout to make the claim deadline. */
+  readonly graceMs: number;
+  /** A run may be claimed this long before its not_before, by the database clock. */
+  readonly skewToleranceMs: number;
+  /** An `allow` run may also be claimed this much earlier, its call waiting for not_before; default 0. */
+  readonly leadMs?: number;
+}
+
+/** Thrown by PostgreSQL when a claim would make a second run of a `forbid` job running. */
+export function isForbidViolation(err: unknown): boolean {
+  const e = err as { code?: unknown; constraint?: unknown } | null;
+  return e?.code === '23505' && e.constraint === 'runs_forbid_one_running_idx';
+}
+
+/** Two transactions locked the same rows in opposite orders; PostgreSQL aborted one of them. */
+export function isDeadlock(err: unknown): boolean {
+  return (err as { code?: unknown } | null)?.code === '40P01';
+}
+
+/** One run to claim and the attempt the caller expects to start (null: whatever is next). */
+export interface ClaimRequest {
+  readonly runId: string;
+  readonly expectedAttempt: number | null;
+}
+
+/**
+ * Claims queued runs in one statement; returns, per request, the claimed run or null (another
+ * worker won, it is not due, or a `forbid` sibling is active). Throws on a `forbid` violation
+ * ({@link isForbidViolation}) or a deadlock with another batch: claim one by one then.
+ */
+export async function claimRuns(
+  db: Queryable,
+  requests: readonly ClaimRequest[],
+  options: ClaimOptions,
+): Promise<(ClaimedRun | null)[]> {
+  if (requests.length === 0) return [];
+  // Sorted ids make concurrent batches lock rows in the same order, which avoids most deadlocks.
+  const sorted = [...requests].sort((a, b) => (a.runId < b.runId ? -1 : a.runId > b.runId ? 1 : 0));
+  const { rows } = await db.query<ClaimedRun>(CLAIM, [
+    sorted.map((r) => r.runId),
+    options.nodeId,
+    options.graceMs,
+    options.skewToleranceMs,
+    sorted.map((r) => r.expectedAttempt),
+    options.leadMs ?? 0,
+  ]);
+  const byId = new Map(rows.map((run) => [run.id, run]));
+  return requests.map((r) => byId.get(r.runId) ?? null);
+}
+
+/** Claims one queued run; see {@link claimRuns}. */
+export async function claimRun(
+  db: Queryable,
+  runId: string,
+  options: ClaimOptions,
+  expectedAttempt: number | null,
+): Promise<ClaimedRun | null> {
+  const [run] = await claimRuns(db, [{ runId, expectedAttempt }], options);
+  return run ?? null;
+}
+
+/** Why a claim returned nothing: the run as it is now. */
+export interface ClaimMiss {
+  readonly state: string;
+  readonly attempt: number;
+  /** Milliseconds until the run is due by the database clock (negative: overdue). */
+  readonly dueInMs: number;
+  /** A `forbid` run with another run of its job running or waiting to retry. */
+  readonly forbidBlocked: boolean;
+}
+
+/** The run's state for a claim that missed; null if the run no longer exists. $1 = run id. */
+const EXPLAIN_MISS = `
+  SELECT r.state, r.attempt,
+         (extract(epoch FROM r.not_before - now()) * 1000)::float8 AS "dueInMs",
+         (r.concurrency = 'forbid' AND EXISTS (
+           SELECT 1 FROM runs o WHERE o.job_id = r.job_id AND o.id <> r.id
+             AND (o.state = 'running' OR (o.state = 'queued' AND o.attempt > 0)))) AS "forbidBlocked"
+  FROM runs r WHERE r.id = $1`;
+
+export async function explainClaimMiss(db: Queryable, runId: string): Promise<ClaimMiss | null> {
+  const { rows } = await db.query<ClaimMiss>(EXPLAIN_MISS, [runId]);
+  return rows[0] ?? null;
+}
+
+/** Skips a queued run that cannot start (concurrency policy). $1 = run id, $2 = reason. */
+const SKIP = `
+  UPDATE runs SET state = 'skipped', reason = $2, finished_at = now(), claimed_by = NULL
+  WHERE id = $1 AND state = 'queued'`;
+
+/** Returns true if this call skipped the run. */
+export async function skipRun(db: Queryable, runId: string, reason: string): Promise<boolean> {
+  const { rowCount } = await db.query(SKIP, [runId, reason]);
+  return rowCount === 1;
+}
+
+/**
+ * `replace`: fails every running run of job $1 except the newest occurrence, records their
+ * attempts as replaced, and NOTIFYs `helios_runs` so their workers abort the HTTP call.
+ * Run after a claim committed: whichever of two racing claims runs this last sees both.
+ */
+const REPLACE_OLDER = `
+  WITH newest AS (
+    SELECT id FROM runs WHERE job_id = $1 AND state = 'running'
+    ORDER BY scheduled_for DESC, id DESC LIMIT 1
+  ), replaced AS (
+    UPDATE runs r SET state = 'failed', reason = 'replaced', finished_at = now(),
+                      claim_expires_at = NULL
+    WHERE r.job_id = $1 AND r.state = 'running' AND r.id <> (SELECT id FROM newest)
+    RETURNING r.id, r.attempt
+  ), recorded AS (
+    UPDATE run_attempts a SET outcome = 'replaced', finished_at = now(),
+                              error = 'replaced by a newer run of the job'
+    FROM replaced WHERE a.run_id = replaced.id AND a.attempt = replaced.attempt AND a.outcome IS NULL
+  )
+  SELECT id, pg_notify('helios_runs', id::text) FROM replaced`;
+
+/** Returns the ids of the runs that were replaced (possibly including the caller's own). */
+export async function replaceOlderRuns(db: Queryable, jobId: string): Promise<string[]> {
+  const { rows } = await db.query<{ id: string }>(REPLACE_OLDER, [jobId]);
+  return rows.map((r) => r.id);
+}
+
+/**
+ * Of the claims this node believes it holds, the ones it no longer holds (replaced, expired and
+ * taken over, or deleted). $1 = run ids, $2 = attempts (parallel), $3 = node id.
+ */
+const LOST_CLAIMS = `
+  SELECT c.id, r.state, r.reason
+  FROM unnest($1::uuid[], $2::int[]) AS c (id, attempt)
+  LEFT JOIN runs r ON r.id = c.id
+  WHERE r.id IS NULL OR r.state <> 'running' OR r.claimed_by IS DISTINCT FROM $3
+     OR r.attempt <> c.attempt`;
+
+export interface LostClaim {
+  readonly id: string;
+  readonly state: string | null;
+  readonly reason: string | null;
+}
+
+export async function findLostClaims(
+  db: Queryable,
+  claims: readonly { runId: string; attempt: number }[],
+  nodeId: string,
+): Promise<LostClaim[]> {
+  if (claims.length === 0) return [];
+  const { rows } = await db.query<LostClaim>(LOST_CLAIMS, [
+    claims.map((c) => c.runId),
+    claims.map((c) => c.attempt),
+    nodeId,
+  ]);
+  return rows;
+}
+
+/**
+ * Queued runs overdue by more than $1 ms (their message is late or lost), oldest first, locked
+ * with SKIP LOCKED so concurrent pollers take disjoint sets. $2 = limit.
+ */
+const SELECT_OVERDUE = `
+  SELECT id FROM runs
+  WHERE state = 'queued' AND not_before <= now() - $1 * interval '1 millisecond'
+  ORDER BY not_before
+  LIMIT $2
+  FOR UPDATE SKIP LOCKED`;
+
+/**
+ * Claims up to `limit` overdue runs in one transaction (a caller-supplied client inside BEGIN).
+ * A run that its `forbid` policy blocks is skipped, like on the Kafka path.
+ */
+export async function claimOverdueRuns(
+  client: pg.PoolClient,
+  overdueMs: number,
+  limit: number,
+  options: ClaimOptions,
+): Promise<{ claimed: ClaimedRun[]; skipped: number }> {
+  const { rows } = await client.query<{ id: string }>(SELECT_OVERDUE, [overdueMs, limit]);
+  if (rows.length === 0) return { claimed: [], skipped: 0 };
+  // The rows are locked by us, so a miss can only be a `forbid` block, and a forbid violation
+  // (two runs of one forbid job in the batch) is the only likely error: then go one by one.
+  await client.query('SAVEPOINT batch');
+  let results: (ClaimedRun | null)[] | undefined;
+  try {
+    results = await claimRuns(
+      client,
+      rows.map((r) => ({ runId: r.id, expectedAttempt: null })),
+      options,
+    );
+    await client.query('RELEASE SAVEPOINT batch');
+  } catch (err) {
+    if (!isForbidViolation(err)) throw err;
+    await client.query('ROLLBACK TO SAVEPOINT batch');
+  }
+  const claimed: ClaimedRun[] = [];
+  let skipped = 0;
+  for (const [index, { id }] of rows.entries()) {
+    const run = results ? results[index] : await claimOneInSavepoint(client, id, options);
+    if (run) claimed.push(run);
+    else if (await skipRun(client, id, 'concurrency-forbid')) skipped += 1;
+  }
+  return { claimed, skipped };
+}
+
+/** Claims one run; a forbid violation rolls back to a savepoint and returns null. */
+async function claimOneInSavepoint(
+  client: pg.PoolClient,
+  runId: string,
+  options: ClaimOptions,
+): Promise<ClaimedRun | null> {
+  await client.query('SAVEPOINT claim');
+  try {
+    const run = await claimRun(client, runId, options, null);
+    await client.query('RELEASE SAVEPOINT claim');
+    return run;
+  } catch (err) {
+    if (!isForbidViolation(err)) throw err;
+    await client.query('ROLLBACK TO SAVEPOINT claim');
+    return null;
+  }
+}
+
+/** The message that announces the next attempt of a run. $1 topic, $2 key, $3 payload, $4 publish after. */
+const ENQUEUE_ATTEMPT = `INSERT INTO outbox (topic, key, payload, publish_after) VALUES ($1, $2, $3, $4)`;
+
+/** Inserts the outbox row announcing attempt `attempt` of a queued run, due at its not_before. */
+export async function enqueueAttempt(
+  db: Queryable,
+  run: { id: string; jobId: string; scheduledFor: Date; notBefore: Date },
+  attempt: number,
+  runsTopic: string,
+): Promise<void> {
+  const payload = {
+    runId: run.id,
+    jobId: run.jobId,
+    attempt,
+    scheduledFor: run.scheduledFor.toISOString(),
+    notBefore: run.notBefore.toISOString(),
+  };
+  await db.query(ENQUEUE_ATTEMPT, [runsTopic, run.jobId, payload, run.notBefore]);
+}

@@ -1,0 +1,106 @@
+import assert from 'node:assert/strict';
+import { after, before, test } from 'node:test';
+import { LeaderElection, type Leadership } from '../../src/coordination/election.js';
+import { NodeRegistry } from '../../src/coordination/registry.js';
+import { silentLogger } from '../../src/observability/logger.js';
+import { jobBody, startTestApi, type TestApi } from '../support/api.js';
+
+let api: TestApi;
+before(async () => {
+  api = await startTestApi();
+});
+after(() => api.close());
+
+interface Cluster {
+  leader: { nodeId: string; fencingToken: number; since: string } | null;
+  nodes: {
+    id: string;
+    host: string;
+    pid: number;
+    apiUrl: string | null;
+    roles: string[];
+    lastSeen: string;
+  }[];
+  outbox: { pending: number };
+  runs: { queued: number; running: number };
+}
+
+test('GET /cluster shows the leader and its fencing token, live nodes, outbox and run counts', async () => {
+  const empty = await api.call('GET', '/api/v1/cluster');
+  assert.equal(empty.status, 200);
+  assert.deepEqual(empty.body, {
+    leader: null,
+    nodes: [],
+    outbox: { pending: 0 },
+    runs: { queued: 0, running: 0 },
+  });
+
+  const registry = new NodeRegistry({
+    client: api.etcd,
+    prefix: api.etcdPrefix,
+    info: {
+      id: 'cluster-n1',
+      host: 'h1',
+      pid: 4242,
+      apiUrl: 'http://127.0.0.1:1',
+      roles: ['api', 'scheduler'],
+    },
+    logger: silentLogger,
+  });
+  let elected!: (leadership: Leadership) => void;
+  const leading = new Promise<Leadership>((resolve) => (elected = resolve));
+  const election = new LeaderElection({
+    client: api.etcd,
+    key: `${api.etcdPrefix}/leader`,
+    nodeId: 'cluster-n1',
+    ttlMs: 3000,
+    safetyMarginMs: 500,
+    logger: silentLogger,
+    onElected: (leadership) => elected(leadership),
+  });
+  await registry.start();
+  election.start();
+  try {
+    const leadership = await leading;
+    const job = (await api.call('POST', '/api/v1/jobs', { body: jobBody('cluster-job') })).body as {
+      id: string;
+    };
+    await api.call('POST', `/api/v1/jobs/${job.id}/trigger`);
+    await api.db.pool.query(
+      `INSERT INTO runs (job_id, scheduled_for, state, attempt, max_attempts, target, timeout_ms,
+                         backoff_ms, backoff_multiplier, not_before)
+       SELECT id, now() - interval '1 hour', 'running', 1, 3, target, 1000, 0, 1, now() FROM jobs WHERE id = $1`,
+      [job.id],
+    );
+    const response = await api.call('GET', '/api/v1/cluster');
+    assert.equal(response.status, 200);
+    const cluster = response.body as Cluster;
+    assert.equal(cluster.leader?.nodeId, 'cluster-n1');
+    assert.equal(cluster.leader?.fencingToken, Number(leadership.token));
+    assert.ok(!Number.isNaN(Date.parse(cluster.leader!.since)));
+    assert.deepEqual(
+      cluster.nodes.map((n) => [n.id, n.host, n.pid, n.apiUrl, n.roles]),
+      [['cluster-n1', 'h1', 4242, 'http://127.0.0.1:1', ['api', 'scheduler']]],
+    );
+    assert.deepEqual(cluster.outbox, { pending: 1 });
+    assert.deepEqual(cluster.runs, { queued: 1, running: 1 });
+  } finally {
+    await election.stop();
+    await registry.stop();
+  }
+  const after = (await api.call('GET', '/api/v1/cluster')).body as Cluster;
+  assert.equal(after.leader, null);
+  assert.deepEqual(after.nodes, []);
+});
+
+test('GET /cluster answers 503 problem when etcd does not answer', async () => {
+  const blind = await startTestApi({ db: api.db, etcdEndpoints: ['http://127.0.0.1:1'] });
+  try {
+    const response = await blind.call('GET', '/api/v1/cluster');
+    assert.equal(response.status, 503);
+    assert.match(response.headers.get('content-type') ?? '', /problem\+json/);
+    assert.match(JSON.stringify(response.body), /etcd/);
+  } finally {
+    await blind.close();
+  }
+});

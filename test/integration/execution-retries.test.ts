@@ -1,0 +1,198 @@
+import assert from 'node:assert/strict';
+import { setTimeout as sleep } from 'node:timers/promises';
+import { after, before, test } from 'node:test';
+import { createEtcdClient } from '../../src/coordination/etcd.js';
+import type { DeadLetterMessage } from '../../src/store/dead-letters.js';
+import { createTestDatabase, type TestDatabase } from '../support/database.js';
+import { serverEnv, uniqueId } from '../support/env.js';
+import {
+  attemptsOf,
+  insertJob,
+  nextWholeSecond,
+  oncePerMinuteAt,
+  runsOf,
+  TargetServer,
+  waitFor,
+  type JobSpec,
+} from '../support/execution.js';
+import { TopicRecorder } from '../support/kafka.js';
+import { spawnNode, stopAll, type ManagedProcess } from '../support/processes.js';
+
+const etcd = createEtcdClient(serverEnv().etcdEndpoints.split(','));
+const prefix = `/helios-test/${uniqueId()}`;
+const topic = `helios.test.${uniqueId()}`;
+const dlq = new TopicRecorder(`${topic}.dlq`);
+const nodes: ManagedProcess[] = [];
+let db: TestDatabase;
+
+// The target's behaviour is chosen by the path of each job's URL.
+const target = new TargetServer((request, nth) => {
+  switch (request.path) {
+    case '/flaky':
+      return { status: nth <= 2 ? 500 : 200, body: nth <= 2 ? 'not yet' : 'done' };
+    case '/broken':
+      return { status: 500, body: 'still broken' };
+    case '/silent':
+      return { hang: true };
+    case '/poison':
+      return { status: 503, delayMs: 300 };
+    default:
+      return { status: 200 };
+  }
+});
+
+before(async () => {
+  db = await createTestDatabase();
+  await target.start();
+  // One partition: the poison job's messages and the healthy job's share it.
+  const node = spawnNode('retry-1', {
+    databaseUrl: db.url,
+    etcdPrefix: prefix,
+    topic,
+    extra: { HELIOS_KAFKA_PARTITIONS: '1' },
+  });
+  nodes.push(node);
+  await node.waitForLog((l) => l.msg === 'became leader', 30_000);
+  await node.waitForLog((l) => l.msg === 'joined consumer group', 30_000);
+  await dlq.start();
+});
+after(async () => {
+  await db.pool.query('UPDATE jobs SET enabled = false').catch(() => undefined);
+  await stopAll(nodes);
+  await dlq.stop();
+  await target.close();
+  await db.drop();
+  await etcd.delete().prefix(prefix);
+  etcd.close();
+});
+
+/** A job that fires once, at a whole second about two seconds from now. */
+async function oneShot(path: string, spec: Partial<JobSpec>): Promise<{ jobId: string; at: Date }> {
+  const at = await nextWholeSecond(db.pool, 1500);
+  const jobId = await insertJob(db.pool, {
+    name: `${path.slice(1)}-${uniqueId()}`,
+    schedule: oncePerMinuteAt(at),
+    target: { url: `${target.url}${path}` },
+    nextRunAt: at,
+    ...spec,
+  });
+  return { jobId, at };
+}
+
+test('500 twice then 200: three attempts, backoff respected, final succeeded', { timeout: 30_000 }, async () => {
+  const { jobId } = await oneShot('/flaky', { maxAttempts: 3, backoffMs: 1000, backoffMultiplier: 2 });
+  const [run] = await waitFor(
+    'the run to succeed',
+    async () => {
+      const runs = await runsOf(db.pool, jobId);
+      return runs[0]?.state === 'succeeded' ? runs : null;
+    },
+    20_000,
+  );
+  const calls = target.forJob(jobId);
+  assert.deepEqual(
+    calls.map((c) => [c.attempt, c.idempotencyKey]),
+    [
+      [1, run!.id],
+      [2, run!.id],
+      [3, run!.id],
+    ],
+  );
+  // backoff 1000 ms then 2000 ms; jitter only adds (≤ 20 %), delivery adds a little more.
+  const gaps = [calls[1]!.arrivedAt - calls[0]!.arrivedAt, calls[2]!.arrivedAt - calls[1]!.arrivedAt];
+  assert.ok(gaps[0]! >= 1000 && gaps[0]! < 1000 * 1.2 + 500, `first gap ${gaps[0]} ms`);
+  assert.ok(gaps[1]! >= 2000 && gaps[1]! < 2000 * 1.2 + 500, `second gap ${gaps[1]} ms`);
+  const attempts = await attemptsOf(db.pool, run!.id);
+  assert.deepEqual(
+    attempts.map((a) => [a.attempt, a.outcome, a.statusCode, a.responseExcerpt]),
+    [
+      [1, 'failed', 500, 'not yet'],
+      [2, 'failed', 500, 'not yet'],
+      [3, 'succeeded', 200, 'done'],
+    ],
+  );
+  assert.equal(run!.attempt, 3);
+});
+
+test('always 500: the run is dead, with a dead_letters row and a DLQ message', { timeout: 30_000 }, async () => {
+  const { jobId } = await oneShot('/broken', { maxAttempts: 2, backoffMs: 200 });
+  const [run] = await waitFor(
+    'the run to be dead',
+    async () => {
+      const runs = await runsOf(db.pool, jobId);
+      return runs[0]?.state === 'dead' ? runs : null;
+    },
+    15_000,
+  );
+  assert.equal(target.forJob(jobId).length, 2);
+  const { rows } = await db.pool.query<{ id: string; attempt: number; statusCode: number; error: string }>(
+    `SELECT id, attempt, status_code AS "statusCode", error FROM dead_letters WHERE run_id = $1`,
+    [run!.id],
+  );
+  assert.deepEqual(
+    rows.map((r) => [r.attempt, r.statusCode, r.error]),
+    [[2, 500, 'HTTP 500']],
+  );
+  const message = await waitFor(
+    'the dead-letter message',
+    () => dlq.payloads<DeadLetterMessage>().find((m) => m.runId === run!.id),
+    15_000,
+  );
+  assert.equal(message.deadLetterId, rows[0]!.id);
+  assert.equal(message.jobId, jobId);
+  assert.equal(message.statusCode, 500);
+  assert.equal(message.attempt, 2);
+  assert.equal(dlq.messages.find((m) => m.value?.includes(run!.id))?.key, jobId);
+});
+
+test('a target that never answers is aborted at timeoutMs', { timeout: 30_000 }, async () => {
+  const { jobId } = await oneShot('/silent', { timeoutMs: 1000, maxAttempts: 1 });
+  const [run] = await waitFor(
+    'the run to be dead',
+    async () => {
+      const runs = await runsOf(db.pool, jobId);
+      return runs[0]?.state === 'dead' ? runs : null;
+    },
+    15_000,
+  );
+  const [call] = target.forJob(jobId);
+  assert.ok(call?.aborted, 'the worker closed the connection');
+  const heldOpen = call.endedAt! - call.arrivedAt;
+  assert.ok(heldOpen >= 950 && heldOpen < 1300, `connection held ${heldOpen} ms`);
+  const [attempt] = await attemptsOf(db.pool, run!.id);
+  assert.equal(attempt?.outcome, 'timeout');
+  assert.ok(attempt.durationMs! >= 1000 && attempt.durationMs! < 1300, `duration ${attempt.durationMs}`);
+  assert.match(attempt.error ?? '', /timed out after 1000 ms/);
+});
+
+test("a poison job does not delay a healthy job's runs", { timeout: 40_000 }, async () => {
+  const start = await nextWholeSecond(db.pool, 1500);
+  const every = { schedule: '* * * * * *', nextRunAt: start };
+  const poison = await insertJob(db.pool, {
+    ...every,
+    name: `poison-${uniqueId()}`,
+    target: { url: `${target.url}/poison` },
+    maxAttempts: 3,
+    backoffMs: 100,
+    timeoutMs: 2000,
+  });
+  const healthy = await insertJob(db.pool, {
+    ...every,
+    name: `healthy-${uniqueId()}`,
+    target: { url: `${target.url}/healthy` },
+  });
+  await sleep(start.getTime() - Date.now() + 6_000);
+  await db.pool.query('UPDATE jobs SET enabled = false WHERE id = ANY($1)', [[poison, healthy]]);
+  await sleep(1500);
+
+  const poisonRuns = await runsOf(db.pool, poison);
+  assert.ok(target.forJob(poison).length >= 10, 'the poison job kept failing and retrying meanwhile');
+  assert.ok(poisonRuns.filter((r) => r.state === 'dead').length >= 3, 'and its runs were dead-lettered');
+  const healthyCalls = target.forJob(healthy);
+  assert.ok(healthyCalls.length >= 6, `healthy calls: ${healthyCalls.length}`);
+  assert.ok(healthyCalls.every((c) => c.attempt === 1));
+  const lateness = healthyCalls.map((c) => c.arrivedAt - Date.parse(c.scheduledFor));
+  // On time means within tens of ms (the poison's retries and 300 ms failures never sit in front).
+  assert.ok(Math.max(...lateness) < 200, `healthy lateness ms: ${lateness.map((l) => l.toFixed(1)).join(', ')}`);
+  assert.ok((await runsOf(db.pool, healthy)).every((r) => r.state === 'succeeded'));
+});

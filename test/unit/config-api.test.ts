@@ -1,0 +1,91 @@
+import assert from 'node:assert/strict';
+import { test } from 'node:test';
+import { isLoopbackHost, loadCliConfig, loadConfig } from '../../src/config.js';
+import { ConfigError } from '../../src/errors.js';
+import { deniedReason } from '../../src/security/target-policy.js';
+
+const BASE = {
+  HELIOS_DATABASE_URL: 'postgres://u@127.0.0.1:5432/db',
+  HELIOS_ETCD_ENDPOINTS: 'http://127.0.0.1:2379',
+  HELIOS_KAFKA_BROKERS: '127.0.0.1:9092',
+};
+const TOKENS = { HELIOS_API_TOKENS: 'aaaaaaaaaaaaaaaa:admin' };
+
+function failsOn(env: Record<string, string>, variable: string, pattern?: RegExp) {
+  assert.throws(
+    () => loadConfig({ ...BASE, ...env }),
+    (err: unknown) => {
+      assert.ok(err instanceof ConfigError, String(err));
+      assert.equal(err.variable, variable);
+      if (pattern) assert.match(err.message, pattern);
+      return true;
+    },
+  );
+}
+
+test('API settings have safe defaults', () => {
+  const config = loadConfig(BASE);
+  assert.equal(config.metricsPublic, false);
+  assert.equal(config.apiBodyLimit, 256 * 1024);
+  assert.deepEqual([...config.sensitiveHeaders].sort(), [
+    'authorization',
+    'cookie',
+    'proxy-authorization',
+    'x-api-key',
+  ]);
+  assert.ok(deniedReason('169.254.169.254', config.targetPolicy));
+  assert.ok(deniedReason('fe80::1', config.targetPolicy));
+  assert.equal(deniedReason('127.0.0.1', config.targetPolicy), null);
+});
+
+test('API settings are parsed', () => {
+  const config = loadConfig({
+    ...BASE,
+    HELIOS_METRICS_PUBLIC: 'true',
+    HELIOS_API_BODY_LIMIT: '4096',
+    HELIOS_SENSITIVE_HEADERS: 'X-Vault-Token, x-signature',
+    HELIOS_TARGET_DENY: '10.0.0.0/8',
+    HELIOS_TARGET_ALLOW: '10.0.0.0/8, 192.0.2.0/24',
+  });
+  assert.equal(config.metricsPublic, true);
+  assert.equal(config.apiBodyLimit, 4096);
+  assert.ok(config.sensitiveHeaders.has('x-vault-token'));
+  assert.ok(config.sensitiveHeaders.has('authorization'), 'the built-in names stay');
+  assert.ok(deniedReason('10.1.2.3', config.targetPolicy), 'deny wins over allow');
+  assert.equal(deniedReason('192.0.2.1', config.targetPolicy), null);
+  assert.ok(deniedReason('198.51.100.1', config.targetPolicy), 'outside the allow list');
+  assert.equal(
+    deniedReason('169.254.169.254', config.targetPolicy),
+    'address 169.254.169.254 is outside the allowed ranges',
+  );
+  const open = loadConfig({ ...BASE, HELIOS_TARGET_DENY: 'none' });
+  assert.equal(deniedReason('169.254.169.254', open.targetPolicy), null);
+});
+
+test('bad API settings name their variable', () => {
+  failsOn({ HELIOS_TARGET_DENY: '10.0.0.0/99' }, 'HELIOS_TARGET_DENY');
+  failsOn({ HELIOS_TARGET_ALLOW: 'example.com' }, 'HELIOS_TARGET_ALLOW');
+  failsOn({ HELIOS_METRICS_PUBLIC: 'maybe' }, 'HELIOS_METRICS_PUBLIC');
+  failsOn({ HELIOS_API_BODY_LIMIT: '10' }, 'HELIOS_API_BODY_LIMIT');
+  failsOn({ HELIOS_SENSITIVE_HEADERS: 'bad header' }, 'HELIOS_SENSITIVE_HEADERS');
+});
+
+test('without tokens only a loopback address may be bound', () => {
+  for (const host of ['0.0.0.0', '::', '192.0.2.10', 'example.com']) {
+    failsOn({ HELIOS_HTTP_HOST: host }, 'HELIOS_HTTP_HOST', /HELIOS_API_TOKENS/);
+    assert.equal(loadConfig({ ...BASE, ...TOKENS, HELIOS_HTTP_HOST: host }).httpHost, host);
+  }
+  for (const host of ['127.0.0.1', '127.1.2.3', '::1', '[::1]', 'localhost']) {
+    assert.ok(isLoopbackHost(host), host);
+    assert.equal(loadConfig({ ...BASE, HELIOS_HTTP_HOST: host }).httpHost, host);
+  }
+});
+
+test('the CLI reads HELIOS_API_URL and HELIOS_API_TOKEN', () => {
+  assert.deepEqual(loadCliConfig({}), { apiUrl: 'http://127.0.0.1:8080', apiToken: undefined });
+  assert.deepEqual(loadCliConfig({ HELIOS_API_URL: 'https://h.example/', HELIOS_API_TOKEN: 't' }), {
+    apiUrl: 'https://h.example',
+    apiToken: 't',
+  });
+  assert.throws(() => loadCliConfig({ HELIOS_API_URL: 'ftp://x' }), /HELIOS_API_URL/);
+});

@@ -1,0 +1,43 @@
+import assert from 'node:assert/strict';
+import { test } from 'node:test';
+import { InvalidRunMessageError, parseRunMessage } from '../../src/execution/run-message.js';
+
+const runId = '7d3c2a8e-4b7f-4a51-9a0e-3f7f2b6d9c11';
+const jobId = '0b8a1e43-8f1c-4a9e-b2d4-5c6e7f8a9b0c';
+
+test('a dispatcher message parses (PostgreSQL timestamp format)', () => {
+  const message = parseRunMessage(
+    JSON.stringify({
+      runId,
+      jobId,
+      attempt: 1,
+      scheduledFor: '2026-01-01T00:00:05+00:00',
+      notBefore: '2026-01-01T00:00:05.25+00:00',
+    }),
+  );
+  assert.equal(message.runId, runId);
+  assert.equal(message.attempt, 1);
+  assert.equal(message.scheduledFor.toISOString(), '2026-01-01T00:00:05.000Z');
+  assert.equal(message.notBefore.toISOString(), '2026-01-01T00:00:05.250Z');
+});
+
+test('notBefore defaults to scheduledFor', () => {
+  const message = parseRunMessage(
+    JSON.stringify({ runId, jobId, attempt: 2, scheduledFor: '2026-01-01T00:00:00Z' }),
+  );
+  assert.equal(message.notBefore.getTime(), message.scheduledFor.getTime());
+});
+
+test('unusable messages are rejected with InvalidRunMessageError', () => {
+  const bad = [
+    null,
+    'not json',
+    '42',
+    JSON.stringify({ runId: 'x', jobId, attempt: 1, scheduledFor: '2026-01-01T00:00:00Z' }),
+    JSON.stringify({ runId, jobId, attempt: 0, scheduledFor: '2026-01-01T00:00:00Z' }),
+    JSON.stringify({ runId, jobId, attempt: 1.5, scheduledFor: '2026-01-01T00:00:00Z' }),
+    JSON.stringify({ runId, jobId, attempt: 1, scheduledFor: 'yesterday' }),
+    JSON.stringify({ runId, jobId, attempt: 1, scheduledFor: '2026-01-01T00:00:00Z', notBefore: 5 }),
+  ];
+  for (const value of bad) assert.throws(() => parseRunMessage(value), InvalidRunMessageError, String(value));
+});

@@ -1,0 +1,153 @@
+import assert from 'node:assert/strict';
+import { once } from 'node:events';
+import { createServer, get, type Server } from 'node:http';
+import { after, before, test } from 'node:test';
+import { Agent, request } from 'undici';
+import {
+  assertTargetAllowed,
+  checkTargetUrl,
+  CidrRange,
+  compileTargetPolicy,
+  deniedReason,
+  guardedLookup,
+  InvalidCidrError,
+  TargetDeniedError,
+} from '../../src/security/target-policy.js';
+import { HttpExecutor } from '../../src/execution/http-executor.js';
+
+const defaults = compileTargetPolicy();
+// Loopback denied too: a name that resolves to 127.0.0.1 / ::1 (localhost, from /etc/hosts, no
+// network needed) then stands for "a hostname that resolves into a denied range".
+const noLoopback = compileTargetPolicy({ deny: ['169.254.0.0/16', '127.0.0.0/8', '::1/128'] });
+
+let server: Server;
+let port: number;
+let hits = 0;
+before(async () => {
+  server = createServer((_req, res) => {
+    hits += 1;
+    res.end('reached');
+  });
+  server.listen(0, '127.0.0.1');
+  await once(server, 'listening');
+  port = (server.address() as { port: number }).port;
+});
+after(() => server.close());
+
+test('CIDR ranges and single addresses parse; garbage is an InvalidCidrError', () => {
+  assert.ok(CidrRange.parse('10.0.0.0/8'));
+  assert.ok(CidrRange.parse('fd00::/8'));
+  assert.ok(CidrRange.parse('192.0.2.7'));
+  for (const bad of ['10.0.0.0/33', 'fe80::/129', 'nope', '10.0.0/8', '1.2.3.4/x', '']) {
+    assert.throws(() => CidrRange.parse(bad), InvalidCidrError, bad);
+  }
+});
+
+test('the default policy denies cloud metadata and link-local, allows loopback and public addresses', () => {
+  assert.match(deniedReason('169.254.169.254', defaults) ?? '', /169\.254\.0\.0\/16/);
+  assert.ok(deniedReason('fe80::1', defaults));
+  assert.ok(deniedReason('fd00:ec2::254', defaults));
+  assert.ok(deniedReason('100.100.100.200', defaults));
+  assert.ok(deniedReason('0.0.0.0', defaults));
+  // IPv4-mapped IPv6 cannot dodge an IPv4 range.
+  assert.ok(deniedReason('::ffff:169.254.169.254', defaults));
+  assert.equal(deniedReason('127.0.0.1', defaults), null);
+  assert.equal(deniedReason('203.0.113.9', defaults), null);
+});
+
+test('an allow list admits only its ranges, and deny wins inside it', () => {
+  const policy = compileTargetPolicy({ deny: ['10.0.9.0/24'], allow: ['10.0.0.0/16'] });
+  assert.equal(deniedReason('10.0.1.1', policy), null);
+  assert.match(deniedReason('10.1.0.1', policy) ?? '', /outside the allowed ranges/);
+  assert.match(deniedReason('10.0.9.9', policy) ?? '', /denied range 10\.0\.9\.0\/24/);
+});
+
+test('checkTargetUrl refuses other schemes, credentials and denied literals in any spelling', () => {
+  assert.equal(checkTargetUrl('https://example.com/x?y=1', defaults), null);
+  assert.match(checkTargetUrl('ftp://example.com/', defaults) ?? '', /http or https/);
+  assert.match(checkTargetUrl('not a url', defaults) ?? '', /absolute URL/);
+  assert.match(checkTargetUrl('http://user:pw@example.com/', defaults) ?? '', /credentials/);
+  for (const url of [
+    'http://169.254.169.254/latest/meta-data/',
+    'http://2852039166/', // decimal
+    'http://0xA9FEA9FE/', // hex
+    'http://169.254.43518/', // mixed
+    'http://[::ffff:169.254.169.254]/',
+    'http://[fe80::1]:8080/',
+  ]) {
+    assert.ok(checkTargetUrl(url, defaults), `${url} should be refused`);
+  }
+});
+
+test('assertTargetAllowed refuses a hostname whose resolved address is denied', async () => {
+  await assert.rejects(assertTargetAllowed(`http://localhost:${port}/`, noLoopback), (err: unknown) => {
+    assert.ok(err instanceof TargetDeniedError);
+    assert.equal(err.hostname, 'localhost');
+    assert.match(err.reason, /denied range/);
+    return true;
+  });
+  const resolved = await assertTargetAllowed(`http://localhost:${port}/`, defaults);
+  assert.ok(resolved.some((a) => a.address === '127.0.0.1' || a.address === '::1'));
+});
+
+test('assertTargetAllowed checks every address of a name (injected resolver)', async () => {
+  const resolver = async () => [
+    { address: '203.0.113.10', family: 4 },
+    { address: '169.254.169.254', family: 4 },
+  ];
+  await assert.rejects(assertTargetAllowed('http://rebind.example/', defaults, resolver), TargetDeniedError);
+  await assert.rejects(
+    assertTargetAllowed('http://empty.example/', defaults, async () => []),
+    TargetDeniedError,
+  );
+  await assert.rejects(assertTargetAllowed('http://169.254.169.254/', defaults, resolver), TargetDeniedError);
+});
+
+test('guardedLookup makes node:http refuse to connect to a denied name', async () => {
+  const req = get({ host: 'localhost', port, lookup: guardedLookup(noLoopback) });
+  const [err] = (await once(req, 'error')) as [Error];
+  assert.ok(err instanceof TargetDeniedError, String(err));
+});
+
+test('guardedLookup in an undici Agent refuses a denied name and allows an allowed one', async () => {
+  const denied = new Agent({ connect: { lookup: guardedLookup(noLoopback) } });
+  const allowed = new Agent({ connect: { lookup: guardedLookup(defaults) } });
+  try {
+    await assert.rejects(
+      request(`http://localhost:${port}/`, { dispatcher: denied }),
+      (err: unknown) => err instanceof TargetDeniedError || (err as Error).cause instanceof TargetDeniedError,
+    );
+    const response = await request(`http://localhost:${port}/`, { dispatcher: allowed });
+    assert.equal(await response.body.text(), 'reached');
+  } finally {
+    await Promise.all([denied.close(), allowed.close()]);
+  }
+});
+
+test("the worker's HTTP executor refuses, at execution time, a name that resolves into a denied range", async () => {
+  const executor = new HttpExecutor({ targetPolicy: noLoopback });
+  const before = hits;
+  try {
+    const report = await executor.execute(
+      {
+        id: '00000000-0000-4000-8000-000000000001',
+        jobId: '00000000-0000-4000-8000-000000000002',
+        attempt: 1,
+        maxAttempts: 1,
+        scheduledFor: new Date(),
+        target: { url: `http://localhost:${port}/hook`, method: 'POST', headers: {} },
+        timeoutMs: 5000,
+        backoffMs: 0,
+        backoffMultiplier: 1,
+        concurrency: 'allow',
+        claimExpiresAt: new Date(Date.now() + 10_000),
+      },
+      new AbortController().signal,
+    );
+    assert.equal(report.outcome, 'failed');
+    assert.match(report.error ?? '', /denied range 127\.0\.0\.0\/8|denied range ::1/);
+    assert.equal(hits, before, 'the target must not have been called');
+  } finally {
+    await executor.close();
+  }
+});
