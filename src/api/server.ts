@@ -1,4 +1,4 @@
-import Fastify, { type FastifyBaseLogger, type FastifyInstance } from 'fastify';
+import Fastify, { LogController, type FastifyBaseLogger, type FastifyInstance } from 'fastify';
 import type { Logger } from '../observability/logger.js';
 import type { Registry } from 'prom-client';
 import { registerHealthRoutes, type Probe } from './health.js';
@@ -18,7 +18,8 @@ export async function buildApiServer(options: ApiServerOptions): Promise<Fastify
   const app = Fastify({
     loggerInstance: options.logger.child({ part: 'api' }) as FastifyBaseLogger,
     bodyLimit: options.bodyLimit ?? 256 * 1024,
-    disableRequestLogging: true,
+    // Per-request logs would double the log volume at thousands of API calls per second.
+    logController: new LogController({ disableRequestLogging: true }),
     forceCloseConnections: true,
   });
   registerHealthRoutes(app, options.probes);

@@ -54,7 +54,9 @@ export async function runAttempt(ctx: AttemptContext, run: ClaimedRun, cancel: A
     const report = await ctx.executor.execute(run, cancel);
     if (report.durationMs !== null) metrics.httpDuration.observe(report.durationMs / 1000);
 
-    if (cancel.aborted) {
+    // Judged by the call's outcome, not by the signal: a call that completed just before an abort
+    // is settled like any other (its completion is still conditional on the claim).
+    if (report.outcome === 'cancelled') {
       const reason: unknown = cancel.reason;
       if (reason instanceof WorkerStoppingError) {
         const released = await inTransaction(pool, (client) =>

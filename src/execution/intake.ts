@@ -88,16 +88,22 @@ export class KafkaIntake {
       }));
       if (this.paused) consumer.pause();
       try {
-        await consumer.start((message) => this.handle(message));
+        // Joining can take up to the consumer's start timeout while Kafka is away; a stop must
+        // not wait for it (the consumer's own stop() settles a pending start, bounded).
+        const started = consumer.start((message) => this.handle(message));
+        started.catch(() => undefined);
+        await Promise.race([started, aborted]);
+        if (signal.aborted) break;
         failures = 0;
         const err = await Promise.race([failure, aborted]);
         if (err) logger.warn({ err }, 'Kafka consumer failed; starting a new one');
       } catch (err) {
         if (!signal.aborted) logger.warn({ err: toError(err) }, 'Kafka consumer did not start; retrying');
+      } finally {
+        await consumer
+          .stop()
+          .catch((err: unknown) => logger.warn({ err: toError(err) }, 'Kafka consumer did not stop cleanly'));
       }
-      await consumer
-        .stop()
-        .catch((err: unknown) => logger.warn({ err: toError(err) }, 'Kafka consumer did not stop cleanly'));
       if (signal.aborted) break;
       failures += 1;
       // The polling fallback keeps runs executing meanwhile, so a patient back-off costs little.

@@ -4,7 +4,8 @@ import { toError } from '../errors.js';
 import type { Logger } from '../observability/logger.js';
 import type { Metrics } from '../observability/metrics.js';
 import { inTransaction } from '../store/db.js';
-import { claimOverdueRuns, type ClaimedRun, type ClaimOptions } from '../store/runs.js';
+import { claimOverdueRuns } from '../store/overdue.js';
+import type { ClaimedRun, ClaimOptions } from '../store/runs.js';
 import type { DbClock } from './db-clock.js';
 
 /** Options of {@link pollOverdue}. */

@@ -212,7 +212,9 @@ export class RunQueue {
     execution.done = work(execution)
       .catch((err: unknown) => this.options.logger.error({ err: toError(err), run: runId }, 'run failed'))
       .finally(() => {
-        this.executing.delete(runId);
+        // The poller may have claimed this run while a late message's claim of it was failing:
+        // the entry is then the poller's, which must stay.
+        if (this.executing.get(runId) === execution) this.executing.delete(runId);
         // Held again without the lead: a forbid or replace run is only claimed once due.
         if (execution.rehold) this.hold(execution.rehold.message, execution.rehold.retries, false);
         this.pump();
@@ -238,8 +240,9 @@ export class RunQueue {
       execution.attempt = result.attempt;
       const signal = execution.controller.signal;
       // Claimed ahead: the call starts when the run is due, not when the claim came back.
+      // Rounded up, so a call never starts before its time by our estimate of the database clock.
       const wait = this.options.clock.msUntil(result.notBefore);
-      if (wait >= 1) await sleep(Math.floor(wait), undefined, { signal }).catch(() => undefined);
+      if (wait > 0) await sleep(Math.ceil(wait), undefined, { signal }).catch(() => undefined);
       await this.options.run(result, signal);
       return;
     }

@@ -66,6 +66,7 @@ export class Worker {
   private readonly intake: KafkaIntake;
   private readonly queue: RunQueue;
   private readonly loops: Promise<void>[] = [];
+  private starting?: Promise<void>;
   private stopping?: Promise<void>;
 
   constructor(private readonly options: WorkerOptions) {
@@ -108,15 +109,32 @@ export class Worker {
     });
   }
 
-  /** Syncs the clock estimate and starts consuming, polling and watching claims. */
-  async start(): Promise<void> {
-    if (this.state !== 'idle') throw new LifecycleError(`worker is ${this.state}`);
+  /** `idle`, `running`, `stopping` or `stopped`. */
+  get status(): State {
+    return this.state;
+  }
+
+  /**
+   * Syncs the clock estimate and starts consuming, polling and watching claims. Joining the
+   * consumer group happens in the background (the consumer logs it). A second call returns the
+   * first call's promise; a call after `stop()` throws.
+   */
+  start(): Promise<void> {
+    if (this.state === 'stopping' || this.state === 'stopped') {
+      return Promise.reject(new LifecycleError(`worker is ${this.state}`));
+    }
+    this.starting ??= this.startParts();
+    return this.starting;
+  }
+
+  private async startParts(): Promise<void> {
     this.state = 'running';
     const { options } = this;
     const logger = options.logger.child({ part: 'worker' });
     await this.clock.sync(options.pool).catch((err: unknown) => {
       logger.warn({ err: toError(err) }, 'cannot read the database clock yet; assuming ours');
     });
+    if (this.abort.signal.aborted) return; // stopped while syncing
     const signal = this.abort.signal;
     this.intake.start();
     this.loops.push(
@@ -157,6 +175,9 @@ export class Worker {
     this.stopping ??= (async () => {
       const wasRunning = this.state === 'running';
       this.state = 'stopping';
+      // A start still syncing the clock sees the abort and starts nothing.
+      this.abort.abort();
+      await this.starting?.catch(() => undefined);
       const logger = this.options.logger.child({ part: 'worker' });
       const failures: Error[] = [];
       const step = async (what: string, work: () => Promise<unknown>) => {
@@ -170,7 +191,6 @@ export class Worker {
       if (wasRunning) {
         // Fetching stops at once; leaving the group runs alongside the drain.
         const intakeStopped = this.intake.stop();
-        this.abort.abort();
         await step('draining runs', () =>
           this.queue.drain(this.options.drainTimeoutMs, new WorkerStoppingError('worker is stopping')),
         );

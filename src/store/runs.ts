@@ -1,4 +1,3 @@
-import type pg from 'pg';
 import type { Queryable } from './db.js';
 
 /** What a run's HTTP call is made of: a snapshot of the job's `target` when the run was created. */
@@ -224,72 +223,6 @@ export async function findLostClaims(
     nodeId,
   ]);
   return rows;
-}
-
-/**
- * Queued runs overdue by more than $1 ms (their message is late or lost), oldest first, locked
- * with SKIP LOCKED so concurrent pollers take disjoint sets. $2 = limit.
- */
-const SELECT_OVERDUE = `
-  SELECT id FROM runs
-  WHERE state = 'queued' AND not_before <= now() - $1 * interval '1 millisecond'
-  ORDER BY not_before
-  LIMIT $2
-  FOR UPDATE SKIP LOCKED`;
-
-/**
- * Claims up to `limit` overdue runs in one transaction (a caller-supplied client inside BEGIN).
- * A run that its `forbid` policy blocks is skipped, like on the Kafka path.
- */
-export async function claimOverdueRuns(
-  client: pg.PoolClient,
-  overdueMs: number,
-  limit: number,
-  options: ClaimOptions,
-): Promise<{ claimed: ClaimedRun[]; skipped: number }> {
-  const { rows } = await client.query<{ id: string }>(SELECT_OVERDUE, [overdueMs, limit]);
-  if (rows.length === 0) return { claimed: [], skipped: 0 };
-  // The rows are locked by us, so a miss can only be a `forbid` block, and a forbid violation
-  // (two runs of one forbid job in the batch) is the only likely error: then go one by one.
-  await client.query('SAVEPOINT batch');
-  let results: (ClaimedRun | null)[] | undefined;
-  try {
-    results = await claimRuns(
-      client,
-      rows.map((r) => ({ runId: r.id, expectedAttempt: null })),
-      options,
-    );
-    await client.query('RELEASE SAVEPOINT batch');
-  } catch (err) {
-    if (!isForbidViolation(err)) throw err;
-    await client.query('ROLLBACK TO SAVEPOINT batch');
-  }
-  const claimed: ClaimedRun[] = [];
-  let skipped = 0;
-  for (const [index, { id }] of rows.entries()) {
-    const run = results ? results[index] : await claimOneInSavepoint(client, id, options);
-    if (run) claimed.push(run);
-    else if (await skipRun(client, id, 'concurrency-forbid')) skipped += 1;
-  }
-  return { claimed, skipped };
-}
-
-/** Claims one run; a forbid violation rolls back to a savepoint and returns null. */
-async function claimOneInSavepoint(
-  client: pg.PoolClient,
-  runId: string,
-  options: ClaimOptions,
-): Promise<ClaimedRun | null> {
-  await client.query('SAVEPOINT claim');
-  try {
-    const run = await claimRun(client, runId, options, null);
-    await client.query('RELEASE SAVEPOINT claim');
-    return run;
-  } catch (err) {
-    if (!isForbidViolation(err)) throw err;
-    await client.query('ROLLBACK TO SAVEPOINT claim');
-    return null;
-  }
 }
 
 /** The message that announces the next attempt of a run. $1 topic, $2 key, $3 payload, $4 publish after. */

@@ -10,13 +10,8 @@ import { createMetrics } from '../../src/observability/metrics.js';
 import { completeSucceeded, failAttempt, type AttemptReport } from '../../src/store/attempts.js';
 import { inTransaction } from '../../src/store/db.js';
 import { replayDeadLetter } from '../../src/store/dead-letters.js';
-import {
-  claimOverdueRuns,
-  claimRun,
-  explainClaimMiss,
-  isForbidViolation,
-  replaceOlderRuns,
-} from '../../src/store/runs.js';
+import { claimOverdueRuns } from '../../src/store/overdue.js';
+import { claimRun, explainClaimMiss, isForbidViolation, replaceOlderRuns } from '../../src/store/runs.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
 import { serverEnv, uniqueId } from '../support/env.js';
 import { attemptsOf, insertJob, TargetServer, waitFor } from '../support/execution.js';

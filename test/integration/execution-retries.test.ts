@@ -79,71 +79,79 @@ async function oneShot(path: string, spec: Partial<JobSpec>): Promise<{ jobId: s
   return { jobId, at };
 }
 
-test('500 twice then 200: three attempts, backoff respected, final succeeded', { timeout: 30_000 }, async () => {
-  const { jobId } = await oneShot('/flaky', { maxAttempts: 3, backoffMs: 1000, backoffMultiplier: 2 });
-  const [run] = await waitFor(
-    'the run to succeed',
-    async () => {
-      const runs = await runsOf(db.pool, jobId);
-      return runs[0]?.state === 'succeeded' ? runs : null;
-    },
-    20_000,
-  );
-  const calls = target.forJob(jobId);
-  assert.deepEqual(
-    calls.map((c) => [c.attempt, c.idempotencyKey]),
-    [
-      [1, run!.id],
-      [2, run!.id],
-      [3, run!.id],
-    ],
-  );
-  // backoff 1000 ms then 2000 ms; jitter only adds (≤ 20 %), delivery adds a little more.
-  const gaps = [calls[1]!.arrivedAt - calls[0]!.arrivedAt, calls[2]!.arrivedAt - calls[1]!.arrivedAt];
-  assert.ok(gaps[0]! >= 1000 && gaps[0]! < 1000 * 1.2 + 500, `first gap ${gaps[0]} ms`);
-  assert.ok(gaps[1]! >= 2000 && gaps[1]! < 2000 * 1.2 + 500, `second gap ${gaps[1]} ms`);
-  const attempts = await attemptsOf(db.pool, run!.id);
-  assert.deepEqual(
-    attempts.map((a) => [a.attempt, a.outcome, a.statusCode, a.responseExcerpt]),
-    [
-      [1, 'failed', 500, 'not yet'],
-      [2, 'failed', 500, 'not yet'],
-      [3, 'succeeded', 200, 'done'],
-    ],
-  );
-  assert.equal(run!.attempt, 3);
-});
+test(
+  '500 twice then 200: three attempts, backoff respected, final succeeded',
+  { timeout: 30_000 },
+  async () => {
+    const { jobId } = await oneShot('/flaky', { maxAttempts: 3, backoffMs: 1000, backoffMultiplier: 2 });
+    const [run] = await waitFor(
+      'the run to succeed',
+      async () => {
+        const runs = await runsOf(db.pool, jobId);
+        return runs[0]?.state === 'succeeded' ? runs : null;
+      },
+      20_000,
+    );
+    const calls = target.forJob(jobId);
+    assert.deepEqual(
+      calls.map((c) => [c.attempt, c.idempotencyKey]),
+      [
+        [1, run!.id],
+        [2, run!.id],
+        [3, run!.id],
+      ],
+    );
+    // backoff 1000 ms then 2000 ms; jitter only adds (≤ 20 %), delivery adds a little more.
+    const gaps = [calls[1]!.arrivedAt - calls[0]!.arrivedAt, calls[2]!.arrivedAt - calls[1]!.arrivedAt];
+    assert.ok(gaps[0]! >= 1000 && gaps[0]! < 1000 * 1.2 + 500, `first gap ${gaps[0]} ms`);
+    assert.ok(gaps[1]! >= 2000 && gaps[1]! < 2000 * 1.2 + 500, `second gap ${gaps[1]} ms`);
+    const attempts = await attemptsOf(db.pool, run!.id);
+    assert.deepEqual(
+      attempts.map((a) => [a.attempt, a.outcome, a.statusCode, a.responseExcerpt]),
+      [
+        [1, 'failed', 500, 'not yet'],
+        [2, 'failed', 500, 'not yet'],
+        [3, 'succeeded', 200, 'done'],
+      ],
+    );
+    assert.equal(run!.attempt, 3);
+  },
+);
 
-test('always 500: the run is dead, with a dead_letters row and a DLQ message', { timeout: 30_000 }, async () => {
-  const { jobId } = await oneShot('/broken', { maxAttempts: 2, backoffMs: 200 });
-  const [run] = await waitFor(
-    'the run to be dead',
-    async () => {
-      const runs = await runsOf(db.pool, jobId);
-      return runs[0]?.state === 'dead' ? runs : null;
-    },
-    15_000,
-  );
-  assert.equal(target.forJob(jobId).length, 2);
-  const { rows } = await db.pool.query<{ id: string; attempt: number; statusCode: number; error: string }>(
-    `SELECT id, attempt, status_code AS "statusCode", error FROM dead_letters WHERE run_id = $1`,
-    [run!.id],
-  );
-  assert.deepEqual(
-    rows.map((r) => [r.attempt, r.statusCode, r.error]),
-    [[2, 500, 'HTTP 500']],
-  );
-  const message = await waitFor(
-    'the dead-letter message',
-    () => dlq.payloads<DeadLetterMessage>().find((m) => m.runId === run!.id),
-    15_000,
-  );
-  assert.equal(message.deadLetterId, rows[0]!.id);
-  assert.equal(message.jobId, jobId);
-  assert.equal(message.statusCode, 500);
-  assert.equal(message.attempt, 2);
-  assert.equal(dlq.messages.find((m) => m.value?.includes(run!.id))?.key, jobId);
-});
+test(
+  'always 500: the run is dead, with a dead_letters row and a DLQ message',
+  { timeout: 30_000 },
+  async () => {
+    const { jobId } = await oneShot('/broken', { maxAttempts: 2, backoffMs: 200 });
+    const [run] = await waitFor(
+      'the run to be dead',
+      async () => {
+        const runs = await runsOf(db.pool, jobId);
+        return runs[0]?.state === 'dead' ? runs : null;
+      },
+      15_000,
+    );
+    assert.equal(target.forJob(jobId).length, 2);
+    const { rows } = await db.pool.query<{ id: string; attempt: number; statusCode: number; error: string }>(
+      `SELECT id, attempt, status_code AS "statusCode", error FROM dead_letters WHERE run_id = $1`,
+      [run!.id],
+    );
+    assert.deepEqual(
+      rows.map((r) => [r.attempt, r.statusCode, r.error]),
+      [[2, 500, 'HTTP 500']],
+    );
+    const message = await waitFor(
+      'the dead-letter message',
+      () => dlq.payloads<DeadLetterMessage>().find((m) => m.runId === run!.id),
+      15_000,
+    );
+    assert.equal(message.deadLetterId, rows[0]!.id);
+    assert.equal(message.jobId, jobId);
+    assert.equal(message.statusCode, 500);
+    assert.equal(message.attempt, 2);
+    assert.equal(dlq.messages.find((m) => m.value?.includes(run!.id))?.key, jobId);
+  },
+);
 
 test('a target that never answers is aborted at timeoutMs', { timeout: 30_000 }, async () => {
   const { jobId } = await oneShot('/silent', { timeoutMs: 1000, maxAttempts: 1 });
@@ -193,6 +201,9 @@ test("a poison job does not delay a healthy job's runs", { timeout: 40_000 }, as
   assert.ok(healthyCalls.every((c) => c.attempt === 1));
   const lateness = healthyCalls.map((c) => c.arrivedAt - Date.parse(c.scheduledFor));
   // On time means within tens of ms (the poison's retries and 300 ms failures never sit in front).
-  assert.ok(Math.max(...lateness) < 200, `healthy lateness ms: ${lateness.map((l) => l.toFixed(1)).join(', ')}`);
+  assert.ok(
+    Math.max(...lateness) < 200,
+    `healthy lateness ms: ${lateness.map((l) => l.toFixed(1)).join(', ')}`,
+  );
   assert.ok((await runsOf(db.pool, healthy)).every((r) => r.state === 'succeeded'));
 });

@@ -1,0 +1,157 @@
+/**
+ * Herd: 10,000 jobs due in the same second on 3 nodes → time from the due instant until the last
+ * HTTP call arrived at the local target. Each job's cron (`S M H * * *`) fires at that one second
+ * and its next_run_at is that instant, so the leader sees all of them due at once. Also prints
+ * where the time went, from the database: runs created, outbox published, runs claimed.
+ *
+ *   npm run build && npx tsx bench/herd.ts [--jobs 10000] [--runs 3] [--profile DIR] [--env HELIOS_X=Y]…
+ */
+import { cpus } from 'node:os';
+import { setTimeout as sleep } from 'node:timers/promises';
+import { pathToFileURL } from 'node:url';
+import { parseArgs } from 'node:util';
+import { BenchCluster, profiled } from './lib/cluster.js';
+import { ActivitySampler, CpuMeter, summariseCpuProfiles } from './lib/profile.js';
+import { machine, max, median, ms, percentile } from './lib/stats.js';
+
+export interface HerdRun {
+  /** Due instant → the last call arrived. */
+  readonly lastMs: number;
+  readonly firstMs: number;
+  readonly p50Ms: number;
+  readonly arrived: number;
+  readonly duplicates: number;
+  /** Due instant → the last run row created / outbox row published / run claimed (negative: before). */
+  readonly phases: { created: number; published: number; claimed: number };
+}
+
+export interface HerdResult {
+  readonly jobs: number;
+  readonly runs: HerdRun[];
+  readonly medianMs: number;
+}
+
+/** Cron (6 fields, seconds first) that fires once a day at `at`'s UTC second. */
+function onceADayAt(at: Date): string {
+  return `${at.getUTCSeconds()} ${at.getUTCMinutes()} ${at.getUTCHours()} * * *`;
+}
+
+/**
+ * One herd on a fresh cluster. With `profileDir`, every node writes a V8 CPU profile there and
+ * pg_stat_activity is sampled during the herd; both summaries are printed.
+ */
+export async function herdOnce(
+  jobs: number,
+  options: { profileDir?: string; env?: Record<string, string> } = {},
+): Promise<HerdRun> {
+  const { profileDir } = options;
+  const base = profileDir ? profiled(profileDir) : {};
+  const cluster = await BenchCluster.start({ ...base, env: { ...base.env, ...options.env } });
+  const sampler = new ActivitySampler(cluster.db.pool, cluster.db.name);
+  const cpu = new CpuMeter(cluster.cpuGroups());
+  let cpuReport = '';
+  try {
+    // Far enough ahead that the insert is done before the dispatcher looks (1 s ahead of due).
+    const lookaheadMs = Number(options.env?.HELIOS_DISPATCH_LOOKAHEAD_MS ?? 1000);
+    const dueAt = await cluster.nextWholeSecond(lookaheadMs + 4000);
+    await cluster.insertJobs(jobs, onceADayAt(dueAt), dueAt);
+    const due = dueAt.getTime();
+    if (profileDir) {
+      await sleep(due - 1500 - Date.now());
+      sampler.start();
+      cpu.restart();
+      for (const node of cluster.nodes) node.signal('SIGUSR2'); // start the CPU profiles
+    }
+    const deadline = due + 60_000;
+    while (cluster.target.count < jobs && Date.now() < deadline) await sleep(20);
+    sampler.stop();
+    if (profileDir) {
+      cpuReport = await cpu.report(cpus().length);
+      for (const node of cluster.nodes) node.signal('SIGUSR2'); // write the CPU profiles
+      await sleep(1000);
+    }
+    await sleep(500); // would-be duplicates
+    const arrivals = cluster.target.arrivals.map((t) => t - due);
+    const { rows } = await cluster.db.pool.query<{
+      created: Date;
+      published: Date | null;
+      claimed: Date | null;
+    }>(
+      `SELECT (SELECT max(created_at) FROM runs) AS created,
+              (SELECT max(published_at) FROM outbox) AS published,
+              (SELECT max(started_at) FROM run_attempts) AS claimed`,
+    );
+    const at = (d: Date | null | undefined) => (d ? d.getTime() - due : NaN);
+    return {
+      lastMs: arrivals.length >= jobs ? max(arrivals) : NaN,
+      firstMs: Math.min(...arrivals),
+      p50Ms: percentile(arrivals, 50),
+      arrived: arrivals.length,
+      duplicates: cluster.target.duplicates,
+      phases: {
+        created: at(rows[0]?.created),
+        published: at(rows[0]?.published),
+        claimed: at(rows[0]?.claimed),
+      },
+    };
+  } finally {
+    sampler.stop();
+    const leader = await cluster.leader(1000).catch(() => null);
+    await cluster.stop();
+    if (profileDir) {
+      console.log(`pg_stat_activity during the herd (mean active backends: state, wait, statement):`);
+      console.log(sampler.report());
+      console.log(cpuReport);
+      console.log(
+        `nodes: ${cluster.nodes.map((n) => `${n.name} pid ${n.pid}`).join(', ')}; leader ${leader?.node.name}`,
+      );
+      console.log(summariseCpuProfiles(profileDir));
+    }
+  }
+}
+
+export async function herd(
+  jobs: number,
+  options: { runs: number; profileDir?: string; env?: Record<string, string>; log?: (line: string) => void },
+): Promise<HerdResult> {
+  const runs: HerdRun[] = [];
+  for (let i = 0; i < options.runs; i++) {
+    const run = await herdOnce(jobs, options);
+    runs.push(run);
+    options.log?.(
+      `helios run ${i + 1}: ${run.arrived}/${jobs} calls, last ${ms(run.lastMs)} after due ` +
+        `(first ${ms(run.firstMs)}, p50 ${ms(run.p50Ms)}${run.duplicates ? `, ${run.duplicates} duplicates` : ''}); ` +
+        `last run created ${ms(run.phases.created)}, last published ${ms(run.phases.published)}, ` +
+        `last claimed ${ms(run.phases.claimed)}`,
+    );
+  }
+  return { jobs, runs, medianMs: median(runs.map((r) => r.lastMs)) };
+}
+
+async function main(): Promise<void> {
+  const { values } = parseArgs({
+    options: {
+      jobs: { type: 'string', default: '10000' },
+      runs: { type: 'string', default: '3' },
+      profile: { type: 'string' },
+      env: { type: 'string', multiple: true },
+    },
+  });
+  const env = Object.fromEntries((values.env ?? []).map((kv) => kv.split('=', 2) as [string, string]));
+  const jobs = Number(values.jobs);
+  console.log(`Helios herd: ${jobs} jobs due in one second, 3 nodes, ${machine()}`);
+  const result = await herd(jobs, {
+    runs: Number(values.runs),
+    profileDir: values.profile,
+    env,
+    log: (line) => console.log(`  ${line}`),
+  });
+  console.log(`helios: median ${ms(result.medianMs)} over ${result.runs.length} runs`);
+}
+
+if (import.meta.url === pathToFileURL(process.argv[1] ?? '').href) {
+  main().catch((err: unknown) => {
+    console.error(err);
+    process.exitCode = 1;
+  });
+}

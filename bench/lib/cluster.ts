@@ -1,0 +1,199 @@
+import { setTimeout as sleep } from 'node:timers/promises';
+import type { Etcd3 } from 'etcd3';
+import { createKafka, deleteTopics, type BrokerClient } from '../../src/broker/index.js';
+import { createEtcdClient } from '../../src/coordination/etcd.js';
+import { readLeader, type LeaderRecord } from '../../src/coordination/election.js';
+import { silentLogger } from '../../src/observability/logger.js';
+import { createTestDatabase, type TestDatabase } from '../../test/support/database.js';
+import { REPO_ROOT, serverEnv, uniqueId } from '../../test/support/env.js';
+import { spawn } from 'node:child_process';
+import { ManagedProcess, nodeEnvironment, stopAll, type NodeEnv } from '../../test/support/processes.js';
+import type { CpuGroups } from './profile.js';
+import { RecordingTarget } from './target.js';
+
+/** Options of {@link startCluster}. */
+export interface ClusterOptions {
+  /** Nodes with every role; default 3. */
+  readonly nodes?: number;
+  /** Extra environment of every node (HELIOS_…). */
+  readonly env?: Record<string, string>;
+  /** Arguments for node itself, e.g. `--cpu-prof` (not allowed in NODE_OPTIONS). */
+  readonly nodeArgs?: string[];
+  /** Wait until every node's worker joined the consumer group; default true. */
+  readonly waitForWorkers?: boolean;
+}
+
+/**
+ * Helios nodes on the real local servers, isolated like a test: their own database (cloned from
+ * the migrated template), etcd prefix and Kafka topics, plus a recording HTTP target. `stop()`
+ * stops the nodes and removes all of it.
+ */
+export class BenchCluster {
+  readonly nodes: ManagedProcess[] = [];
+  readonly target = new RecordingTarget();
+  readonly etcd: Etcd3;
+  readonly kafka: BrokerClient;
+  readonly nodeEnv: NodeEnv;
+  private spawned = 0;
+
+  private constructor(
+    readonly db: TestDatabase,
+    private readonly options: ClusterOptions,
+  ) {
+    const id = uniqueId();
+    this.etcd = createEtcdClient(serverEnv().etcdEndpoints.split(','));
+    this.kafka = createKafka({
+      brokers: serverEnv().kafkaBrokers.split(','),
+      clientId: `bench-${id}`,
+      logger: silentLogger,
+    });
+    this.nodeEnv = {
+      databaseUrl: db.url,
+      etcdPrefix: `/helios-bench/${id}`,
+      topic: `helios.bench.${id}`,
+      extra: {
+        HELIOS_LOG_LEVEL: 'info',
+        // Six partitions, as in production: with the test default (2) one of 3 workers gets none.
+        HELIOS_KAFKA_PARTITIONS: '6',
+        HELIOS_SHUTDOWN_TIMEOUT_MS: '5000',
+        ...options.env,
+      },
+    };
+  }
+
+  static async start(options: ClusterOptions = {}): Promise<BenchCluster> {
+    const cluster = new BenchCluster(await createTestDatabase(), options);
+    try {
+      await cluster.target.start();
+      for (let i = 0; i < (options.nodes ?? 3); i++) cluster.spawn();
+      await cluster.ready(options.waitForWorkers ?? true);
+      return cluster;
+    } catch (err) {
+      await cluster.stop();
+      throw err;
+    }
+  }
+
+  get leaderKey(): string {
+    return `${this.nodeEnv.etcdPrefix}/leader`;
+  }
+
+  /** Starts one more node (all roles). */
+  spawn(extra: Record<string, string> = {}): ManagedProcess {
+    // As test/support's spawnNode (the built CLI), plus arguments for node itself.
+    const name = `bench-${this.spawned++}`;
+    const env = nodeEnvironment(name, { ...this.nodeEnv, extra: { ...this.nodeEnv.extra, ...extra } });
+    const args = [...(this.options.nodeArgs ?? []), `${REPO_ROOT}dist/main.js`, 'node'];
+    const node = new ManagedProcess(
+      name,
+      spawn(process.execPath, args, { env, stdio: ['ignore', 'pipe', 'pipe'] }),
+    );
+    this.nodes.push(node);
+    return node;
+  }
+
+  get live(): ManagedProcess[] {
+    return this.nodes.filter((n) => n.running);
+  }
+
+  /** The leader as etcd names it, once it is one of the live nodes. */
+  async leader(timeoutMs = 20_000): Promise<{ record: LeaderRecord; node: ManagedProcess }> {
+    const deadline = Date.now() + timeoutMs;
+    for (;;) {
+      const record = await readLeader(this.etcd, this.leaderKey);
+      const node = record && this.live.find((n) => n.name === record.nodeId);
+      if (record && node) return { record, node };
+      if (Date.now() > deadline) throw new Error('no leader among the live nodes');
+      await sleep(50);
+    }
+  }
+
+  /** Nodes started, a leader elected, and (optionally) every worker a member of the group. */
+  async ready(workers: boolean, timeoutMs = 60_000): Promise<void> {
+    await Promise.all(this.live.map((n) => n.waitForLog((l) => l.msg === 'node started', timeoutMs)));
+    await this.leader(timeoutMs);
+    if (!workers) return;
+    const admin = this.kafka.admin();
+    await admin.connect();
+    try {
+      const deadline = Date.now() + timeoutMs;
+      for (;;) {
+        const { groups } = await admin.describeGroups([`${this.nodeEnv.topic}.workers`]);
+        const group = groups[0];
+        if (group?.state === 'Stable' && group.members.length === this.live.length) return;
+        if (Date.now() > deadline) throw new Error(`consumer group not stable: ${group?.state}`);
+        await sleep(200);
+      }
+    } finally {
+      await admin.disconnect();
+    }
+  }
+
+  /**
+   * Inserts `count` jobs calling the target, with `schedule` and `next_run_at = firstAt`, in one
+   * statement (the REST API is not what is measured). Names are `${prefix}-${n}`.
+   */
+  async insertJobs(count: number, schedule: string, firstAt: Date, prefix = 'bench'): Promise<void> {
+    await this.db.pool.query(
+      `INSERT INTO jobs (name, schedule, target, timeout_ms, max_attempts, next_run_at)
+       SELECT $1 || '-' || n, $2, $3, 5000, 3, $4 FROM generate_series(1, $5) AS n`,
+      [
+        prefix,
+        schedule,
+        { url: `${this.target.url}/tick`, method: 'POST', body: { bench: true } },
+        firstAt,
+        count,
+      ],
+    );
+  }
+
+  /** A whole second at least `aheadMs` from now by the database clock. */
+  async nextWholeSecond(aheadMs: number): Promise<Date> {
+    const { rows } = await this.db.pool.query<{ at: Date }>(
+      `SELECT date_trunc('second', now() + $1 * interval '1 millisecond') + interval '1 second' AS at`,
+      [aheadMs],
+    );
+    return rows[0]!.at;
+  }
+
+  /** Process groups of this cluster for {@link CpuMeter}. */
+  cpuGroups(): CpuGroups {
+    return {
+      named: new Map([
+        [process.pid, 'bench (target, sampling)'],
+        ...this.nodes.map((n) => [n.pid, `node ${n.name}`] as const),
+      ]),
+      repoRoot: REPO_ROOT,
+      backends: async () => {
+        const { rows } = await this.db.pool.query<{ pid: number }>(
+          'SELECT pid FROM pg_stat_activity WHERE datname = $1',
+          [this.db.name],
+        );
+        return rows.map((r) => r.pid);
+      },
+    };
+  }
+
+  /** Stops the nodes, then drops the database, the etcd prefix and the topics. */
+  async stop(): Promise<void> {
+    const steps: [string, () => Promise<unknown>][] = [
+      ['nodes', () => stopAll(this.nodes)],
+      ['target', () => this.target.close()],
+      ['database', () => this.db.drop()],
+      ['etcd prefix', async () => this.etcd.delete().prefix(this.nodeEnv.etcdPrefix)],
+      ['topics', () => deleteTopics(this.kafka, [this.nodeEnv.topic, `${this.nodeEnv.topic}.dlq`])],
+    ];
+    for (const [what, step] of steps) {
+      await step().catch((err: unknown) => console.error(`bench cleanup: ${what} failed:`, err));
+    }
+    this.etcd.close();
+  }
+}
+
+/** Cluster options under which every node can profile a window: SIGUSR2 starts, SIGUSR2 writes. */
+export function profiled(dir: string): ClusterOptions {
+  return {
+    nodeArgs: ['--import', `${REPO_ROOT}bench/lib/cpu-profiler.mjs`],
+    env: { HELIOS_BENCH_PROFILE_DIR: dir },
+  };
+}

@@ -1,0 +1,67 @@
+/**
+ * Memory: peak RSS (VmHWM from /proc/<pid>/status) of each of 3 nodes with 10,000 jobs defined,
+ * each firing once a minute at its own second (≈ 167 runs/s spread over the minute), after they
+ * all fired at least once.
+ *
+ *   npm run build && npx tsx bench/memory.ts [--jobs 10000] [--seconds 65]
+ */
+import { readFileSync } from 'node:fs';
+import { setTimeout as sleep } from 'node:timers/promises';
+import { pathToFileURL } from 'node:url';
+import { parseArgs } from 'node:util';
+import { BenchCluster } from './lib/cluster.js';
+import { machine } from './lib/stats.js';
+
+export interface MemoryResult {
+  readonly jobs: number;
+  /** Per node: peak and current resident set, MB. */
+  readonly nodes: { name: string; peakMb: number; rssMb: number }[];
+  readonly calls: number;
+}
+
+/** A field of /proc/<pid>/status in MB (the kernel reports kB). */
+function statusMb(pid: number, field: 'VmHWM' | 'VmRSS'): number {
+  const match = new RegExp(`^${field}:\\s+(\\d+) kB`, 'm').exec(readFileSync(`/proc/${pid}/status`, 'utf8'));
+  return match ? Number(match[1]) / 1024 : NaN;
+}
+
+export async function memory(jobs: number, seconds: number): Promise<MemoryResult> {
+  const cluster = await BenchCluster.start();
+  try {
+    const start = await cluster.nextWholeSecond(2000);
+    // Job n fires at second n mod 60 of every minute: the 10,000 jobs are spread evenly.
+    await cluster.db.pool.query(
+      `INSERT INTO jobs (name, schedule, target, timeout_ms, next_run_at)
+       SELECT 'mem-' || n, (n % 60) || ' * * * * *', $1, 5000,
+              $2::timestamptz + ((n % 60 - extract(second FROM $2::timestamptz)::int + 60) % 60) * interval '1 second'
+       FROM generate_series(1, $3) AS n`,
+      [{ url: `${cluster.target.url}/tick`, method: 'POST', body: { bench: true } }, start, jobs],
+    );
+    await sleep(start.getTime() + seconds * 1000 - Date.now());
+    const nodes = cluster.live.map((node) => ({
+      name: node.name,
+      peakMb: statusMb(node.pid, 'VmHWM'),
+      rssMb: statusMb(node.pid, 'VmRSS'),
+    }));
+    return { jobs, nodes, calls: cluster.target.count };
+  } finally {
+    await cluster.stop();
+  }
+}
+
+async function main(): Promise<void> {
+  const { values } = parseArgs({
+    options: { jobs: { type: 'string', default: '10000' }, seconds: { type: 'string', default: '65' } },
+  });
+  const result = await memory(Number(values.jobs), Number(values.seconds));
+  console.log(`memory with ${result.jobs} jobs defined (${result.calls} calls made), ${machine()}`);
+  for (const n of result.nodes)
+    console.log(`  ${n.name}: peak RSS ${n.peakMb.toFixed(0)} MB, now ${n.rssMb.toFixed(0)} MB`);
+}
+
+if (import.meta.url === pathToFileURL(process.argv[1] ?? '').href) {
+  main().catch((err: unknown) => {
+    console.error(err);
+    process.exitCode = 1;
+  });
+}

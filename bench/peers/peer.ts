@@ -1,0 +1,37 @@
+/**
+ * What the herd benchmark needs from a peer job queue. Each peer is loaded from this folder's own
+ * node_modules (bench/peers/package.json), so the root package does not depend on it.
+ */
+export interface PeerQueue {
+  readonly name: string;
+  /** One line saying which settings were used (batching, concurrency, polling / LISTEN). */
+  describe(settings: PeerSettings): string;
+  /** Creates the peer's schema (and queue) in an empty database. */
+  prepare(url: string): Promise<void>;
+  /** Inserts `count` items, all due at `at`, in one statement. */
+  enqueue(url: string, count: number, at: Date): Promise<void>;
+  /** Starts consuming in this process; `started(n)` runs in the handler of item n. Returns stop. */
+  work(url: string, settings: PeerSettings, started: (n: number) => void): Promise<() => Promise<void>>;
+}
+
+/** Tuning of one peer run; each peer reads the fields that apply to it. */
+export interface PeerSettings {
+  /** Items fetched (and locked) per query. */
+  readonly batch: number;
+  /** Fetch loops (pg-boss: work() calls) or concurrent jobs (graphile-worker) per process. */
+  readonly concurrency: number;
+  /** Polling interval for jobs that become due (ms); neither peer is woken by a future run_at. */
+  readonly pollMs: number;
+  /** Connections per process. */
+  readonly poolSize: number;
+}
+
+/** Payload of each item: its index, so the handler can record when item n started. */
+export interface HerdItem {
+  readonly n: number;
+}
+
+/** Imports a package from bench/peers/node_modules (a variable specifier keeps tsc from resolving it). */
+export function importPeer<T>(specifier: string): Promise<T> {
+  return import(specifier) as Promise<T>;
+}

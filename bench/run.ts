@@ -1,0 +1,167 @@
+/**
+ * All the benchmarks, one after the other, then one table: herd (Helios and, on the same
+ * PostgreSQL, pg-boss and graphile-worker, as ratios), lateness at 100/500/2,000 runs/s,
+ * sustained throughput, failover, memory. Needs the local servers (`npm run infra -- up`).
+ *
+ *   npm run bench                     # full: medians of 3 runs, about 25 minutes
+ *   npm run bench -- --quick          # one run each, shorter windows, about 8 minutes
+ *   npm run bench -- --only herd,peers --json results.json
+ */
+import { writeFileSync } from 'node:fs';
+import { loadavg } from 'node:os';
+import { parseArgs } from 'node:util';
+import { failover, type FailoverResult } from './failover.js';
+import { herd, type HerdResult } from './herd.js';
+import { lateness, type LatenessResult } from './lateness.js';
+import { machine, ms, table } from './lib/stats.js';
+import { memory, type MemoryResult } from './memory.js';
+import { BEST, herdPeer, type HerdResult as PeerHerdResult } from './peers/herd.js';
+import type { PeerName } from './peers/peers.js';
+import { throughput, type ThroughputResult } from './throughput.js';
+
+const PARTS = ['peers', 'herd', 'lateness', 'throughput', 'failover', 'memory'] as const;
+type Part = (typeof PARTS)[number];
+
+interface Results {
+  machine: string;
+  loadAtStart: number[];
+  quick: boolean;
+  peers?: PeerHerdResult[];
+  herd?: HerdResult;
+  lateness?: LatenessResult[];
+  throughput?: ThroughputResult;
+  failover?: FailoverResult;
+  memory?: MemoryResult;
+}
+
+const log = (line: string) => console.log(`  ${line}`);
+const seconds = (value: number) => (Number.isFinite(value) ? `${(value / 1000).toFixed(2)} s` : 'n/a');
+
+function summary(r: Results): string {
+  const rows: string[][] = [['figure', 'measured', 'target (goal)']];
+  const runs = (n: number) => (n > 1 ? ` (median of ${n})` : '');
+  if (r.herd) {
+    rows.push([
+      `herd: ${r.herd.jobs.toLocaleString('en')} jobs due in one second → last call`,
+      `${seconds(r.herd.medianMs)}${runs(r.herd.runs.length)}`,
+      '≤ 2 s (1 s)',
+    ]);
+  }
+  for (const peer of r.peers ?? []) {
+    const ratio = r.herd ? `; ${peer.peer}/Helios = ${(peer.medianMs / r.herd.medianMs).toFixed(2)}` : '';
+    rows.push([
+      `  same herd, ${peer.peer} → all started`,
+      `${seconds(peer.medianMs)}${runs(peer.runs.length)}${ratio}`,
+      '',
+    ]);
+  }
+  for (const l of r.lateness ?? []) {
+    const target = l.rate === 500 ? 'p99 ≤ 100 ms (20 ms)' : '';
+    rows.push([
+      `lateness at ${l.rate} runs/s: p50 / p99 / max`,
+      `${ms(l.p50)} / ${ms(l.p99)} / ${ms(l.max)}${runs(l.runs.length)}`,
+      target,
+    ]);
+  }
+  if (r.throughput) {
+    const best = r.throughput.hold ?? r.throughput.steps.filter((s) => s.sustained).at(-1);
+    const failed = r.throughput.steps.find((s) => !s.sustained);
+    rows.push([
+      'sustained throughput (queue depth bounded)',
+      best
+        ? `${best.completed.toFixed(0)} runs/s for ${best.seconds} s, depth max ${best.maxDepth}` +
+          (failed
+            ? `; ${failed.offered}/s offered → ${failed.completed.toFixed(0)}/s, depth ${failed.endDepth}`
+            : '')
+        : 'none sustained',
+      '≥ 2,000 runs/s (5,000)',
+    ]);
+  }
+  if (r.failover) {
+    rows.push([
+      `failover: kill -9 leader → first dispatch (${r.failover.tries.length} tries)`,
+      `median ${ms(r.failover.median)}, max ${ms(r.failover.max)}`,
+      `≤ TTL + 1 s = ${r.failover.ttlMs + 1000} ms`,
+    ]);
+  }
+  if (r.memory) {
+    rows.push([
+      `memory: peak RSS per node, ${r.memory.jobs.toLocaleString('en')} jobs defined`,
+      r.memory.nodes.map((n) => `${n.peakMb.toFixed(0)} MB`).join(' / '),
+      '≤ 200 MB',
+    ]);
+  }
+  return table(rows);
+}
+
+async function main(): Promise<void> {
+  const { values } = parseArgs({
+    options: {
+      quick: { type: 'boolean', default: false },
+      only: { type: 'string' },
+      json: { type: 'string' },
+    },
+  });
+  const quick = values.quick!;
+  const parts = new Set((values.only?.split(',') ?? PARTS) as Part[]);
+  for (const part of parts)
+    if (!PARTS.includes(part)) throw new Error(`unknown part ${part} (${PARTS.join(', ')})`);
+  const results: Results = { machine: machine(), loadAtStart: loadavg(), quick };
+  console.log(
+    `Helios benchmarks${quick ? ' (quick)' : ''}: ${results.machine}, load average ${loadavg()
+      .map((l) => l.toFixed(2))
+      .join(' ')}`,
+  );
+  const herdRuns = quick ? 1 : 3;
+
+  if (parts.has('peers')) {
+    console.log('\npeers: 10,000 items due at one instant, each on a fresh database on the same PostgreSQL');
+    results.peers = [];
+    for (const peer of Object.keys(BEST) as PeerName[]) {
+      const result = await herdPeer(peer, { items: 10_000, runs: herdRuns, settings: BEST[peer], log });
+      log(`${peer} settings: ${result.settings}`);
+      results.peers.push(result);
+    }
+  }
+  if (parts.has('herd')) {
+    console.log('\nHelios herd: 10,000 jobs due in one second, 3 nodes');
+    results.herd = await herd(10_000, { runs: herdRuns, log });
+  }
+  if (parts.has('lateness')) {
+    console.log('\nlateness at steady load, 3 nodes (arrival at the target − X-Helios-Scheduled-For)');
+    results.lateness = [];
+    for (const rate of [100, 500, 2000]) {
+      results.lateness.push(await lateness(rate, { seconds: quick ? 15 : 30, runs: quick ? 1 : 3, log }));
+    }
+  }
+  if (parts.has('throughput')) {
+    console.log('\nsustained throughput, 3 nodes');
+    results.throughput = await throughput({
+      steps: quick ? [1000, 2000] : [1000, 1500, 2000, 2500, 3000, 4000, 5000],
+      stepSeconds: quick ? 15 : 20,
+      holdSeconds: quick ? 20 : 60,
+      log,
+    });
+  }
+  if (parts.has('failover')) {
+    console.log('\nfailover: kill -9 of the leader → first dispatch by the new leader');
+    results.failover = await failover(quick ? 3 : 10, log);
+  }
+  if (parts.has('memory')) {
+    console.log('\nmemory: 3 nodes, 10,000 jobs defined (each fires once a minute)');
+    results.memory = await memory(10_000, quick ? 35 : 65);
+    for (const n of results.memory.nodes)
+      log(`${n.name}: peak RSS ${n.peakMb.toFixed(0)} MB, now ${n.rssMb.toFixed(0)} MB`);
+  }
+
+  console.log(
+    `\n${results.machine}; load average at start ${results.loadAtStart.map((l) => l.toFixed(2)).join(' ')}`,
+  );
+  console.log(summary(results));
+  if (values.json) writeFileSync(values.json, `${JSON.stringify(results, null, 2)}\n`);
+}
+
+main().catch((err: unknown) => {
+  console.error(err);
+  process.exitCode = 1;
+});
