@@ -221,7 +221,9 @@ export class HeliosNode {
       const publisher = (this.publisher = new RunPublisher({ kafka, logger }));
       this.onStop('kafka publisher', () => publisher.disconnect());
       // Connect early so a wrong broker address shows at start; publish() reconnects by itself.
-      await publisher.connect().catch((err: unknown) => logger.warn({ err: toError(err) }, 'publisher connect failed'));
+      await publisher
+        .connect()
+        .catch((err: unknown) => logger.warn({ err: toError(err) }, 'publisher connect failed'));
       const election = (this.election = new LeaderElection({
         client: etcd,
         key: `${config.etcdPrefix}/leader`,
