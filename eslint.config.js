@@ -13,6 +13,11 @@ export default tseslint.config(
     },
   },
   {
+    // Plain Node scripts (TypeScript files get their globals from @types/node).
+    files: ['**/*.mjs', '**/*.js'],
+    languageOptions: { globals: { process: 'readonly', console: 'readonly', URL: 'readonly' } },
+  },
+  {
     files: ['test/**', 'bench/**', 'scripts/**', 'src/cli/**'],
     rules: { 'no-console': 'off' },
   },

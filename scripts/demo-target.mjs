@@ -20,4 +20,6 @@ createServer((req, res) => {
     res.writeHead(fail ? 500 : 200, { 'content-type': 'application/json' });
     res.end(JSON.stringify({ ok: !fail }));
   });
-}).listen(port, '127.0.0.1', () => process.stdout.write(`demo target listening on http://127.0.0.1:${port}\n`));
+}).listen(port, '127.0.0.1', () =>
+  process.stdout.write(`demo target listening on http://127.0.0.1:${port}\n`),
+);

@@ -16,7 +16,9 @@ const prefixes = process.argv.slice(2);
 // Unit tests first: they are fast and fail early.
 const files = find('test')
   .filter((f) => prefixes.length === 0 || prefixes.some((p) => f.startsWith(p)))
-  .sort((a, b) => Number(b.startsWith('test/unit')) - Number(a.startsWith('test/unit')) || a.localeCompare(b));
+  .sort(
+    (a, b) => Number(b.startsWith('test/unit')) - Number(a.startsWith('test/unit')) || a.localeCompare(b),
+  );
 if (files.length === 0) {
   console.error('no test files found');
   process.exit(1);

@@ -13,7 +13,12 @@ export class TopicRecorder {
       clientId: `recorder-${uniqueId()}`,
       logger: silentLogger,
     });
-    this.consumer = new RunConsumer({ kafka, logger: silentLogger, groupId: `recorder-${uniqueId()}`, topic });
+    this.consumer = new RunConsumer({
+      kafka,
+      logger: silentLogger,
+      groupId: `recorder-${uniqueId()}`,
+      topic,
+    });
   }
 
   start(): Promise<void> {
