@@ -26,6 +26,9 @@ export interface LatenessRun {
   readonly received: number;
   readonly expected: number;
   readonly duplicates: number;
+  /** During the window: consumer group joins (rebalances) and runs claimed by the polling fallback. */
+  readonly joins: number;
+  readonly polled: number;
 }
 
 export interface LatenessResult {
@@ -67,6 +70,7 @@ export async function latenessOnce(
       console.log('pg_stat_activity (mean active backends: state, wait, statement):');
       console.log(sampler.report());
       console.log(await phases(cluster, from, to));
+      console.log(await workerSide(cluster));
     }
     await sleep(to - Date.now());
     await cluster.db.pool.query('UPDATE jobs SET enabled = false');
@@ -79,6 +83,7 @@ export async function latenessOnce(
       received: lateness.length,
       expected: rate * seconds,
       duplicates: cluster.target.duplicates,
+      ...cluster.deliveryEvents(from),
     };
   } finally {
     sampler.stop();
@@ -117,6 +122,22 @@ async function phases(cluster: BenchCluster, from: number, to: number): Promise<
   );
 }
 
+/** The workers' own view (their Prometheus histograms, whole life): call start lateness and call duration. */
+async function workerSide(cluster: BenchCluster): Promise<string> {
+  const describe = async (name: string, what: string) => {
+    const h = await cluster.histogram(name);
+    const share = [...h.buckets]
+      .filter(([le]) => [0.01, 0.05, 0.1, 0.25].includes(le))
+      .map(([le, n]) => `≤ ${le * 1000} ms ${((n / h.count) * 100).toFixed(0)}%`)
+      .join(', ');
+    return `${what}: mean ${ms(h.mean * 1000)}; ${share}`;
+  };
+  return [
+    await describe('helios_run_start_lateness_seconds', 'workers: call started after scheduled_for'),
+    await describe('helios_run_http_seconds', 'workers: HTTP call duration'),
+  ].join('\n');
+}
+
 export async function lateness(
   rate: number,
   options: {
@@ -133,7 +154,8 @@ export async function lateness(
     runs.push(run);
     options.log?.(
       `${rate} runs/s run ${i + 1}: p50 ${ms(run.p50)}  p99 ${ms(run.p99)}  max ${ms(run.max)}  ` +
-        `(${run.received}/${run.expected} calls arrived${run.duplicates ? `, ${run.duplicates} duplicates` : ''})`,
+        `(${run.received}/${run.expected} calls arrived${run.duplicates ? `, ${run.duplicates} duplicates` : ''}` +
+        `${run.joins ? `, ${run.joins} consumer group joins` : ''}${run.polled ? `, ${run.polled} runs claimed by polling` : ''})`,
     );
   }
   return {

@@ -1,7 +1,7 @@
 /**
  * All the benchmarks, one after the other, then one table: herd (Helios and, on the same
- * PostgreSQL, pg-boss and graphile-worker, as ratios), lateness at 100/500/2,000 runs/s,
- * sustained throughput, failover, memory. Needs the local servers (`npm run infra -- up`).
+ * PostgreSQL, pg-boss and graphile-worker, as ratios), lateness at 100/500/2,000 runs/s (with the
+ * floor: the same bursts of HTTP calls without Helios), sustained throughput, failover, memory. Needs the local servers (`npm run infra -- up`).
  *
  *   npm run bench                     # full: medians of 3 runs, about 25 minutes
  *   npm run bench -- --quick          # one run each, shorter windows, about 8 minutes
@@ -12,6 +12,7 @@ import { loadavg } from 'node:os';
 import { parseArgs } from 'node:util';
 import { failover, type FailoverResult } from './failover.js';
 import { herd, type HerdResult } from './herd.js';
+import { httpFloor, type FloorResult } from './http-floor.js';
 import { lateness, type LatenessResult } from './lateness.js';
 import { machine, ms, table } from './lib/stats.js';
 import { memory, type MemoryResult } from './memory.js';
@@ -19,7 +20,7 @@ import { BEST, herdPeer, type HerdResult as PeerHerdResult } from './peers/herd.
 import type { PeerName } from './peers/peers.js';
 import { throughput, type ThroughputResult } from './throughput.js';
 
-const PARTS = ['peers', 'herd', 'lateness', 'throughput', 'failover', 'memory'] as const;
+const PARTS = ['peers', 'herd', 'lateness', 'floor', 'throughput', 'failover', 'memory'] as const;
 type Part = (typeof PARTS)[number];
 
 interface Results {
@@ -29,6 +30,7 @@ interface Results {
   peers?: PeerHerdResult[];
   herd?: HerdResult;
   lateness?: LatenessResult[];
+  floor?: FloorResult[];
   throughput?: ThroughputResult;
   failover?: FailoverResult;
   memory?: MemoryResult;
@@ -62,6 +64,13 @@ function summary(r: Results): string {
       `${ms(l.p50)} / ${ms(l.p99)} / ${ms(l.max)}${runs(l.runs.length)}`,
       target,
     ]);
+    const floor = r.floor?.find((f) => f.rate === l.rate);
+    if (floor)
+      rows.push([
+        `  floor: the same calls without Helios`,
+        `${ms(floor.p50)} / ${ms(floor.p99)} / ${ms(floor.max)}`,
+        '',
+      ]);
   }
   if (r.throughput) {
     const best = r.throughput.hold ?? r.throughput.steps.filter((s) => s.sustained).at(-1);
@@ -132,6 +141,19 @@ async function main(): Promise<void> {
     results.lateness = [];
     for (const rate of [100, 500, 2000]) {
       results.lateness.push(await lateness(rate, { seconds: quick ? 15 : 30, runs: quick ? 1 : 3, log }));
+    }
+  }
+  if (parts.has('floor')) {
+    console.log(
+      '\nfloor: the same bursts of HTTP calls without Helios (3 undici client processes → the target)',
+    );
+    results.floor = [];
+    for (const rate of [100, 500, 2000]) {
+      const floor = await httpFloor(rate, quick ? 5 : 10);
+      log(
+        `${rate} calls at each whole second: p50 ${ms(floor.p50)}  p99 ${ms(floor.p99)}  max ${ms(floor.max)}`,
+      );
+      results.floor.push(floor);
     }
   }
   if (parts.has('throughput')) {

@@ -156,6 +156,48 @@ export class BenchCluster {
     return rows[0]!.at;
   }
 
+  /**
+   * What the nodes' logs say about the delivery path since `since` (ms since the epoch): consumer
+   * group joins (each one a rebalance that pauses Kafka deliveries) and runs claimed by the
+   * polling fallback (their Kafka message came too late).
+   */
+  deliveryEvents(since = 0): { joins: number; polled: number } {
+    let joins = 0;
+    let polled = 0;
+    for (const node of this.nodes) {
+      for (const line of node.logs) {
+        // pino writes `time` as an ISO string here (stdTimeFunctions.isoTime).
+        const at = typeof line.time === 'string' ? Date.parse(line.time) : Number(line.time ?? NaN);
+        if (at < since) continue;
+        if (line.msg === 'joined consumer group') joins++;
+        if (line.msg === 'claimed overdue runs by polling') polled += Number(line.runs ?? 0);
+      }
+    }
+    return { joins, polled };
+  }
+
+  /**
+   * A Prometheus histogram of all live nodes, summed: count, mean, and the cumulative count per
+   * bucket bound (seconds). Read from each node's /metrics (open: the bench sets no API tokens).
+   */
+  async histogram(name: string): Promise<{ count: number; mean: number; buckets: Map<number, number> }> {
+    let count = 0;
+    let sum = 0;
+    const buckets = new Map<number, number>();
+    for (const node of this.live) {
+      const started = node.logs.find((l) => l.msg === 'node started');
+      if (typeof started?.apiUrl !== 'string') continue;
+      const text = await (await fetch(`${started.apiUrl}/metrics`)).text();
+      for (const line of text.split('\n')) {
+        const bucket = new RegExp(`^${name}_bucket\\{.*le="([^"]+)".*\\} (\\S+)$`).exec(line);
+        if (bucket) buckets.set(Number(bucket[1]), (buckets.get(Number(bucket[1])) ?? 0) + Number(bucket[2]));
+        if (line.startsWith(`${name}_sum`)) sum += Number(line.split(' ').at(-1));
+        if (line.startsWith(`${name}_count`)) count += Number(line.split(' ').at(-1));
+      }
+    }
+    return { count, mean: count ? sum / count : NaN, buckets };
+  }
+
   /** Process groups of this cluster for {@link CpuMeter}. */
   cpuGroups(): CpuGroups {
     return {

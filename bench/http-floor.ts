@@ -1,0 +1,97 @@
+/**
+ * The floor under the lateness figures: the same shape of HTTP traffic without Helios. Three
+ * client processes (as 3 nodes) each send rate/3 calls at every whole second, with undici (as
+ * the workers do: keep-alive Agent, JSON body, abort timer, body read), to the same recording
+ * target in this process; lateness = arrival − the whole second. No database, no Kafka: what is
+ * left is the cost of a burst of calls on this machine.
+ *
+ *   npx tsx bench/http-floor.ts [--rate 500] [--seconds 10]
+ */
+import { fork } from 'node:child_process';
+import { once } from 'node:events';
+import { fileURLToPath, pathToFileURL } from 'node:url';
+import { parseArgs } from 'node:util';
+import { RecordingTarget } from './lib/target.js';
+import { machine, max, ms, percentile } from './lib/stats.js';
+
+const WARMUP_S = 3;
+
+export interface FloorResult {
+  readonly rate: number;
+  readonly p50: number;
+  readonly p99: number;
+  readonly max: number;
+}
+
+/** One client process: `perSecond` calls at each of `seconds` whole seconds, then exits. */
+async function client(url: string, perSecond: number, seconds: number): Promise<void> {
+  const { Agent, request } = await import('undici');
+  const agent = new Agent({ keepAliveTimeout: 4000 });
+  const first = Math.ceil(Date.now() / 1000) * 1000 + 1000;
+  for (let s = 0; s < seconds; s++) {
+    const at = first + s * 1000;
+    await new Promise((resolve) => setTimeout(resolve, at - Date.now()));
+    const scheduledFor = new Date(at).toISOString();
+    await Promise.all(
+      Array.from({ length: perSecond }, async (_, i) => {
+        const controller = new AbortController();
+        const timer = setTimeout(() => controller.abort(), 5000);
+        const response = await request(`${url}/tick`, {
+          dispatcher: agent,
+          method: 'POST',
+          body: JSON.stringify({ bench: true }),
+          signal: controller.signal,
+          headers: {
+            'content-type': 'application/json',
+            'x-helios-run-id': `${process.pid}-${s}-${i}`,
+            'x-helios-scheduled-for': scheduledFor,
+          },
+        });
+        for await (const chunk of response.body) void chunk;
+        clearTimeout(timer);
+      }),
+    );
+  }
+  await agent.close();
+}
+
+export async function httpFloor(rate: number, seconds: number): Promise<FloorResult> {
+  const target = new RecordingTarget();
+  await target.start();
+  try {
+    const started = Date.now();
+    const self = fileURLToPath(import.meta.url);
+    const clients = [0, 1, 2].map(() =>
+      fork(self, ['--client', target.url, String(Math.round(rate / 3)), String(seconds + WARMUP_S)]),
+    );
+    await Promise.all(clients.map((c) => once(c, 'exit')));
+    const lateness = target.lateness(Math.ceil(started / 1000) * 1000 + (WARMUP_S + 1) * 1000, Infinity);
+    return { rate, p50: percentile(lateness, 50), p99: percentile(lateness, 99), max: max(lateness) };
+  } finally {
+    await target.close();
+  }
+}
+
+async function main(): Promise<void> {
+  const { values, positionals } = parseArgs({
+    allowPositionals: true,
+    options: {
+      client: { type: 'boolean', default: false },
+      rate: { type: 'string', multiple: true },
+      seconds: { type: 'string', default: '10' },
+    },
+  });
+  if (values.client) return client(positionals[0]!, Number(positionals[1]), Number(positionals[2]));
+  console.log(`HTTP fan-out floor (3 client processes → 1 target), ${machine()}`);
+  for (const rate of (values.rate ?? ['100', '500', '2000']).map(Number)) {
+    const r = await httpFloor(rate, Number(values.seconds));
+    console.log(`${rate} calls at each whole second: p50 ${ms(r.p50)}  p99 ${ms(r.p99)}  max ${ms(r.max)}`);
+  }
+}
+
+if (import.meta.url === pathToFileURL(process.argv[1] ?? '').href) {
+  main().catch((err: unknown) => {
+    console.error(err);
+    process.exitCode = 1;
+  });
+}
