@@ -23,6 +23,12 @@ if (files.length === 0) {
   console.error('no test files found');
   process.exit(1);
 }
+// The tests need the real servers: start them (idempotent: nothing to do when they are up).
+const infra = spawnSync('bash', ['scripts/infra.sh', 'up'], { stdio: 'inherit' });
+if (infra.status !== 0) {
+  console.error('scripts/infra.sh up failed: the tests need PostgreSQL, etcd and Kafka');
+  process.exit(1);
+}
 // One file at a time: integration tests stop and start the shared real servers.
 const result = spawnSync(
   process.execPath,

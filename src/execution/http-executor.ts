@@ -40,6 +40,7 @@ export class HttpExecutor {
   private readonly agent: Agent;
   private readonly maxExcerptBytes: number;
   private readonly policy: TargetPolicy;
+  private readonly checkedUrls = new Map<string, string | null>();
 
   constructor(options: HttpExecutorOptions = {}) {
     this.maxExcerptBytes = options.maxExcerptBytes ?? 2048;
@@ -123,8 +124,14 @@ export class HttpExecutor {
   private prepare(run: HttpCall) {
     const target = run.target;
     if (typeof target?.url !== 'string') throw new Error('target.url is missing');
-    // IP literals never reach the guarded lookup; check them (and the URL's shape) here.
-    const problem = checkTargetUrl(target.url, this.policy);
+    // IP literals never reach the guarded lookup; check them (and the URL's shape) here. The
+    // verdict depends only on the URL text and the fixed policy, so it is cached.
+    let problem = this.checkedUrls.get(target.url);
+    if (problem === undefined) {
+      problem = checkTargetUrl(target.url, this.policy);
+      if (this.checkedUrls.size >= 10_000) this.checkedUrls.clear();
+      this.checkedUrls.set(target.url, problem);
+    }
     if (problem) throw new Error(`target.url ${problem}`);
     const hasBody = target.body !== undefined && target.body !== null;
     const method = (target.method ?? (hasBody ? 'POST' : 'GET')).toUpperCase();

@@ -7,7 +7,7 @@ import { NotLeaderError, StaleFencingTokenError, toError } from '../errors.js';
 import { inFencedTransaction } from '../store/fence.js';
 import { advanceJobs, createRuns, msUntilNextDue, selectDueJobs } from '../store/dispatch.js';
 import { parseCron, type CronSchedule } from './cron.js';
-import { planOccurrences } from './occurrences.js';
+import { planOccurrences, type OccurrencePlan } from './occurrences.js';
 
 export interface DispatcherOptions {
   readonly pool: pg.Pool;
@@ -87,10 +87,18 @@ export class Dispatcher {
       const horizon = new Date(now.getTime() + lookaheadMs);
       const occurrences: { jobId: string; scheduledFor: Date }[] = [];
       const advances: { id: string; nextRunAt: Date | null }[] = [];
+      // Jobs sharing a schedule and a due instant (a herd) share one plan: the cron maths is the
+      // leader's main CPU cost inside the transaction, which holds row locks while it runs.
+      const plans = new Map<string, OccurrencePlan>();
       for (const job of jobs) {
         let plan;
         try {
-          plan = planOccurrences(this.schedule(job), job, now, horizon, misfireThresholdMs);
+          const key = `${job.timezone}\u0000${job.schedule}\u0000${job.nextRunAt.getTime()}\u0000${job.misfire}\u0000${job.maxCatchUp}`;
+          plan = plans.get(key);
+          if (!plan) {
+            plan = planOccurrences(this.schedule(job), job, now, horizon, misfireThresholdMs);
+            plans.set(key, plan);
+          }
         } catch (err) {
           // A schedule that cannot be evaluated must not block every other job: park this one.
           this.options.logger.error(

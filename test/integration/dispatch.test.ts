@@ -17,7 +17,12 @@ before(async () => {
     databaseUrl: db.url,
     etcdPrefix: `/helios-test/${uniqueId()}`,
     topic: `helios.test.${uniqueId()}`,
-    extra: { HELIOS_ROLES: 'scheduler,api', HELIOS_MISFIRE_THRESHOLD_MS: '1000' },
+    // A 1 s lookahead and threshold keep the arithmetic of the misfire test simple.
+    extra: {
+      HELIOS_ROLES: 'scheduler,api',
+      HELIOS_MISFIRE_THRESHOLD_MS: '1000',
+      HELIOS_DISPATCH_LOOKAHEAD_MS: '1000',
+    },
   };
 });
 after(async () => {

@@ -24,7 +24,7 @@ test('execution settings have documented defaults', () => {
       responseExcerptBytes: config.responseExcerptBytes,
     },
     {
-      workerPrefetch: 1000,
+      workerPrefetch: 5000,
       claimGraceMs: 5000,
       clockSkewToleranceMs: 10,
       claimLeadMs: 50,
