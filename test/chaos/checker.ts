@@ -132,14 +132,32 @@ export async function check(input: CheckInput): Promise<CheckResult> {
   if (stale[0]!.n > 0)
     violations.push(`${stale[0]!.n} fenced-off leader epochs had runs accepted after a newer leader wrote`);
 
+  // 4c. No node died on its own: every exit was a kill the chaos schedule made.
+  for (const process of input.processes) {
+    if (process.exitedAt === undefined) continue;
+    const killed = input.faults.some(
+      (f) =>
+        f.node === process.name &&
+        f.haltedAt !== undefined &&
+        Math.abs(f.haltedAt - process.exitedAt!) < 5000,
+    );
+    if (!killed) {
+      violations.push(
+        `node ${process.name} (pid ${process.pid}) exited on its own at ${new Date(process.exitedAt).toISOString()}; ` +
+          `stderr: ${process.stderr.slice(-5).join(' | ')}`,
+      );
+    }
+  }
+
   // 5. Never two leaders: each node's own view of its epochs, in token order, must not overlap.
   const epochs = leaderEpochs(input.processes, input.faults);
   for (let i = 1; i < epochs.length; i++) {
     const prev = epochs[i - 1]!;
     const next = epochs[i]!;
     if (prev.end > next.start) {
+      const until = Number.isFinite(prev.end) ? new Date(prev.end).toISOString() : 'the end of the run';
       violations.push(
-        `${prev.node} (token ${prev.token}) believed it led until ${new Date(prev.end).toISOString()}, ` +
+        `${prev.node} (token ${prev.token}) believed it led until ${until}, ` +
           `after ${next.node} (token ${next.token}) became leader at ${new Date(next.start).toISOString()}`,
       );
     }
@@ -208,6 +226,8 @@ function leaderEpochs(processes: readonly ManagedProcess[], faults: readonly Fau
       const halt = halts.find((h) => h >= epoch.start && h < epoch.end);
       if (halt !== undefined) epoch.end = halt;
     }
+    // A process that died by itself believes nothing after its exit (reported as a violation above).
+    if (open && process.exitedAt !== undefined && open.end > process.exitedAt) open.end = process.exitedAt;
   }
   // A process that is still running and leading at the end has an open epoch: fine if last.
   return epochs.sort((a, b) => (a.token < b.token ? -1 : a.token > b.token ? 1 : 0));

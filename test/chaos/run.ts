@@ -7,13 +7,14 @@
  *
  *   npm run chaos -- --duration 75 --seed 1 [--jobs 20]
  */
+import { mkdirSync, writeFileSync } from 'node:fs';
 import { parseArgs } from 'node:util';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { createEtcdClient } from '../../src/coordination/etcd.js';
 import { createKafka, deleteTopics } from '../../src/broker/index.js';
 import { silentLogger } from '../../src/observability/logger.js';
 import { createTestDatabase } from '../support/database.js';
-import { serverEnv, uniqueId } from '../support/env.js';
+import { REPO_ROOT, serverEnv, uniqueId } from '../support/env.js';
 import { TargetServer, insertJob } from '../support/execution.js';
 import { infra } from '../support/processes.js';
 import { ChaosCluster } from './cluster.js';
@@ -141,6 +142,19 @@ try {
   }
   console.log(`\nwindow ${windowStart.toISOString()} … ${windowEnd.toISOString()}`);
   for (const line of result.lines) console.log(line);
+  // Every node's log, for the post-mortem of a failed run.
+  const logDir = `${REPO_ROOT}.helios/chaos-logs/${seed}-${uniqueId()}`;
+  mkdirSync(logDir, { recursive: true });
+  cluster.history.forEach((p, i) =>
+    writeFileSync(
+      `${logDir}/${i}-${p.name}.jsonl`,
+      [
+        ...p.logs.map((l) => JSON.stringify(l)),
+        ...p.stderr.map((line) => JSON.stringify({ stderr: line })),
+      ].join('\n') + '\n',
+    ),
+  );
+  console.log(`node logs: ${logDir}`);
   if (result.violations.length === 0) {
     console.log(`\nchaos: no violation (seed ${seed})`);
     exitCode = 0;

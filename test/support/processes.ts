@@ -10,6 +10,8 @@ export type LogLine = Record<string, unknown> & { msg?: string; level?: number }
 export class ManagedProcess {
   readonly logs: LogLine[] = [];
   readonly stderr: string[] = [];
+  /** Wall-clock ms when the process exited, once it has. */
+  exitedAt?: number;
   readonly exited: Promise<{ code: number | null; signal: NodeJS.Signals | null }>;
   private readonly waiters = new Set<() => void>();
 
@@ -18,6 +20,7 @@ export class ManagedProcess {
     readonly child: ChildProcess,
   ) {
     this.exited = once(child, 'exit').then(([code, signal]) => {
+      this.exitedAt = Date.now();
       this.poke();
       return { code: code as number | null, signal: signal as NodeJS.Signals | null };
     });
