@@ -34,6 +34,14 @@ export async function databaseNow(db: Queryable): Promise<Date> {
 }
 
 /**
+ * The first-attempt message announcing a run, built from a row with `id, job_id, scheduled_for,
+ * not_before` (the dispatcher's and the manual trigger's runs). Workers parse it in
+ * execution/run-message.ts.
+ */
+export const FIRST_ATTEMPT_MESSAGE = `jsonb_build_object('runId', id, 'jobId', job_id, 'attempt', 1,
+                            'scheduledFor', scheduled_for, 'notBefore', not_before)`;
+
+/**
  * Creates one queued run per (job, occurrence) with a snapshot of the job, skipping occurrences
  * that already have a run, and one outbox row per created run, in one statement.
  * $1 = job ids, $2 = occurrences (parallel arrays), $3 = fencing token, $4 = topic.
@@ -50,9 +58,7 @@ const CREATE_RUNS = `
     RETURNING id, job_id, scheduled_for, not_before
   )
   INSERT INTO outbox (topic, key, payload)
-  SELECT $4, job_id::text,
-         jsonb_build_object('runId', id, 'jobId', job_id, 'attempt', 1,
-                            'scheduledFor', scheduled_for, 'notBefore', not_before)
+  SELECT $4, job_id::text, ${FIRST_ATTEMPT_MESSAGE}
   FROM created`;
 
 /** Returns how many runs were created (existing occurrences are not counted). */

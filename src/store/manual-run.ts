@@ -1,10 +1,10 @@
 import type { Queryable } from './db.js';
+import { FIRST_ATTEMPT_MESSAGE } from './dispatch.js';
 
 /**
  * Creates a queued run of job $1 for `now()` with a snapshot of the job, and its outbox row on
- * topic $2, in one statement (so in one transaction). The message has exactly the shape the
- * dispatcher writes (store/dispatch.ts CREATE_RUNS): { runId, jobId, attempt: 1, scheduledFor,
- * notBefore }. A scheduled occurrence at the very same microsecond makes the insert a no-op.
+ * topic $2, in one statement (so in one transaction), with the same message the dispatcher
+ * writes (FIRST_ATTEMPT_MESSAGE). A scheduled occurrence at the very same microsecond makes the insert a no-op.
  */
 const CREATE_MANUAL_RUN = `
   WITH created AS (
@@ -17,9 +17,7 @@ const CREATE_MANUAL_RUN = `
     RETURNING id, job_id, scheduled_for, not_before
   ), queued AS (
     INSERT INTO outbox (topic, key, payload)
-    SELECT $2, job_id::text,
-           jsonb_build_object('runId', id, 'jobId', job_id, 'attempt', 1,
-                              'scheduledFor', scheduled_for, 'notBefore', not_before)
+    SELECT $2, job_id::text, ${FIRST_ATTEMPT_MESSAGE}
     FROM created
   )
   SELECT id FROM created`;
