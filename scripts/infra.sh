@@ -93,11 +93,27 @@ pg_dir="$STATE/pg"
 pg_pid() { [[ -f "$pg_dir/data/postmaster.pid" ]] && head -n1 "$pg_dir/data/postmaster.pid" || true; }
 pg_psql() { "$PG_BIN/psql" -X -q -h 127.0.0.1 -p "$PG_PORT" -U postgres "$@"; }
 
+# initdb and the server run as `postgres`, which must be able to traverse every folder above the
+# data directory; a checkout in a private folder (mktemp -d is 0700) would stop them. Only the
+# traverse bit (o+x) is added, and only where it is missing: contents stay unlistable.
+allow_postgres_to_reach() {
+  [[ "$(id -u)" == 0 ]] || return 0
+  local dir="$1"
+  while [[ "$dir" != "/" ]]; do
+    if ! as_postgres "test -x '$dir'" 2>/dev/null; then
+      log "letting postgres traverse $dir (chmod o+x)"
+      chmod o+x "$dir"
+    fi
+    dir="$(dirname "$dir")"
+  done
+}
+
 pg_up() {
   if alive "$(pg_pid)"; then log "postgres already running (pid $(pg_pid))"; else
     mkdir -p "$pg_dir/run"
     chown -R postgres:postgres "$pg_dir" 2>/dev/null || true
     chmod 755 "$STATE"
+    allow_postgres_to_reach "$pg_dir"
     if [[ ! -f "$pg_dir/data/PG_VERSION" ]]; then
       log "initdb $pg_dir/data"
       as_postgres "'$PG_BIN/initdb' -D '$pg_dir/data' -U postgres --auth=trust -E UTF8 --no-locale" \
