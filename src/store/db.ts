@@ -33,28 +33,46 @@ export function createPool(options: {
   return pool;
 }
 
-/** Runs `work` in a transaction on one client; rolls back on any error and rethrows it. */
+/**
+ * Runs `work` in a transaction on one client; rolls back on any error and rethrows it.
+ *
+ * While the client is checked out, pg-pool no longer listens for its 'error' event, and pg emits
+ * one when the session ends between statements (a server restart, pg_terminate_backend, the idle
+ * transaction timeout). Unheard, that event would end the process, so we listen for the whole
+ * checkout, fail the transaction with the error and have the pool discard the client.
+ */
 export async function inTransaction<T>(
   pool: pg.Pool,
   work: (client: pg.PoolClient) => Promise<T>,
 ): Promise<T> {
   const client = await pool.connect();
+  let connectionError: Error | undefined;
+  const onConnectionError = (err: Error) => {
+    connectionError ??= err;
+  };
+  client.on('error', onConnectionError);
   let broken = false;
   try {
     await client.query('BEGIN');
     const result = await work(client);
+    if (connectionError) throw connectionError;
     await client.query('COMMIT');
     return result;
   } catch (err) {
-    try {
-      await client.query('ROLLBACK');
-    } catch (rollbackErr) {
-      // The connection is unusable: make the pool discard it instead of handing it out again.
+    if (connectionError) {
       broken = true;
-      void rollbackErr;
+    } else {
+      try {
+        await client.query('ROLLBACK');
+      } catch {
+        // The connection is unusable: make the pool discard it instead of handing it out again.
+        broken = true;
+      }
     }
     throw toError(err);
   } finally {
+    broken ||= connectionError !== undefined;
     client.release(broken);
+    client.removeListener('error', onConnectionError);
   }
 }

@@ -144,7 +144,7 @@ export async function check(input: CheckInput): Promise<CheckResult> {
     if (!killed) {
       violations.push(
         `node ${process.name} (pid ${process.pid}) exited on its own at ${new Date(process.exitedAt).toISOString()}; ` +
-          `stderr: ${process.stderr.slice(-5).join(' | ')}`,
+          `stderr (stack frames left out): ${withoutStackFrames(process.stderr).slice(-8).join(' | ')}`,
       );
     }
   }
@@ -231,4 +231,9 @@ function leaderEpochs(processes: readonly ManagedProcess[], faults: readonly Fau
   }
   // A process that is still running and leading at the end has an open epoch: fine if last.
   return epochs.sort((a, b) => (a.token < b.token ? -1 : a.token > b.token ? 1 : 0));
+}
+
+/** The lines of a crash report that say what happened, without its `at …` frames. */
+function withoutStackFrames(lines: readonly string[]): string[] {
+  return lines.filter((line) => line.trim() !== '' && !/^\s+at /.test(line));
 }
