@@ -1,5 +1,5 @@
 import { performance } from 'node:perf_hooks';
-import { Agent, request, type Dispatcher } from 'undici';
+import { Agent, type Dispatcher } from 'undici';
 import { toError } from '../errors.js';
 import {
   checkTargetUrl,
@@ -40,7 +40,8 @@ export class HttpExecutor {
   private readonly agent: Agent;
   private readonly maxExcerptBytes: number;
   private readonly policy: TargetPolicy;
-  private readonly checkedUrls = new Map<string, string | null>();
+  /** Per target URL: the policy's verdict on its text and, when allowed, its parts. */
+  private readonly checkedUrls = new Map<string, { problem: string } | { origin: string; path: string }>();
 
   constructor(options: HttpExecutorOptions = {}) {
     this.maxExcerptBytes = options.maxExcerptBytes ?? 2048;
@@ -60,60 +61,46 @@ export class HttpExecutor {
   /**
    * Calls the run's target. `cancel` aborts the call (replaced, claim lost, shutdown); the run's
    * `timeoutMs` aborts it too and is reported as outcome `timeout`.
+   *
+   * Uses undici's handler interface (`dispatch`) rather than `request()`: no body stream, no
+   * promise chain and no signal plumbing per call, which is about a third of the CPU per call and
+   * what bounds a herd of simultaneous runs.
    */
-  async execute(run: HttpCall, cancel: AbortSignal): Promise<AttemptReport> {
+  execute(run: HttpCall, cancel: AbortSignal): Promise<AttemptReport> {
     const started = performance.now();
-    const elapsed = () => performance.now() - started;
-    // One controller for both reasons to stop (cheaper per call than AbortSignal.any + timeout).
-    const controller = new AbortController();
-    let timedOut = false;
-    const timer = setTimeout(() => {
-      timedOut = true;
-      controller.abort(new Error(`timed out after ${run.timeoutMs} ms`));
-    }, run.timeoutMs);
-    const onCancel = () => controller.abort(cancel.reason);
-    if (cancel.aborted) onCancel();
-    else cancel.addEventListener('abort', onCancel, { once: true });
+    let call: PreparedCall;
     try {
-      const { url, method, headers, body } = this.prepare(run);
-      const response = await request(url, {
-        dispatcher: this.agent,
-        method,
-        headers,
-        body,
-        signal: controller.signal,
-      });
-      const excerpt = await this.readExcerpt(response.body);
-      const ok = response.statusCode >= 200 && response.statusCode < 300;
-      return {
-        outcome: ok ? 'succeeded' : 'failed',
-        statusCode: response.statusCode,
-        durationMs: elapsed(),
-        error: ok ? null : `HTTP ${response.statusCode}`,
-        responseExcerpt: excerpt,
-      };
+      call = this.prepare(run);
     } catch (err) {
-      if (timedOut) {
-        return {
-          outcome: 'timeout',
-          statusCode: null,
-          durationMs: elapsed(),
-          error: `timed out after ${run.timeoutMs} ms`,
-          responseExcerpt: null,
-        };
-      }
-      const error = cancel.aborted ? toError(cancel.reason) : toError(err);
-      return {
-        outcome: cancel.aborted ? 'cancelled' : 'failed',
-        statusCode: null,
-        durationMs: elapsed(),
-        error: describe(error),
-        responseExcerpt: null,
-      };
-    } finally {
-      clearTimeout(timer);
-      cancel.removeEventListener('abort', onCancel);
+      return Promise.resolve(failedReport(describe(toError(err)), performance.now() - started));
     }
+    if (cancel.aborted) {
+      return Promise.resolve(cancelledReport(toError(cancel.reason), performance.now() - started));
+    }
+    return new Promise<AttemptReport>((resolve) => {
+      const handler = new ExcerptHandler(this.maxExcerptBytes, (ending) => {
+        clearTimeout(timer);
+        cancel.removeEventListener('abort', onCancel);
+        resolve(this.report(ending, run, cancel, started));
+      });
+      const timer = setTimeout(() => handler.stop(new CallTimeoutError(run.timeoutMs)), run.timeoutMs);
+      const onCancel = () => handler.stop(toError(cancel.reason));
+      cancel.addEventListener('abort', onCancel, { once: true });
+      try {
+        this.agent.dispatch(
+          {
+            origin: call.origin,
+            path: call.path,
+            method: call.method,
+            headers: call.headers,
+            body: call.body,
+          },
+          handler,
+        );
+      } catch (err) {
+        handler.onError(toError(err));
+      }
+    });
   }
 
   /** Closes pooled connections; calls still in flight are destroyed. */
@@ -121,18 +108,50 @@ export class HttpExecutor {
     await this.agent.destroy();
   }
 
-  private prepare(run: HttpCall) {
+  private report(ending: CallEnding, run: HttpCall, cancel: AbortSignal, started: number): AttemptReport {
+    const durationMs = performance.now() - started;
+    if (ending.error === undefined) {
+      const { statusCode } = ending;
+      const ok = statusCode >= 200 && statusCode < 300;
+      return {
+        outcome: ok ? 'succeeded' : 'failed',
+        statusCode,
+        durationMs,
+        error: ok ? null : `HTTP ${statusCode}`,
+        responseExcerpt: ending.excerpt,
+      };
+    }
+    if (ending.error instanceof CallTimeoutError) {
+      return {
+        outcome: 'timeout',
+        statusCode: null,
+        durationMs,
+        error: `timed out after ${run.timeoutMs} ms`,
+        responseExcerpt: null,
+      };
+    }
+    if (cancel.aborted) return cancelledReport(toError(cancel.reason), durationMs);
+    return failedReport(describe(ending.error), durationMs);
+  }
+
+  private prepare(run: HttpCall): PreparedCall {
     const target = run.target;
     if (typeof target?.url !== 'string') throw new Error('target.url is missing');
     // IP literals never reach the guarded lookup; check them (and the URL's shape) here. The
-    // verdict depends only on the URL text and the fixed policy, so it is cached.
-    let problem = this.checkedUrls.get(target.url);
-    if (problem === undefined) {
-      problem = checkTargetUrl(target.url, this.policy);
+    // verdict depends only on the URL text and the fixed policy, so it is cached with the parse.
+    let parsed = this.checkedUrls.get(target.url);
+    if (parsed === undefined) {
+      const problem = checkTargetUrl(target.url, this.policy);
+      if (problem) {
+        parsed = { problem };
+      } else {
+        const url = new URL(target.url);
+        parsed = { origin: url.origin, path: `${url.pathname}${url.search}` };
+      }
       if (this.checkedUrls.size >= 10_000) this.checkedUrls.clear();
-      this.checkedUrls.set(target.url, problem);
+      this.checkedUrls.set(target.url, parsed);
     }
-    if (problem) throw new Error(`target.url ${problem}`);
+    if ('problem' in parsed) throw new Error(`target.url ${parsed.problem}`);
     const hasBody = target.body !== undefined && target.body !== null;
     const method = (target.method ?? (hasBody ? 'POST' : 'GET')).toUpperCase();
     if (!METHODS.has(method)) throw new Error(`target.method ${method} is not supported`);
@@ -141,38 +160,126 @@ export class HttpExecutor {
       headers[name.toLowerCase()] = String(value);
     if (hasBody) headers['content-type'] ??= 'application/json';
     // Ours last: a job cannot forge the identity of the call.
-    Object.assign(headers, {
-      'idempotency-key': run.id,
-      'x-helios-job-id': run.jobId,
-      'x-helios-run-id': run.id,
-      'x-helios-scheduled-for': run.scheduledFor.toISOString(),
-      'x-helios-attempt': String(run.attempt),
-    });
+    headers['idempotency-key'] = run.id;
+    headers['x-helios-job-id'] = run.jobId;
+    headers['x-helios-run-id'] = run.id;
+    headers['x-helios-scheduled-for'] = run.scheduledFor.toISOString();
+    headers['x-helios-attempt'] = String(run.attempt);
     return {
-      url: target.url,
+      origin: parsed.origin,
+      path: parsed.path,
       method: method as Method,
       headers,
       body: hasBody ? JSON.stringify(target.body) : undefined,
     };
   }
+}
 
-  /** Reads at most `maxExcerptBytes` of the body as UTF-8, then discards the rest. */
-  private async readExcerpt(body: AsyncIterable<Buffer> & { destroy(): void }): Promise<string | null> {
-    const chunks: Buffer[] = [];
-    let size = 0;
-    try {
-      for await (const chunk of body) {
-        chunks.push(chunk);
-        size += chunk.length;
-        // Leaving the loop early destroys the stream: nothing more is buffered.
-        if (size >= this.maxExcerptBytes) break;
-      }
-    } finally {
-      body.destroy();
-    }
-    if (size === 0) return null;
-    return Buffer.concat(chunks).subarray(0, this.maxExcerptBytes).toString('utf8');
+interface PreparedCall {
+  readonly origin: string;
+  readonly path: string;
+  readonly method: Method;
+  readonly headers: Record<string, string>;
+  readonly body: string | undefined;
+}
+
+/** How a call ended: a response (status and excerpt), or an error before it completed. */
+type CallEnding =
+  | { readonly error?: undefined; readonly statusCode: number; readonly excerpt: string | null }
+  | { readonly error: Error };
+
+/** The abort reason of a call that ran past the run's timeoutMs. */
+class CallTimeoutError extends Error {
+  override name = 'CallTimeoutError';
+  constructor(timeoutMs: number) {
+    super(`timed out after ${timeoutMs} ms`);
   }
+}
+
+/** Ends a call on purpose once the excerpt is complete: the rest of the body is never read. */
+class ExcerptCompleteError extends Error {
+  override name = 'ExcerptCompleteError';
+}
+
+/**
+ * Receives one response through undici's handler interface, keeping at most `maxBytes` of its
+ * body; once it has them the call is aborted, which closes the connection instead of draining an
+ * endless or huge body. `stop` aborts the call at any point, even before it is connected.
+ */
+class ExcerptHandler implements Dispatcher.DispatchHandlers {
+  private statusCode = 0;
+  private readonly chunks: Buffer[] = [];
+  private size = 0;
+  private abortCall: ((err: Error) => void) | undefined;
+  private stopReason: Error | undefined;
+  private ended = false;
+
+  constructor(
+    private readonly maxBytes: number,
+    private readonly onEnd: (ending: CallEnding) => void,
+  ) {}
+
+  stop(reason: Error): void {
+    if (this.ended) return;
+    this.stopReason ??= reason;
+    this.abortCall?.(reason);
+  }
+
+  onConnect(abort: (err?: Error) => void): void {
+    this.abortCall = abort;
+    if (this.stopReason) abort(this.stopReason);
+  }
+
+  onHeaders(statusCode: number): boolean {
+    this.statusCode = statusCode;
+    return true;
+  }
+
+  onData(chunk: Buffer): boolean {
+    if (this.size < this.maxBytes) {
+      this.chunks.push(chunk);
+      this.size += chunk.length;
+    }
+    if (this.size >= this.maxBytes) this.stop(new ExcerptCompleteError());
+    return true;
+  }
+
+  onComplete(): void {
+    this.end({ statusCode: this.statusCode, excerpt: this.excerpt() });
+  }
+
+  onError(err: Error): void {
+    if (this.stopReason instanceof ExcerptCompleteError) {
+      this.end({ statusCode: this.statusCode, excerpt: this.excerpt() });
+    } else {
+      this.end({ error: this.stopReason ?? err });
+    }
+  }
+
+  private end(ending: CallEnding): void {
+    if (this.ended) return;
+    this.ended = true;
+    this.onEnd(ending);
+  }
+
+  private excerpt(): string | null {
+    if (this.size === 0) return null;
+    return Buffer.concat(this.chunks, this.size).subarray(0, this.maxBytes).toString('utf8');
+  }
+}
+
+function failedReport(error: string, durationMs: number): AttemptReport {
+  return { outcome: 'failed', statusCode: null, durationMs, error, responseExcerpt: null };
+}
+
+function cancelledReport(reason: Error, durationMs: number): AttemptReport {
+  return {
+    outcome: 'cancelled',
+    statusCode: null,
+    durationMs,
+    error: describe(reason),
+    responseExcerpt: null,
+  };
 }
 
 /** An error message with its cause (undici puts the socket error there). */

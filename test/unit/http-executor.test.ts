@@ -1,0 +1,197 @@
+import assert from 'node:assert/strict';
+import { once } from 'node:events';
+import { createServer, type IncomingMessage, type ServerResponse } from 'node:http';
+import type { AddressInfo } from 'node:net';
+import { after, before, test } from 'node:test';
+import { HttpExecutor, type HttpCall } from '../../src/execution/http-executor.js';
+
+// The executor against a real HTTP server on loopback: what it sends, what it records, and how
+// every way a call can end becomes a report (bounded memory for huge or endless bodies).
+
+interface Seen {
+  method: string;
+  url: string;
+  headers: IncomingMessage['headers'];
+  body: string;
+}
+
+const seen: Seen[] = [];
+let closedEarly = 0;
+const handlers: Record<string, (req: IncomingMessage, res: ServerResponse) => void> = {
+  '/ok': (_req, res) => res.end('fine'),
+  '/fail': (_req, res) => {
+    res.statusCode = 503;
+    res.end('busy');
+  },
+  '/huge': (_req, res) => {
+    res.writeHead(200, { 'content-type': 'text/plain' });
+    res.end('x'.repeat(5 * 1024 * 1024));
+  },
+  '/endless': (_req, res) => {
+    res.writeHead(200, { 'content-type': 'text/plain' });
+    const timer = setInterval(() => res.write('y'.repeat(16 * 1024)), 5);
+    res.on('close', () => {
+      clearInterval(timer);
+      closedEarly += 1;
+    });
+  },
+  '/never': () => undefined,
+  '/empty': (_req, res) => {
+    res.statusCode = 204;
+    res.end();
+  },
+};
+
+const server = createServer((req, res) => {
+  let body = '';
+  req.setEncoding('utf8');
+  req.on('data', (chunk: string) => (body += chunk));
+  req.on('end', () => {
+    seen.push({ method: req.method!, url: req.url!, headers: req.headers, body });
+    (handlers[req.url!.split('?')[0]!] ?? handlers['/ok']!)(req, res);
+  });
+});
+let base: string;
+const executor = new HttpExecutor({ maxExcerptBytes: 100 });
+
+before(async () => {
+  server.listen(0, '127.0.0.1');
+  await once(server, 'listening');
+  base = `http://127.0.0.1:${(server.address() as AddressInfo).port}`;
+});
+after(async () => {
+  await executor.close();
+  server.closeAllConnections();
+  server.close();
+});
+
+function call(path: string, target: Partial<HttpCall['target']> = {}, timeoutMs = 5000): HttpCall {
+  return {
+    id: '00000000-0000-4000-8000-00000000000a',
+    jobId: '00000000-0000-4000-8000-00000000000b',
+    attempt: 2,
+    scheduledFor: new Date('2026-11-29T12:00:00.000Z'),
+    target: { url: `${base}${path}`, ...target },
+    timeoutMs,
+  };
+}
+
+const never = new AbortController().signal;
+
+test('a GET carries the identity headers and records status, duration and excerpt', async () => {
+  const report = await executor.execute(call('/ok?a=1', { headers: { 'X-Custom': 'v' } }), never);
+  assert.equal(report.outcome, 'succeeded');
+  assert.equal(report.statusCode, 200);
+  assert.equal(report.responseExcerpt, 'fine');
+  assert.equal(report.error, null);
+  assert.ok(report.durationMs !== null && report.durationMs >= 0);
+  const request = seen.at(-1)!;
+  assert.equal(request.method, 'GET');
+  assert.equal(request.url, '/ok?a=1');
+  assert.equal(request.headers['x-custom'], 'v');
+  assert.equal(request.headers['idempotency-key'], '00000000-0000-4000-8000-00000000000a');
+  assert.equal(request.headers['x-helios-run-id'], '00000000-0000-4000-8000-00000000000a');
+  assert.equal(request.headers['x-helios-job-id'], '00000000-0000-4000-8000-00000000000b');
+  assert.equal(request.headers['x-helios-scheduled-for'], '2026-11-29T12:00:00.000Z');
+  assert.equal(request.headers['x-helios-attempt'], '2');
+});
+
+test('a body is sent as JSON with POST by default, and a job cannot forge the identity headers', async () => {
+  const report = await executor.execute(
+    call('/ok', { body: { hello: 'wörld' }, headers: { 'Idempotency-Key': 'forged' } }),
+    never,
+  );
+  assert.equal(report.outcome, 'succeeded');
+  const request = seen.at(-1)!;
+  assert.equal(request.method, 'POST');
+  assert.equal(request.headers['content-type'], 'application/json');
+  assert.deepEqual(JSON.parse(request.body), { hello: 'wörld' });
+  assert.equal(request.headers['idempotency-key'], '00000000-0000-4000-8000-00000000000a');
+});
+
+test('a non-2xx status is a failed attempt with the status and the excerpt', async () => {
+  const report = await executor.execute(call('/fail', { method: 'put' }), never);
+  assert.equal(seen.at(-1)!.method, 'PUT');
+  assert.equal(report.outcome, 'failed');
+  assert.equal(report.statusCode, 503);
+  assert.equal(report.error, 'HTTP 503');
+  assert.equal(report.responseExcerpt, 'busy');
+});
+
+test('an empty response has no excerpt', async () => {
+  const report = await executor.execute(call('/empty'), never);
+  assert.equal(report.outcome, 'succeeded');
+  assert.equal(report.statusCode, 204);
+  assert.equal(report.responseExcerpt, null);
+});
+
+test('a huge body is cut at maxExcerptBytes and the connection is closed, not drained', async () => {
+  const report = await executor.execute(call('/huge'), never);
+  assert.equal(report.outcome, 'succeeded');
+  assert.equal(report.responseExcerpt, 'x'.repeat(100));
+});
+
+test(
+  'an endless body ends the call after the excerpt instead of buffering forever',
+  { timeout: 10_000 },
+  async () => {
+    const before = closedEarly;
+    const report = await executor.execute(call('/endless'), never);
+    assert.equal(report.outcome, 'succeeded');
+    assert.equal(report.responseExcerpt, 'y'.repeat(100));
+    for (let i = 0; i < 50 && closedEarly === before; i++) await new Promise((r) => setTimeout(r, 20));
+    assert.equal(closedEarly, before + 1, 'the server saw the connection closed');
+  },
+);
+
+test('a target that never answers is aborted at timeoutMs', { timeout: 10_000 }, async () => {
+  const started = performance.now();
+  const report = await executor.execute(call('/never', {}, 300), never);
+  const took = performance.now() - started;
+  assert.equal(report.outcome, 'timeout');
+  assert.equal(report.error, 'timed out after 300 ms');
+  assert.ok(took >= 290 && took < 1500, `took ${took} ms`);
+});
+
+test('cancelling aborts the call with the cancel reason; an already-cancelled call does not start', async () => {
+  const cancel = new AbortController();
+  const pending = executor.execute(call('/never'), cancel.signal);
+  setTimeout(() => cancel.abort(new Error('replaced by a newer run')), 100);
+  const report = await pending;
+  assert.equal(report.outcome, 'cancelled');
+  assert.match(report.error ?? '', /replaced by a newer run/);
+
+  const calls = seen.length;
+  const cancelled = new AbortController();
+  cancelled.abort(new Error('stopping'));
+  const early = await executor.execute(call('/ok'), cancelled.signal);
+  assert.equal(early.outcome, 'cancelled');
+  assert.equal(seen.length, calls, 'no request was sent');
+});
+
+test('a refused connection and a bad target are failed attempts with the reason', async () => {
+  const closed = createServer();
+  closed.listen(0, '127.0.0.1');
+  await once(closed, 'listening');
+  const port = (closed.address() as AddressInfo).port;
+  closed.close();
+  await once(closed, 'close');
+  const refused = await executor.execute(
+    { ...call('/ok'), target: { url: `http://127.0.0.1:${port}/` } },
+    never,
+  );
+  assert.equal(refused.outcome, 'failed');
+  assert.match(refused.error ?? '', /ECONNREFUSED/);
+
+  const badMethod = await executor.execute(call('/ok', { method: 'TRACE' }), never);
+  assert.equal(badMethod.outcome, 'failed');
+  assert.match(badMethod.error ?? '', /TRACE is not supported/);
+  const badScheme = await executor.execute({ ...call('/ok'), target: { url: 'ftp://127.0.0.1/' } }, never);
+  assert.equal(badScheme.outcome, 'failed');
+  assert.match(badScheme.error ?? '', /target\.url/);
+});
+
+test('many calls at once all complete on pooled connections', async () => {
+  const reports = await Promise.all(Array.from({ length: 300 }, () => executor.execute(call('/ok'), never)));
+  assert.ok(reports.every((r) => r.outcome === 'succeeded' && r.responseExcerpt === 'fine'));
+});
