@@ -1,3 +1,4 @@
+import { isDeepStrictEqual } from 'node:util';
 import type { Queryable } from './db.js';
 import type { MisfirePolicy } from '../scheduling/occurrences.js';
 
@@ -163,4 +164,39 @@ const SKIP_FUTURE_RUNS = `
 export async function skipFutureRuns(db: Queryable, jobId: string): Promise<number> {
   const { rowCount } = await db.query(SKIP_FUTURE_RUNS, [jobId]);
   return rowCount ?? 0;
+}
+
+/**
+ * Deletes job $1's scheduled runs that were created ahead of their time (the dispatcher's
+ * lookahead) and not claimed yet, so an edited job's next occurrences are created again from the
+ * new definition. Their announcements may still reach workers, whose claims then find nothing.
+ */
+const WITHDRAW_FUTURE_RUNS = `
+  WITH withdrawn AS (
+    DELETE FROM runs
+    WHERE job_id = $1 AND trigger = 'schedule' AND state = 'queued' AND attempt = 0
+      AND scheduled_for > now()
+    RETURNING scheduled_for
+  )
+  SELECT min(scheduled_for) AS earliest, count(*)::int AS count FROM withdrawn`;
+
+/** Returns the earliest withdrawn occurrence (null when none was withdrawn). */
+export async function withdrawFutureRuns(db: Queryable, jobId: string): Promise<Date | null> {
+  const { rows } = await db.query<{ earliest: Date | null }>(WITHDRAW_FUTURE_RUNS, [jobId]);
+  return rows[0]?.earliest ?? null;
+}
+
+/** The fields every run copies from its job when it is created. */
+const SNAPSHOT_FIELDS = [
+  'target',
+  'timeoutMs',
+  'maxAttempts',
+  'backoffMs',
+  'backoffMultiplier',
+  'concurrency',
+] as const satisfies readonly (keyof JobFields)[];
+
+/** True when runs created from `after` would differ from runs created from `before`. */
+export function runSnapshotChanged(before: JobFields, after: Omit<JobFields, 'nextRunAt'>): boolean {
+  return SNAPSHOT_FIELDS.some((field) => !isDeepStrictEqual(before[field], after[field]));
 }

@@ -143,6 +143,51 @@ test('PATCH enabled=false behaves like pause', async () => {
   assert.deepEqual(await runState(ahead), { state: 'skipped', reason: 'paused' });
 });
 
+async function runExists(id: string): Promise<boolean> {
+  const { rowCount } = await api.db.pool.query('SELECT 1 FROM runs WHERE id = $1', [id]);
+  return rowCount === 1;
+}
+
+test('PATCH of what runs copy withdraws the runs created ahead, so they are created again from the edit', async () => {
+  const job = await createJob('patch-target');
+  const ahead = [await insertRun(job.id, 2500), await insertRun(job.id, 1500)];
+  const due = await insertRun(job.id, -5000);
+  const running = await insertRun(job.id, 1000, 'running', 1);
+  const before = await api.db.pool.query<{ earliest: Date }>(
+    'SELECT scheduled_for AS earliest FROM runs WHERE id = $1',
+    [ahead[1]],
+  );
+  const response = await api.call('PATCH', `/api/v1/jobs/${job.id}`, {
+    body: { target: { url: 'http://127.0.0.1:9/changed' } },
+  });
+  assert.equal(response.status, 200, JSON.stringify(response.body));
+  assert.deepEqual(await Promise.all(ahead.map(runExists)), [false, false], 'runs ahead withdrawn');
+  assert.equal((await runState(due)).state, 'queued', 'a due run is not withdrawn');
+  assert.equal((await runState(running)).state, 'running', 'a claimed run is not withdrawn');
+  // The dispatcher creates the withdrawn occurrences again, with the new target.
+  assert.equal(new Date((response.body as Job).nextRunAt!).getTime(), before.rows[0]!.earliest.getTime());
+});
+
+test('PATCH of the schedule withdraws the runs created ahead and plans the new schedule', async () => {
+  const job = await createJob('patch-schedule');
+  const ahead = await insertRun(job.id, 1500);
+  const response = await api.call('PATCH', `/api/v1/jobs/${job.id}`, { body: { schedule: '0 0 1 1 *' } });
+  assert.equal(response.status, 200, JSON.stringify(response.body));
+  assert.equal(await runExists(ahead), false);
+  assert.equal(new Date((response.body as Job).nextRunAt!).getUTCMonth(), 0);
+});
+
+test('PATCH of what runs do not copy (name, misfire) leaves the runs created ahead alone', async () => {
+  const job = await createJob('patch-name');
+  const ahead = await insertRun(job.id, 1500);
+  const response = await api.call('PATCH', `/api/v1/jobs/${job.id}`, {
+    body: { name: 'patch-name-2', misfire: 'skip' },
+  });
+  assert.equal(response.status, 200, JSON.stringify(response.body));
+  assert.equal((await runState(ahead)).state, 'queued');
+  assert.equal((response.body as Job).nextRunAt, job.nextRunAt);
+});
+
 test('run history is newest first, paginated, filterable by state', async () => {
   const job = await createJob('history');
   const ids: string[] = [];

@@ -3,7 +3,15 @@ import type { Api, ApiOptions } from '../context.js';
 import { COMMON_PROBLEMS, problems } from '../context.js';
 import { inTransaction } from '../../store/db.js';
 import { databaseNow } from '../../store/dispatch.js';
-import { deleteJob, insertJob, listJobs, skipFutureRuns, updateJob } from '../../store/jobs.js';
+import {
+  deleteJob,
+  insertJob,
+  listJobs,
+  runSnapshotChanged,
+  skipFutureRuns,
+  updateJob,
+  withdrawFutureRuns,
+} from '../../store/jobs.js';
 import { compileJob, inputOf } from '../job-input.js';
 import { decodeCursor, DEFAULT_LIMIT, toPage } from '../cursor.js';
 import { IdParams, Job, JobInput, JobPatch, Page, PageQuery } from '../schemas.js';
@@ -72,7 +80,7 @@ export function jobRoutes(app: Api, options: ApiOptions): void {
         tags: ['jobs'],
         summary: 'Change some fields of a job',
         description:
-          'Each given top-level field replaces the stored one whole. A sensitive header sent as "***" keeps its stored value. nextRunAt is recomputed when schedule or timezone change or the job is enabled again.',
+          'Each given top-level field replaces the stored one whole. A sensitive header sent as "***" keeps its stored value. nextRunAt is recomputed when schedule or timezone change or the job is enabled again. Runs created ahead of their time and not started follow the change: they are created again from the new definition.',
         params: IdParams,
         body: JobPatch,
         response: { 200: Job, ...problems(400, 404, 409, 413, 415, ...COMMON_PROBLEMS) },
@@ -90,9 +98,16 @@ export function jobRoutes(app: Api, options: ApiOptions): void {
           fields.schedule !== current.schedule ||
           fields.timezone !== current.timezone ||
           (fields.enabled && !current.enabled);
-        const nextRunAt = reschedule ? schedule.next(await databaseNow(client)) : current.nextRunAt;
+        let nextRunAt = reschedule ? schedule.next(await databaseNow(client)) : current.nextRunAt;
+        if (current.enabled && !fields.enabled) {
+          await skipFutureRuns(client, current.id);
+        } else if (current.enabled && (reschedule || runSnapshotChanged(current, fields))) {
+          // Runs created ahead of their time follow the edit: they are created again, from the
+          // new definition (or, with a new schedule, replaced by its occurrences).
+          const earliest = await withdrawFutureRuns(client, current.id);
+          if (!reschedule && earliest && (nextRunAt === null || earliest < nextRunAt)) nextRunAt = earliest;
+        }
         const updated = await updateJob(client, current.id, { ...fields, nextRunAt });
-        if (current.enabled && !fields.enabled) await skipFutureRuns(client, current.id);
         return updated!;
       });
       return view(job);
