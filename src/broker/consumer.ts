@@ -28,7 +28,17 @@ export interface RunConsumerOptions {
   sessionTimeoutMs?: number;
   /** Default 1000 ms: a rebalance is noticed within about a second. */
   heartbeatIntervalMs?: number;
-  /** How long the coordinator waits for members to re-join during a rebalance. Default 10000 ms. */
+  /**
+   * How long the coordinator waits for members to re-join (and then to sync) during a rebalance.
+   * Default 4000 ms. It bounds how long the group stays blocked by members that are gone without a
+   * LeaveGroup: after a broker restart the coordinator reloads the group with its old members,
+   * but kafkajs restarts a crashed consumer as a new member (it drops its member id), so every
+   * rejoin waits this long for the old ids. It must stay below the client request timeout
+   * (5000 ms), so a parked SyncGroup is answered by the coordinator before kafkajs gives up on it
+   * and crashes again. Members notice a rebalance within about `heartbeatIntervalMs` +
+   * `maxWaitTimeMs` (about 1.5 s), which leaves a loaded event loop some slack; one that misses
+   * the window is dropped and re-joins.
+   */
   rebalanceTimeoutMs?: number;
   /**
    * Fetch long-poll. A message is delivered as soon as it arrives regardless; this bounds how long
@@ -92,7 +102,7 @@ export class RunConsumer {
       groupId: options.groupId,
       sessionTimeout: options.sessionTimeoutMs ?? 10_000,
       heartbeatInterval: options.heartbeatIntervalMs ?? 1_000,
-      rebalanceTimeout: options.rebalanceTimeoutMs ?? 10_000,
+      rebalanceTimeout: options.rebalanceTimeoutMs ?? 4_000,
       maxWaitTimeInMs: options.maxWaitTimeMs ?? 500,
       allowAutoTopicCreation: false,
       // After a retriable crash the client restarts itself on a timer; a crash while we are
