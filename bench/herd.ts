@@ -51,8 +51,9 @@ export async function herdOnce(
   const cpu = new CpuMeter(cluster.cpuGroups());
   let cpuReport = '';
   try {
-    // Far enough ahead that the insert is done before the dispatcher looks (1 s ahead of due).
-    const lookaheadMs = Number(options.env?.HELIOS_DISPATCH_LOOKAHEAD_MS ?? 1000);
+    // Far enough ahead that the insert is done before the dispatcher looks (the lookahead, 5 s by
+    // default, before due).
+    const lookaheadMs = Number(options.env?.HELIOS_DISPATCH_LOOKAHEAD_MS ?? 5000);
     const dueAt = await cluster.nextWholeSecond(lookaheadMs + 4000);
     await cluster.insertJobs(jobs, onceADayAt(dueAt), dueAt);
     const due = dueAt.getTime();

@@ -81,8 +81,9 @@ export interface HeliosConfig {
   readonly responseExcerptBytes: number;
   /**
    * HELIOS_DISPATCH_LOOKAHEAD_MS: runs are created (and published) up to this long before they are
-   * due, so workers hold them and fire on time; default 1000. Raise it for herds: 10,000 jobs due
-   * in the same second take ≈1.5 s to dispatch on 2 cores, so 3000 creates them all in time.
+   * due, so workers hold them and fire on time; default 5000, enough to create a herd of 10,000
+   * jobs due in the same second before it is due on 2 cores. An edit of a job through the API
+   * withdraws its runs created ahead (see PATCH /jobs/{id}).
    */
   readonly dispatchLookaheadMs: number;
   /** HELIOS_MISFIRE_THRESHOLD_MS: an occurrence found this late is a misfire (handled by the job's `misfire` policy); default 5000. */
@@ -295,7 +296,7 @@ export function loadConfig(env: Env = process.env): HeliosConfig {
     claimCheckIntervalMs: int(env, 'HELIOS_CLAIM_CHECK_INTERVAL_MS', 1000, 50, 600_000),
     reaperIntervalMs: int(env, 'HELIOS_REAPER_INTERVAL_MS', 1000, 50, 600_000),
     responseExcerptBytes: int(env, 'HELIOS_RESPONSE_EXCERPT_BYTES', 2048, 0, 1_048_576),
-    dispatchLookaheadMs: int(env, 'HELIOS_DISPATCH_LOOKAHEAD_MS', 1000, 0, 60_000),
+    dispatchLookaheadMs: int(env, 'HELIOS_DISPATCH_LOOKAHEAD_MS', 5000, 0, 60_000),
     dispatchBatchSize: int(env, 'HELIOS_DISPATCH_BATCH', 500, 1, 10_000),
     misfireThresholdMs: int(env, 'HELIOS_MISFIRE_THRESHOLD_MS', 5000, 0, 86_400_000),
     shutdownTimeoutMs: int(env, 'HELIOS_SHUTDOWN_TIMEOUT_MS', 10_000, 0, 600_000),

@@ -1,11 +1,17 @@
 import assert from 'node:assert/strict';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { after, before, test } from 'node:test';
-import { withdrawFutureRuns } from '../../src/store/jobs.js';
 import { createEtcdClient } from '../../src/coordination/etcd.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
 import { serverEnv, uniqueId } from '../support/env.js';
-import { attemptsOf, insertJob, nextWholeSecond, runsOf, TargetServer } from '../support/execution.js';
+import {
+  attemptsOf,
+  insertJob,
+  nextWholeSecond,
+  runsOf,
+  stopJobs,
+  TargetServer,
+} from '../support/execution.js';
 import { spawnNode, stopAll, type ManagedProcess } from '../support/processes.js';
 
 const etcd = createEtcdClient(serverEnv().etcdEndpoints.split(','));
@@ -55,9 +61,7 @@ async function everySecond(path: string, concurrency: 'forbid' | 'replace', seco
     maxAttempts: 1,
   });
   await sleep(start.getTime() - Date.now() + seconds * 1000 - 500);
-  // Stopped as an edit through the API would: runs created ahead of their time are withdrawn.
-  await db.pool.query('UPDATE jobs SET enabled = false WHERE id = $1', [jobId]);
-  await withdrawFutureRuns(db.pool, jobId);
+  await stopJobs(db.pool, [jobId]);
   return jobId;
 }
 

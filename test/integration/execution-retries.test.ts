@@ -11,6 +11,7 @@ import {
   nextWholeSecond,
   oncePerMinuteAt,
   runsOf,
+  stopJobs,
   TargetServer,
   waitFor,
   type JobSpec,
@@ -190,7 +191,7 @@ test("a poison job does not delay a healthy job's runs", { timeout: 40_000 }, as
     target: { url: `${target.url}/healthy` },
   });
   await sleep(start.getTime() - Date.now() + 6_000);
-  await db.pool.query('UPDATE jobs SET enabled = false WHERE id = ANY($1)', [[poison, healthy]]);
+  await stopJobs(db.pool, [poison, healthy]);
   await sleep(1500);
 
   const poisonRuns = await runsOf(db.pool, poison);

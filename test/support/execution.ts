@@ -3,6 +3,7 @@ import type { AddressInfo } from 'node:net';
 import { performance } from 'node:perf_hooks';
 import { setTimeout as sleep } from 'node:timers/promises';
 import type pg from 'pg';
+import { withdrawFutureRuns } from '../../src/store/jobs.js';
 
 /** One request the target received. */
 export interface TargetRequest {
@@ -147,6 +148,15 @@ export async function insertJob(db: pg.Pool, spec: JobSpec): Promise<string> {
 }
 
 /** A whole second at least `aheadMs` from now by the database clock. */
+/**
+ * Stops jobs as an edit through the API would: disabled, and their runs created ahead of their
+ * time (the dispatch lookahead) withdrawn, so nothing of theirs fires afterwards.
+ */
+export async function stopJobs(db: pg.Pool, jobIds: string[]): Promise<void> {
+  await db.query('UPDATE jobs SET enabled = false WHERE id = ANY($1::uuid[])', [jobIds]);
+  for (const id of jobIds) await withdrawFutureRuns(db, id);
+}
+
 export async function nextWholeSecond(db: pg.Pool, aheadMs: number): Promise<Date> {
   const { rows } = await db.query<{ at: Date }>(
     `SELECT date_trunc('second', now() + $1 * interval '1 millisecond') + interval '1 second' AS at`,
