@@ -50,16 +50,17 @@ const SUMMARY = `
   started_at AS "startedAt", finished_at AS "finishedAt", scheduled_for::text AS "cursorTs"`;
 
 /**
- * Runs of job $1, newest occurrence first, before cursor ($2 scheduled_for text, $3 id; NULL =
- * from the newest), optionally only in state $4. $5 = limit.
+ * Runs of job $1, newest occurrence first, before cursor $2 (scheduled_for text; NULL = from the
+ * newest), optionally only in state $3. $4 = limit. A job has one run per occurrence
+ * (runs_one_per_occurrence), so scheduled_for alone orders them and that index serves the scan.
  */
 const LIST_OF_JOB = `
   SELECT ${SUMMARY} FROM runs
   WHERE job_id = $1
-    AND ($2::timestamptz IS NULL OR (scheduled_for, id) < ($2::timestamptz, $3::uuid))
-    AND ($4::text IS NULL OR state = $4)
-  ORDER BY scheduled_for DESC, id DESC
-  LIMIT $5`;
+    AND ($2::timestamptz IS NULL OR scheduled_for < $2::timestamptz)
+    AND ($3::text IS NULL OR state = $3)
+  ORDER BY scheduled_for DESC
+  LIMIT $4`;
 
 export async function listRunsOfJob(
   db: Queryable,
@@ -67,13 +68,7 @@ export async function listRunsOfJob(
   options: { before: { ts: string; id: string } | null; state: RunState | null; limit: number },
 ): Promise<RunSummary[]> {
   const { before, state, limit } = options;
-  const { rows } = await db.query<RunSummary>(LIST_OF_JOB, [
-    jobId,
-    before?.ts ?? null,
-    before?.id ?? null,
-    state,
-    limit,
-  ]);
+  const { rows } = await db.query<RunSummary>(LIST_OF_JOB, [jobId, before?.ts ?? null, state, limit]);
   return rows;
 }
 

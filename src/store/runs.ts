@@ -175,7 +175,7 @@ export async function skipRun(db: Queryable, runId: string, reason: string): Pro
 const REPLACE_OLDER = `
   WITH newest AS (
     SELECT id FROM runs WHERE job_id = $1 AND state = 'running'
-    ORDER BY scheduled_for DESC, id DESC LIMIT 1
+    ORDER BY scheduled_for DESC LIMIT 1
   ), replaced AS (
     UPDATE runs r SET state = 'failed', reason = 'replaced', finished_at = now(),
                       claim_expires_at = NULL
