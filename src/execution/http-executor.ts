@@ -202,14 +202,22 @@ class ExcerptCompleteError extends Error {
 }
 
 /**
+ * Bytes of a response body read past the excerpt and thrown away, so that the connection can be
+ * reused; a longer body ends the call (and closes its connection) instead of being drained.
+ */
+const MAX_DISCARDED_BYTES = 64 * 1024;
+
+/**
  * Receives one response through undici's handler interface, keeping at most `maxBytes` of its
- * body; once it has them the call is aborted, which closes the connection instead of draining an
- * endless or huge body. `stop` aborts the call at any point, even before it is connected.
+ * body. The rest is read and discarded up to MAX_DISCARDED_BYTES, then the call is aborted, which
+ * closes the connection instead of draining an endless or huge body. `stop` aborts the call at any
+ * point, even before it is connected.
  */
 class ExcerptHandler implements Dispatcher.DispatchHandlers {
   private statusCode = 0;
   private readonly chunks: Buffer[] = [];
   private size = 0;
+  private discarded = 0;
   private abortCall: ((err: Error) => void) | undefined;
   private stopReason: Error | undefined;
   private ended = false;
@@ -236,11 +244,14 @@ class ExcerptHandler implements Dispatcher.DispatchHandlers {
   }
 
   onData(chunk: Buffer): boolean {
-    if (this.size < this.maxBytes) {
-      this.chunks.push(chunk);
-      this.size += chunk.length;
+    const room = this.maxBytes - this.size;
+    const kept = room <= 0 ? 0 : Math.min(room, chunk.length);
+    if (kept > 0) {
+      this.chunks.push(kept === chunk.length ? chunk : chunk.subarray(0, kept));
+      this.size += kept;
     }
-    if (this.size >= this.maxBytes) this.stop(new ExcerptCompleteError());
+    this.discarded += chunk.length - kept;
+    if (this.discarded > MAX_DISCARDED_BYTES) this.stop(new ExcerptCompleteError());
     return true;
   }
 
@@ -264,7 +275,7 @@ class ExcerptHandler implements Dispatcher.DispatchHandlers {
 
   private excerpt(): string | null {
     if (this.size === 0) return null;
-    return Buffer.concat(this.chunks, this.size).subarray(0, this.maxBytes).toString('utf8');
+    return Buffer.concat(this.chunks, this.size).toString('utf8');
   }
 }
 

@@ -1,7 +1,8 @@
 import assert from 'node:assert/strict';
 import { once } from 'node:events';
 import { createServer, type IncomingMessage, type ServerResponse } from 'node:http';
-import type { AddressInfo } from 'node:net';
+import type { AddressInfo, Socket } from 'node:net';
+import { setTimeout as sleep } from 'node:timers/promises';
 import { after, before, test } from 'node:test';
 import { HttpExecutor, type HttpCall } from '../../src/execution/http-executor.js';
 
@@ -17,13 +18,20 @@ interface Seen {
 
 const seen: Seen[] = [];
 let closedEarly = 0;
+/** The connection of the last /medium or /huge request. */
+let lastSocket: Socket | undefined;
 const handlers: Record<string, (req: IncomingMessage, res: ServerResponse) => void> = {
   '/ok': (_req, res) => res.end('fine'),
   '/fail': (_req, res) => {
     res.statusCode = 503;
     res.end('busy');
   },
-  '/huge': (_req, res) => {
+  '/medium': (req, res) => {
+    lastSocket = req.socket;
+    res.end('m'.repeat(10 * 1024));
+  },
+  '/huge': (req, res) => {
+    lastSocket = req.socket;
     res.writeHead(200, { 'content-type': 'text/plain' });
     res.end('x'.repeat(5 * 1024 * 1024));
   },
@@ -47,7 +55,12 @@ const server = createServer((req, res) => {
   req.setEncoding('utf8');
   req.on('data', (chunk: string) => (body += chunk));
   req.on('end', () => {
-    seen.push({ method: req.method!, url: req.url!, headers: req.headers, body });
+    seen.push({
+      method: req.method!,
+      url: req.url!,
+      headers: req.headers,
+      body,
+    });
     (handlers[req.url!.split('?')[0]!] ?? handlers['/ok']!)(req, res);
   });
 });
@@ -125,10 +138,20 @@ test('an empty response has no excerpt', async () => {
   assert.equal(report.responseExcerpt, null);
 });
 
+test('a body a little longer than the excerpt is read to its end, so the connection stays open', async () => {
+  const report = await executor.execute(call('/medium'), never);
+  assert.equal(report.outcome, 'succeeded');
+  assert.equal(report.responseExcerpt, 'm'.repeat(100));
+  await sleep(100);
+  assert.equal(lastSocket!.destroyed, false, 'the connection is kept for the next call');
+});
+
 test('a huge body is cut at maxExcerptBytes and the connection is closed, not drained', async () => {
   const report = await executor.execute(call('/huge'), never);
   assert.equal(report.outcome, 'succeeded');
   assert.equal(report.responseExcerpt, 'x'.repeat(100));
+  await sleep(100);
+  assert.equal(lastSocket!.destroyed, true, 'the connection was closed, not drained');
 });
 
 test(
