@@ -1,7 +1,7 @@
 /**
  * The floor under the lateness figures: the same shape of HTTP traffic without Helios. Three
- * client processes (as 3 nodes) each send rate/3 calls at every whole second, with undici (as
- * the workers do: keep-alive Agent, JSON body, abort timer, body read), to the same recording
+ * client processes (as 3 nodes) each send rate/3 calls at every whole second, with the workers'
+ * own HttpExecutor (keep-alive undici Agent, JSON body, abort timer, excerpt), to the same recording
  * target in this process; lateness = arrival − the whole second. No database, no Kafka: what is
  * left is the cost of a burst of calls on this machine.
  *
@@ -25,34 +25,34 @@ export interface FloorResult {
 
 /** One client process: `perSecond` calls at each of `seconds` whole seconds, then exits. */
 async function client(url: string, perSecond: number, seconds: number): Promise<void> {
-  const { Agent, request } = await import('undici');
-  const agent = new Agent({ keepAliveTimeout: 4000 });
+  // The workers' own executor: same undici Agent, handler interface, timer and excerpt reading.
+  const { HttpExecutor } = await import('../src/execution/http-executor.js');
+  const executor = new HttpExecutor();
+  const never = new AbortController().signal;
   const first = Math.ceil(Date.now() / 1000) * 1000 + 1000;
   for (let s = 0; s < seconds; s++) {
     const at = first + s * 1000;
     await new Promise((resolve) => setTimeout(resolve, at - Date.now()));
-    const scheduledFor = new Date(at).toISOString();
+    const scheduledFor = new Date(at);
     await Promise.all(
       Array.from({ length: perSecond }, async (_, i) => {
-        const controller = new AbortController();
-        const timer = setTimeout(() => controller.abort(), 5000);
-        const response = await request(`${url}/tick`, {
-          dispatcher: agent,
-          method: 'POST',
-          body: JSON.stringify({ bench: true }),
-          signal: controller.signal,
-          headers: {
-            'content-type': 'application/json',
-            'x-helios-run-id': `${process.pid}-${s}-${i}`,
-            'x-helios-scheduled-for': scheduledFor,
+        const id = `${process.pid}-${s}-${i}`;
+        const report = await executor.execute(
+          {
+            id,
+            jobId: 'http-floor',
+            attempt: 1,
+            scheduledFor,
+            target: { url: `${url}/tick`, method: 'POST', headers: {}, body: { bench: true } },
+            timeoutMs: 5000,
           },
-        });
-        for await (const chunk of response.body) void chunk;
-        clearTimeout(timer);
+          never,
+        );
+        if (report.outcome !== 'succeeded') throw new Error(`call ${id}: ${report.error}`);
       }),
     );
   }
-  await agent.close();
+  await executor.close();
 }
 
 export async function httpFloor(rate: number, seconds: number): Promise<FloorResult> {
