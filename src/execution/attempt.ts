@@ -85,7 +85,12 @@ export async function runAttempt(ctx: AttemptContext, run: ClaimedRun, cancel: A
     if (!result) return stale(ctx, log(), report.outcome);
     if (result.state === 'dead') {
       metrics.deadLetters.inc();
-      log().warn({ error: report.error, status: report.statusCode }, 'run is dead: attempts exhausted');
+      log().warn(
+        { error: report.error, status: report.statusCode },
+        report.retryable === false
+          ? 'run is dead: its target was refused'
+          : 'run is dead: attempts exhausted',
+      );
     } else {
       log().info(
         { error: report.error, status: report.statusCode, retryInMs: delay },

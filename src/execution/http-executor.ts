@@ -5,6 +5,7 @@ import {
   checkTargetUrl,
   compileTargetPolicy,
   guardedLookup,
+  TargetDeniedError,
   type TargetPolicy,
 } from '../security/target-policy.js';
 import type { AttemptReport } from '../store/attempts.js';
@@ -72,7 +73,11 @@ export class HttpExecutor {
     try {
       call = this.prepare(run);
     } catch (err) {
-      return Promise.resolve(failedReport(describe(toError(err)), performance.now() - started));
+      // A URL or method refused before any connection: the same run will be refused every time.
+      return Promise.resolve({
+        ...failedReport(describe(toError(err)), performance.now() - started),
+        retryable: false,
+      });
     }
     if (cancel.aborted) {
       return Promise.resolve(cancelledReport(toError(cancel.reason), performance.now() - started));
@@ -131,6 +136,8 @@ export class HttpExecutor {
       };
     }
     if (cancel.aborted) return cancelledReport(toError(cancel.reason), durationMs);
+    const denied = [ending.error, ending.error.cause].find((e) => e instanceof TargetDeniedError);
+    if (denied?.permanent) return { ...failedReport(describe(ending.error), durationMs), retryable: false };
     return failedReport(describe(ending.error), durationMs);
   }
 

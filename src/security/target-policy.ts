@@ -24,6 +24,9 @@ export class InvalidCidrError extends Error {
   override name = 'InvalidCidrError';
 }
 
+/** Why a name that resolves to nothing is refused (a DNS condition, unlike a denied address). */
+export const NO_ADDRESS = 'it resolved to no address';
+
 /** An address or URL was refused by the target policy; `reason` is safe to show to users. */
 export class TargetDeniedError extends Error {
   override name = 'TargetDeniedError';
@@ -33,6 +36,11 @@ export class TargetDeniedError extends Error {
     readonly reason: string,
   ) {
     super(`target host ${hostname} refused: ${reason}`);
+  }
+
+  /** True when the policy itself refused (a denied address): asking again gives the same answer. */
+  get permanent(): boolean {
+    return this.reason !== NO_ADDRESS;
   }
 }
 
@@ -167,7 +175,7 @@ export async function assertTargetAllowed(
   const literal = literalAddress(hostname);
   if (literal !== null) return [{ address: literal, family: isIP(literal) }];
   const addresses = await resolve(hostname);
-  if (addresses.length === 0) throw new TargetDeniedError(hostname, 'it resolved to no address');
+  if (addresses.length === 0) throw new TargetDeniedError(hostname, NO_ADDRESS);
   for (const { address } of addresses) {
     const reason = deniedReason(address, policy);
     if (reason) throw new TargetDeniedError(hostname, reason);
@@ -187,7 +195,7 @@ export function guardedLookup(policy: TargetPolicy): LookupFunction {
       const denied = addresses.map((a) => deniedReason(a.address, policy)).find((r) => r !== null);
       if (denied) return callback(new TargetDeniedError(hostname, denied), '', 0);
       const first = addresses[0];
-      if (!first) return callback(new TargetDeniedError(hostname, 'it resolved to no address'), '', 0);
+      if (!first) return callback(new TargetDeniedError(hostname, NO_ADDRESS), '', 0);
       if (options.all) return callback(null, addresses);
       return callback(null, first.address, first.family);
     });

@@ -13,6 +13,11 @@ export interface AttemptReport {
   readonly durationMs: number | null;
   readonly error: string | null;
   readonly responseExcerpt: string | null;
+  /**
+   * False when trying again cannot help (the target policy refused the URL or its address): the
+   * run is dead at once, whatever attempts are left. Absent means true.
+   */
+  readonly retryable?: boolean;
 }
 
 /** Who may settle an attempt: the claimant (node id), or the reaper once the claim expired. */
@@ -108,16 +113,16 @@ export async function completeSucceeded(
 }
 
 /**
- * Ends a failed attempt: back to `queued` after $4 ms, or `dead` when no attempt is left.
- * $1 = run id, $2 = attempt, $3 = claimant node id (NULL: the reaper, which may only take a run
- * whose claim has expired), $4 = retry delay ms, $5 = status, $6 = error.
+ * Ends a failed attempt: back to `queued` after $4 ms, or `dead` when no attempt is left or $7
+ * (not retryable). $1 = run id, $2 = attempt, $3 = claimant node id (NULL: the reaper, which may
+ * only take a run whose claim has expired), $4 = retry delay ms, $5 = status, $6 = error.
  */
 const FAIL = `
   UPDATE runs SET
-    state = CASE WHEN attempt >= max_attempts THEN 'dead' ELSE 'queued' END,
-    not_before = CASE WHEN attempt >= max_attempts THEN not_before
+    state = CASE WHEN attempt >= max_attempts OR $7 THEN 'dead' ELSE 'queued' END,
+    not_before = CASE WHEN attempt >= max_attempts OR $7 THEN not_before
                       ELSE now() + $4 * interval '1 millisecond' END,
-    finished_at = CASE WHEN attempt >= max_attempts THEN now() END,
+    finished_at = CASE WHEN attempt >= max_attempts OR $7 THEN now() END,
     claimed_by = NULL, claim_expires_at = NULL, last_status = $5, last_error = $6
   WHERE id = $1 AND attempt = $2 AND state = 'running'
     AND (claimed_by = $3 OR ($3::text IS NULL AND claim_expires_at < now()))
@@ -155,7 +160,15 @@ export async function failAttempt(
     attempt: number;
     scheduledFor: Date;
     notBefore: Date;
-  }>(FAIL, [run.id, run.attempt, nodeId, Math.max(0, Math.round(retryDelayMs)), report.statusCode, error]);
+  }>(FAIL, [
+    run.id,
+    run.attempt,
+    nodeId,
+    Math.max(0, Math.round(retryDelayMs)),
+    report.statusCode,
+    error,
+    report.retryable === false,
+  ]);
   const row = rows[0];
   if (!row) return null;
   await recordAttempt(client, run.id, run.attempt, report);

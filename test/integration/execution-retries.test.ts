@@ -154,6 +154,38 @@ test(
   },
 );
 
+test(
+  'a target the policy refuses at execution time is dead after one attempt, not retried',
+  { timeout: 30_000 },
+  async () => {
+    // Saved straight into the table, as if the policy had changed since the job was created.
+    const at = await nextWholeSecond(db.pool, 1500);
+    const jobId = await insertJob(db.pool, {
+      name: `metadata-${uniqueId()}`,
+      schedule: oncePerMinuteAt(at),
+      target: { url: 'http://169.254.169.254/latest/meta-data/' },
+      nextRunAt: at,
+      maxAttempts: 3,
+      backoffMs: 100,
+    });
+    const [run] = await waitFor(
+      'the run to be dead',
+      async () => {
+        const runs = await runsOf(db.pool, jobId);
+        return runs[0]?.state === 'dead' ? runs : null;
+      },
+      15_000,
+    );
+    assert.equal(run!.attempt, 1, 'no second attempt');
+    const { rows } = await db.pool.query<{ attempt: number; error: string }>(
+      'SELECT attempt, error FROM dead_letters WHERE run_id = $1',
+      [run!.id],
+    );
+    assert.equal(rows.length, 1);
+    assert.match(rows[0]!.error, /169\.254/);
+  },
+);
+
 test('a target that never answers is aborted at timeoutMs', { timeout: 30_000 }, async () => {
   const { jobId } = await oneShot('/silent', { timeoutMs: 1000, maxAttempts: 1 });
   const [run] = await waitFor(

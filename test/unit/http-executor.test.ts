@@ -205,13 +205,22 @@ test('a refused connection and a bad target are failed attempts with the reason'
   );
   assert.equal(refused.outcome, 'failed');
   assert.match(refused.error ?? '', /ECONNREFUSED/);
+  assert.notEqual(refused.retryable, false, 'a refused connection may work next time');
 
   const badMethod = await executor.execute(call('/ok', { method: 'TRACE' }), never);
   assert.equal(badMethod.outcome, 'failed');
   assert.match(badMethod.error ?? '', /TRACE is not supported/);
+  assert.equal(badMethod.retryable, false);
   const badScheme = await executor.execute({ ...call('/ok'), target: { url: 'ftp://127.0.0.1/' } }, never);
   assert.equal(badScheme.outcome, 'failed');
   assert.match(badScheme.error ?? '', /target\.url/);
+  assert.equal(badScheme.retryable, false);
+  const metadata = await executor.execute(
+    { ...call('/ok'), target: { url: 'http://169.254.169.254/' } },
+    never,
+  );
+  assert.equal(metadata.outcome, 'failed');
+  assert.equal(metadata.retryable, false, 'a denied literal address is refused for good');
 });
 
 test('many calls at once all complete on pooled connections', async () => {

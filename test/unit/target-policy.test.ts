@@ -146,6 +146,7 @@ test("the worker's HTTP executor refuses, at execution time, a name that resolve
     );
     assert.equal(report.outcome, 'failed');
     assert.match(report.error ?? '', /denied range 127\.0\.0\.0\/8|denied range ::1/);
+    assert.equal(report.retryable, false, 'a refused address is not tried again');
     assert.equal(hits, before, 'the target must not have been called');
   } finally {
     await executor.close();
