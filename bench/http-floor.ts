@@ -8,7 +8,7 @@
  *   npx tsx bench/http-floor.ts [--rate 500] [--seconds 10]
  */
 import { fork } from 'node:child_process';
-import { once } from 'node:events';
+import { once, setMaxListeners } from 'node:events';
 import { fileURLToPath, pathToFileURL } from 'node:url';
 import { parseArgs } from 'node:util';
 import { RecordingTarget } from './lib/target.js';
@@ -29,6 +29,8 @@ async function client(url: string, perSecond: number, seconds: number): Promise<
   const { HttpExecutor } = await import('../src/execution/http-executor.js');
   const executor = new HttpExecutor();
   const never = new AbortController().signal;
+  // Every call of a burst listens on this one signal (a worker gives each call its own).
+  setMaxListeners(0, never);
   const first = Math.ceil(Date.now() / 1000) * 1000 + 1000;
   for (let s = 0; s < seconds; s++) {
     const at = first + s * 1000;
