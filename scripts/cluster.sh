@@ -18,14 +18,17 @@ stop_started() {
   [[ "$stopped" == 1 ]] && return 0
   stopped=1
   if [[ -f "$STATE/pids" ]]; then
-    while read -r pid; do kill -TERM "$pid" 2>/dev/null || true; done <"$STATE/pids"
+    # Read once: a cluster in the foreground may remove the file while `down` waits here.
+    local pids=()
+    mapfile -t pids <"$STATE/pids" || true
+    for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
     for _ in $(seq 1 40); do
       local alive=0
-      while read -r pid; do kill -0 "$pid" 2>/dev/null && alive=1; done <"$STATE/pids"
+      for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
       [[ "$alive" == 0 ]] && break
       sleep 0.25
     done
-    while read -r pid; do kill -KILL "$pid" 2>/dev/null || true; done <"$STATE/pids"
+    for pid in "${pids[@]}"; do kill -KILL "$pid" 2>/dev/null || true; done
     rm -f "$STATE/pids"
   fi
   # Only the servers this script started (they were down before) are stopped.
