@@ -80,6 +80,19 @@ async function oneShot(path: string, spec: Partial<JobSpec>): Promise<{ jobId: s
   return { jobId, at };
 }
 
+/** The job's only run, once it is dead (waits up to 15 s). */
+async function deadRunOf(jobId: string) {
+  const [run] = await waitFor(
+    'the run to be dead',
+    async () => {
+      const runs = await runsOf(db.pool, jobId);
+      return runs[0]?.state === 'dead' ? runs : null;
+    },
+    15_000,
+  );
+  return run!;
+}
+
 test(
   '500 twice then 200: three attempts, backoff respected, final succeeded',
   { timeout: 30_000 },
@@ -124,18 +137,11 @@ test(
   { timeout: 30_000 },
   async () => {
     const { jobId } = await oneShot('/broken', { maxAttempts: 2, backoffMs: 200 });
-    const [run] = await waitFor(
-      'the run to be dead',
-      async () => {
-        const runs = await runsOf(db.pool, jobId);
-        return runs[0]?.state === 'dead' ? runs : null;
-      },
-      15_000,
-    );
+    const run = await deadRunOf(jobId);
     assert.equal(target.forJob(jobId).length, 2);
     const { rows } = await db.pool.query<{ id: string; attempt: number; statusCode: number; error: string }>(
       `SELECT id, attempt, status_code AS "statusCode", error FROM dead_letters WHERE run_id = $1`,
-      [run!.id],
+      [run.id],
     );
     assert.deepEqual(
       rows.map((r) => [r.attempt, r.statusCode, r.error]),
@@ -143,14 +149,14 @@ test(
     );
     const message = await waitFor(
       'the dead-letter message',
-      () => dlq.payloads<DeadLetterMessage>().find((m) => m.runId === run!.id),
+      () => dlq.payloads<DeadLetterMessage>().find((m) => m.runId === run.id),
       15_000,
     );
     assert.equal(message.deadLetterId, rows[0]!.id);
     assert.equal(message.jobId, jobId);
     assert.equal(message.statusCode, 500);
     assert.equal(message.attempt, 2);
-    assert.equal(dlq.messages.find((m) => m.value?.includes(run!.id))?.key, jobId);
+    assert.equal(dlq.messages.find((m) => m.value?.includes(run.id))?.key, jobId);
   },
 );
 
@@ -159,27 +165,16 @@ test(
   { timeout: 30_000 },
   async () => {
     // Saved straight into the table, as if the policy had changed since the job was created.
-    const at = await nextWholeSecond(db.pool, 1500);
-    const jobId = await insertJob(db.pool, {
-      name: `metadata-${uniqueId()}`,
-      schedule: oncePerMinuteAt(at),
+    const { jobId } = await oneShot('/metadata', {
       target: { url: 'http://169.254.169.254/latest/meta-data/' },
-      nextRunAt: at,
       maxAttempts: 3,
       backoffMs: 100,
     });
-    const [run] = await waitFor(
-      'the run to be dead',
-      async () => {
-        const runs = await runsOf(db.pool, jobId);
-        return runs[0]?.state === 'dead' ? runs : null;
-      },
-      15_000,
-    );
-    assert.equal(run!.attempt, 1, 'no second attempt');
+    const run = await deadRunOf(jobId);
+    assert.equal(run.attempt, 1, 'no second attempt');
     const { rows } = await db.pool.query<{ attempt: number; error: string }>(
       'SELECT attempt, error FROM dead_letters WHERE run_id = $1',
-      [run!.id],
+      [run.id],
     );
     assert.equal(rows.length, 1);
     assert.match(rows[0]!.error, /169\.254/);
@@ -188,19 +183,12 @@ test(
 
 test('a target that never answers is aborted at timeoutMs', { timeout: 30_000 }, async () => {
   const { jobId } = await oneShot('/silent', { timeoutMs: 1000, maxAttempts: 1 });
-  const [run] = await waitFor(
-    'the run to be dead',
-    async () => {
-      const runs = await runsOf(db.pool, jobId);
-      return runs[0]?.state === 'dead' ? runs : null;
-    },
-    15_000,
-  );
+  const run = await deadRunOf(jobId);
   const [call] = target.forJob(jobId);
   assert.ok(call?.aborted, 'the worker closed the connection');
   const heldOpen = call.endedAt! - call.arrivedAt;
   assert.ok(heldOpen >= 950 && heldOpen < 1300, `connection held ${heldOpen} ms`);
-  const [attempt] = await attemptsOf(db.pool, run!.id);
+  const [attempt] = await attemptsOf(db.pool, run.id);
   assert.equal(attempt?.outcome, 'timeout');
   assert.ok(attempt.durationMs! >= 1000 && attempt.durationMs! < 1300, `duration ${attempt.durationMs}`);
   assert.match(attempt.error ?? '', /timed out after 1000 ms/);
