@@ -152,13 +152,16 @@ export async function deleteJob(db: Queryable, id: string): Promise<boolean> {
   return (rowCount ?? 0) > 0;
 }
 
+/** Job $1's runs not yet due and never claimed: created ahead of their time by the lookahead. */
+const UNSTARTED_FUTURE_RUNS = `job_id = $1 AND state = 'queued' AND attempt = 0 AND scheduled_for > now()`;
+
 /**
  * Marks job $1's runs that were created ahead of time (the dispatcher's lookahead) and never
  * claimed as skipped, so pausing a job stops occurrences that had not started yet.
  */
 const SKIP_FUTURE_RUNS = `
   UPDATE runs SET state = 'skipped', reason = 'paused', finished_at = now()
-  WHERE job_id = $1 AND state = 'queued' AND attempt = 0 AND scheduled_for > now()`;
+  WHERE ${UNSTARTED_FUTURE_RUNS}`;
 
 /** Returns how many runs were skipped. */
 export async function skipFutureRuns(db: Queryable, jobId: string): Promise<number> {
@@ -173,12 +176,10 @@ export async function skipFutureRuns(db: Queryable, jobId: string): Promise<numb
  */
 const WITHDRAW_FUTURE_RUNS = `
   WITH withdrawn AS (
-    DELETE FROM runs
-    WHERE job_id = $1 AND trigger = 'schedule' AND state = 'queued' AND attempt = 0
-      AND scheduled_for > now()
+    DELETE FROM runs WHERE ${UNSTARTED_FUTURE_RUNS} AND trigger = 'schedule'
     RETURNING scheduled_for
   )
-  SELECT min(scheduled_for) AS earliest, count(*)::int AS count FROM withdrawn`;
+  SELECT min(scheduled_for) AS earliest FROM withdrawn`;
 
 /** Returns the earliest withdrawn occurrence (null when none was withdrawn). */
 export async function withdrawFutureRuns(db: Queryable, jobId: string): Promise<Date | null> {
@@ -186,7 +187,7 @@ export async function withdrawFutureRuns(db: Queryable, jobId: string): Promise<
   return rows[0]?.earliest ?? null;
 }
 
-/** The fields every run copies from its job when it is created. */
+/** The fields every run copies from its job when it is created (CREATE_RUNS in store/dispatch.ts). */
 const SNAPSHOT_FIELDS = [
   'target',
   'timeoutMs',
