@@ -152,6 +152,7 @@ export class HeliosNode {
           etcd,
           etcdPrefix: config.etcdPrefix,
           runsTopic: config.runsTopic,
+          misfireThresholdMs: config.misfireThresholdMs,
           tokens: config.apiTokens,
           targetPolicy: config.targetPolicy,
           sensitiveHeaders: config.sensitiveHeaders,

@@ -26,6 +26,8 @@ export interface ApiOptions {
   readonly targetPolicy: TargetPolicy;
   /** Lower-case header names whose values are shown as `***`. */
   readonly sensitiveHeaders: ReadonlySet<string>;
+  /** HELIOS_MISFIRE_THRESHOLD_MS: job commands judge due occurrences as the dispatcher does; default 5000. */
+  readonly misfireThresholdMs?: number;
   /** Serve /metrics without a token even when tokens are configured; default false. */
   readonly metricsPublic?: boolean;
   /** Serve /api/v1, /openapi.json and /docs; false keeps only the /metrics token check. Default true. */

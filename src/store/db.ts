@@ -2,6 +2,9 @@ import pg from 'pg';
 import type { Logger } from '../observability/logger.js';
 import { toError } from '../errors.js';
 
+/** The node's connection pool, as the layers above store/ see it (they never import pg). */
+export type Database = pg.Pool;
+
 /** Anything that can run a query: the pool or a client inside a transaction. */
 export type Queryable = Pick<pg.Pool, 'query'> | pg.PoolClient;
 

@@ -34,6 +34,15 @@ export async function databaseNow(db: Queryable): Promise<Date> {
 }
 
 /**
+ * The database's clock as this statement runs, not as its transaction began (`now()`): a command
+ * that waited for a row lock must not draw its line at an instant already past.
+ */
+export async function databaseClock(db: Queryable): Promise<Date> {
+  const { rows } = await db.query<{ now: Date }>('SELECT clock_timestamp() AS now');
+  return rows[0]!.now;
+}
+
+/**
  * The first-attempt message announcing a run, built from a row with `id, job_id, scheduled_for,
  * not_before` (the dispatcher's and the manual trigger's runs). Workers parse it in
  * execution/run-message.ts.
@@ -44,7 +53,8 @@ export const FIRST_ATTEMPT_MESSAGE = `jsonb_build_object('runId', id, 'jobId', j
 /**
  * Creates one queued run per (job, occurrence) with a snapshot of the job, skipping occurrences
  * that already have a run, and one outbox row per created run, in one statement.
- * $1 = job ids, $2 = occurrences (parallel arrays), $3 = fencing token, $4 = topic.
+ * $1 = job ids, $2 = occurrences (parallel arrays), $3 = fencing token (NULL: created through the API),
+ * $4 = topic.
  */
 const CREATE_RUNS = `
   WITH created AS (
@@ -65,14 +75,14 @@ const CREATE_RUNS = `
 export async function createRuns(
   db: Queryable,
   occurrences: { jobId: string; scheduledFor: Date }[],
-  token: bigint,
+  token: bigint | null,
   topic: string,
 ): Promise<number> {
   if (occurrences.length === 0) return 0;
   const { rowCount } = await db.query(CREATE_RUNS, [
     occurrences.map((o) => o.jobId),
     occurrences.map((o) => o.scheduledFor),
-    token.toString(),
+    token?.toString() ?? null,
     topic,
   ]);
   return rowCount ?? 0;

@@ -152,38 +152,26 @@ export async function deleteJob(db: Queryable, id: string): Promise<boolean> {
   return (rowCount ?? 0) > 0;
 }
 
-/** Job $1's runs not yet due and never claimed: created ahead of their time by the lookahead. */
-const UNSTARTED_FUTURE_RUNS = `job_id = $1 AND state = 'queued' AND attempt = 0 AND scheduled_for > now()`;
-
 /**
- * Marks job $1's runs that were created ahead of time (the dispatcher's lookahead) and never
- * claimed as skipped, so pausing a job stops occurrences that had not started yet.
- */
-const SKIP_FUTURE_RUNS = `
-  UPDATE runs SET state = 'skipped', reason = 'paused', finished_at = now()
-  WHERE ${UNSTARTED_FUTURE_RUNS}`;
-
-/** Returns how many runs were skipped. */
-export async function skipFutureRuns(db: Queryable, jobId: string): Promise<number> {
-  const { rowCount } = await db.query(SKIP_FUTURE_RUNS, [jobId]);
-  return rowCount ?? 0;
-}
-
-/**
- * Deletes job $1's scheduled runs that were created ahead of their time (the dispatcher's
- * lookahead) and not claimed yet, so an edited job's next occurrences are created again from the
- * new definition. Their announcements may still reach workers, whose claims then find nothing.
+ * Deletes job $1's scheduled runs that are due after $2 and not claimed yet: created ahead of
+ * their time by the dispatcher's lookahead. A pause or an edit withdraws them, so the occurrences
+ * follow the job as it is when they fall due: created again from the new definition once it is
+ * enabled, or not at all while it is paused. (Marking them `skipped` instead left tombstones that
+ * a resume's new runs ran into: ON CONFLICT (job_id, scheduled_for) DO NOTHING lost them.)
+ * Their announcements may still reach workers, whose claims then find nothing.
  */
 const WITHDRAW_FUTURE_RUNS = `
   WITH withdrawn AS (
-    DELETE FROM runs WHERE ${UNSTARTED_FUTURE_RUNS} AND trigger = 'schedule'
+    DELETE FROM runs
+    WHERE job_id = $1 AND state = 'queued' AND attempt = 0 AND trigger = 'schedule'
+      AND scheduled_for > $2
     RETURNING scheduled_for
   )
   SELECT min(scheduled_for) AS earliest FROM withdrawn`;
 
 /** Returns the earliest withdrawn occurrence (null when none was withdrawn). */
-export async function withdrawFutureRuns(db: Queryable, jobId: string): Promise<Date | null> {
-  const { rows } = await db.query<{ earliest: Date | null }>(WITHDRAW_FUTURE_RUNS, [jobId]);
+export async function withdrawFutureRuns(db: Queryable, jobId: string, after: Date): Promise<Date | null> {
+  const { rows } = await db.query<{ earliest: Date | null }>(WITHDRAW_FUTURE_RUNS, [jobId, after]);
   return rows[0]?.earliest ?? null;
 }
 

@@ -154,7 +154,8 @@ export async function insertJob(db: pg.Pool, spec: JobSpec): Promise<string> {
  */
 export async function stopJobs(db: pg.Pool, jobIds: string[]): Promise<void> {
   await db.query('UPDATE jobs SET enabled = false WHERE id = ANY($1::uuid[])', [jobIds]);
-  for (const id of jobIds) await withdrawFutureRuns(db, id);
+  const { rows } = await db.query<{ now: Date }>('SELECT clock_timestamp() AS now');
+  for (const id of jobIds) await withdrawFutureRuns(db, id, rows[0]!.now);
 }
 
 export async function nextWholeSecond(db: pg.Pool, aheadMs: number): Promise<Date> {

@@ -1,11 +1,8 @@
 import type { Api, ApiOptions } from '../context.js';
 import { COMMON_PROBLEMS, problems } from '../context.js';
-import { inTransaction } from '../../store/db.js';
-import { databaseNow } from '../../store/dispatch.js';
-import { skipFutureRuns, updateJob } from '../../store/jobs.js';
+import { pauseJob, resumeJob } from '../../jobs/commands.js';
 import { createManualRun } from '../../store/manual-run.js';
-import { parseCron } from '../../scheduling/cron.js';
-import { ProblemError } from '../problems.js';
+import { notFound, ProblemError } from '../problems.js';
 import { IdParams, Job, RunCreated } from '../schemas.js';
 import { jobView } from '../views.js';
 import { requireJob } from './job-ref.js';
@@ -13,6 +10,7 @@ import { requireJob } from './job-ref.js';
 /** POST /jobs/{id}/trigger, /pause, /resume. */
 export function jobActionRoutes(app: Api, options: ApiOptions): void {
   const { pool, sensitiveHeaders, runsTopic } = options;
+  const commands = { runsTopic, misfireThresholdMs: options.misfireThresholdMs ?? 5000, logger: options.logger };
 
   app.post(
     '/jobs/:id/trigger',
@@ -44,19 +42,15 @@ export function jobActionRoutes(app: Api, options: ApiOptions): void {
         tags: ['jobs'],
         summary: 'Disable a job',
         description:
-          'No new runs are created; runs created ahead of their time and not started are skipped (reason "paused"). Runs already executing finish.',
+          'Occurrences due until now still run; later ones do not: runs created ahead of their time and not claimed are withdrawn. Runs already claimed or executing finish.',
         params: IdParams,
         response: { 200: Job, ...problems(404, ...COMMON_PROBLEMS) },
       },
     },
     async (request) => {
-      const job = await inTransaction(pool, async (client) => {
-        const current = await requireJob(client, request.params.id, true);
-        if (!current.enabled) return current;
-        const paused = await updateJob(client, current.id, { ...current, enabled: false });
-        await skipFutureRuns(client, current.id);
-        return paused!;
-      });
+      const { id } = await requireJob(pool, request.params.id);
+      const job = await pauseJob(pool, { id }, commands);
+      if (!job) throw notFound(`job "${request.params.id}"`);
       return jobView(job, sensitiveHeaders);
     },
   );
@@ -74,13 +68,9 @@ export function jobActionRoutes(app: Api, options: ApiOptions): void {
       },
     },
     async (request) => {
-      const job = await inTransaction(pool, async (client) => {
-        const current = await requireJob(client, request.params.id, true);
-        if (current.enabled) return current;
-        const next = parseCron(current.schedule, current.timezone).next(await databaseNow(client));
-        const resumed = await updateJob(client, current.id, { ...current, enabled: true, nextRunAt: next });
-        return resumed!;
-      });
+      const { id } = await requireJob(pool, request.params.id);
+      const job = await resumeJob(pool, { id });
+      if (!job) throw notFound(`job "${request.params.id}"`);
       return jobView(job, sensitiveHeaders);
     },
   );

@@ -1,17 +1,9 @@
 import { Type } from '@sinclair/typebox';
 import type { Api, ApiOptions } from '../context.js';
 import { COMMON_PROBLEMS, problems } from '../context.js';
-import { inTransaction } from '../../store/db.js';
+import { patchJob } from '../../jobs/commands.js';
 import { databaseNow } from '../../store/dispatch.js';
-import {
-  deleteJob,
-  insertJob,
-  listJobs,
-  runSnapshotChanged,
-  skipFutureRuns,
-  updateJob,
-  withdrawFutureRuns,
-} from '../../store/jobs.js';
+import { deleteJob, insertJob, listJobs } from '../../store/jobs.js';
 import { compileJob, inputOf } from '../job-input.js';
 import { decodeCursor, DEFAULT_LIMIT, toPage } from '../cursor.js';
 import { IdParams, Job, JobInput, JobPatch, Page, PageQuery } from '../schemas.js';
@@ -22,6 +14,11 @@ import { notFound } from '../problems.js';
 /** POST /jobs, GET /jobs, GET/PATCH/DELETE /jobs/{id}. */
 export function jobRoutes(app: Api, options: ApiOptions): void {
   const { pool, sensitiveHeaders } = options;
+  const commands = {
+    runsTopic: options.runsTopic,
+    misfireThresholdMs: options.misfireThresholdMs ?? 5000,
+    logger: options.logger,
+  };
   const view = (job: Parameters<typeof jobView>[0]) => jobView(job, sensitiveHeaders);
 
   app.post(
@@ -87,29 +84,14 @@ export function jobRoutes(app: Api, options: ApiOptions): void {
       },
     },
     async (request) => {
-      const job = await inTransaction(pool, async (client) => {
-        const current = await requireJob(client, request.params.id, true);
-        const { fields, schedule } = compileJob(
-          { ...inputOf(current), ...request.body },
-          options,
-          current.target,
-        );
-        const reschedule =
-          fields.schedule !== current.schedule ||
-          fields.timezone !== current.timezone ||
-          (fields.enabled && !current.enabled);
-        let nextRunAt = reschedule ? schedule.next(await databaseNow(client)) : current.nextRunAt;
-        if (current.enabled && !fields.enabled) {
-          await skipFutureRuns(client, current.id);
-        } else if (current.enabled && (reschedule || runSnapshotChanged(current, fields))) {
-          // Runs created ahead of their time follow the edit: they are created again, from the
-          // new definition (or, with a new schedule, replaced by its occurrences).
-          const earliest = await withdrawFutureRuns(client, current.id);
-          if (!reschedule && earliest && (nextRunAt === null || earliest < nextRunAt)) nextRunAt = earliest;
-        }
-        const updated = await updateJob(client, current.id, { ...fields, nextRunAt });
-        return updated!;
-      });
+      const { id } = await requireJob(pool, request.params.id);
+      const job = await patchJob(
+        pool,
+        { id },
+        (current) => compileJob({ ...inputOf(current), ...request.body }, options, current.target),
+        commands,
+      );
+      if (!job) throw notFound(`job "${request.params.id}"`);
       return view(job);
     },
   );
