@@ -52,8 +52,10 @@ interface Execution {
   rehold?: { message: RunMessage; retries: number };
 }
 
-/** A claim that found the run not yet due holds it again at most this many times. */
+/** A claim that found the run not yet due, or a forbid retry blocked, holds it again at most this many times. */
 const MAX_REHOLDS = 3;
+/** A `forbid` retry blocked by a running sibling is tried again after this (doubling per try). */
+const FORBID_WAIT_MS = 500;
 /** Longest setTimeout Node accepts; a longer hold re-arms. */
 const MAX_TIMER_MS = 2_147_483_647;
 
@@ -228,11 +230,8 @@ export class RunQueue {
     const message = entry.message;
     const result = await this.options.claim({ runId: message.runId, expectedAttempt: message.attempt });
     if (result === 'forbidden') {
-      // Another run of this `forbid` job is running: this occurrence is skipped, not delayed.
-      if (await skipRun(pool, message.runId, 'concurrency-forbid')) {
-        metrics.runsSkipped.inc({ reason: 'concurrency-forbid' });
-      }
-      metrics.runClaims.inc({ source: 'kafka', result: 'skipped' });
+      // Another run of this `forbid` job is running: a fresh occurrence is skipped, a retry waits.
+      await this.skipOrWait(entry, execution);
       return;
     }
     if (result !== 'missed') {
@@ -256,10 +255,7 @@ export class RunQueue {
     const miss = await explainClaimMiss(pool, message.runId);
     const current = miss?.state === 'queued' && miss.attempt === message.attempt - 1;
     if (current && miss.forbidBlocked && miss.dueInMs <= skewToleranceMs) {
-      if (await skipRun(pool, message.runId, 'concurrency-forbid')) {
-        metrics.runsSkipped.inc({ reason: 'concurrency-forbid' });
-      }
-      metrics.runClaims.inc({ source: 'kafka', result: 'skipped' });
+      await this.skipOrWait(entry, execution);
       return;
     }
     if (current && miss.dueInMs > 0 && entry.retries < MAX_REHOLDS) {
@@ -273,6 +269,27 @@ export class RunQueue {
       return;
     }
     metrics.runClaims.inc({ source: 'kafka', result: 'missed' });
+  }
+
+  /**
+   * A `forbid` run blocked by another run of its job. A fresh occurrence is skipped: that is what
+   * `forbid` means. A retry or a replay (attempt > 0) is owed and is never skipped (the SQL of
+   * skipRun refuses it too): it is held again and tried after a pause; once the reholds are used
+   * up, the polling fallback claims it when the other run has ended.
+   */
+  private async skipOrWait(entry: Held, execution: Execution): Promise<void> {
+    const { pool, metrics } = this.options;
+    const message = entry.message;
+    if (message.attempt === 1 && (await skipRun(pool, message.runId, 'concurrency-forbid'))) {
+      metrics.runsSkipped.inc({ reason: 'concurrency-forbid' });
+      metrics.runClaims.inc({ source: 'kafka', result: 'skipped' });
+      return;
+    }
+    metrics.runClaims.inc({ source: 'kafka', result: 'waiting' });
+    if (message.attempt > 1 && entry.retries < MAX_REHOLDS) {
+      const dueAt = new Date(this.options.clock.now() + FORBID_WAIT_MS * 2 ** entry.retries);
+      execution.rehold = { message: { ...message, notBefore: dueAt }, retries: entry.retries + 1 };
+    }
   }
 
   private checkIdle(): void {

@@ -12,18 +12,23 @@ import {
 
 /**
  * Queued runs overdue by more than $1 ms (their message is late or lost), oldest first, locked
- * with SKIP LOCKED so concurrent pollers take disjoint sets. $2 = limit.
+ * with SKIP LOCKED so concurrent pollers take disjoint sets. $2 = limit. A retry or replay of a
+ * `forbid` job whose sibling is running waits for it (it cannot be skipped): leaving it out keeps
+ * it from filling every poll while it waits.
  */
 const SELECT_OVERDUE = `
-  SELECT id FROM runs
-  WHERE state = 'queued' AND not_before <= now() - $1 * interval '1 millisecond'
-  ORDER BY not_before
+  SELECT r.id FROM runs r
+  WHERE r.state = 'queued' AND r.not_before <= now() - $1 * interval '1 millisecond'
+    AND NOT (r.concurrency = 'forbid' AND r.attempt > 0 AND EXISTS (
+      SELECT 1 FROM runs o WHERE o.job_id = r.job_id AND o.state = 'running'))
+  ORDER BY r.not_before
   LIMIT $2
-  FOR UPDATE SKIP LOCKED`;
+  FOR UPDATE OF r SKIP LOCKED`;
 
 /**
  * Claims up to `limit` overdue runs in one transaction (a caller-supplied client inside BEGIN).
- * A run that its `forbid` policy blocks is skipped, like on the Kafka path.
+ * A fresh occurrence that its `forbid` policy blocks is skipped, like on the Kafka path; a blocked
+ * retry stays queued for a later poll.
  */
 export async function claimOverdueRuns(
   client: pg.PoolClient,

@@ -156,12 +156,16 @@ export async function explainClaimMiss(db: Queryable, runId: string): Promise<Cl
   return rows[0] ?? null;
 }
 
-/** Skips a queued run that cannot start (concurrency policy). $1 = run id, $2 = reason. */
+/**
+ * Skips a queued run that cannot start (concurrency policy). $1 = run id, $2 = reason.
+ * Only a fresh occurrence (never claimed) can be skipped: a retry or a dead-letter replay has
+ * attempt > 0, and skipping it would lose a run that is owed; it waits for its turn instead.
+ */
 const SKIP = `
   UPDATE runs SET state = 'skipped', reason = $2, finished_at = now(), claimed_by = NULL
-  WHERE id = $1 AND state = 'queued'`;
+  WHERE id = $1 AND state = 'queued' AND attempt = 0`;
 
-/** Returns true if this call skipped the run. */
+/** Returns true if this call skipped the run (false: already taken, or a retry that must wait). */
 export async function skipRun(db: Queryable, runId: string, reason: string): Promise<boolean> {
   const { rowCount } = await db.query(SKIP, [runId, reason]);
   return rowCount === 1;
