@@ -1,3 +1,4 @@
+import { setTimeout as sleep } from 'node:timers/promises';
 import type pg from 'pg';
 import type { Logger } from '../observability/logger.js';
 import type { Metrics } from '../observability/metrics.js';
@@ -31,8 +32,10 @@ export interface AttemptContext {
  * Executes a claimed attempt and settles it: succeeded, retry or dead, each conditional on this
  * node still holding the claim. `cancel` aborts the HTTP call: with a ClaimLostError (replaced or
  * taken over: nothing is written) or a WorkerStoppingError (the claim is handed back).
- * Never rejects; a settle that fails (PostgreSQL away) leaves the claim to expire and the reaper
- * to recover it.
+ * Never rejects. A settle write that fails (PostgreSQL away, a pool timeout, a failed batch) is
+ * retried while the claim holds ({@link whileClaimed}): a call that finished must not be made
+ * again because its outcome could not be written the first time. Only when the claim has expired
+ * does the reaper recover the run.
  */
 export async function runAttempt(ctx: AttemptContext, run: ClaimedRun, cancel: AbortSignal): Promise<void> {
   const { pool, nodeId, logger, metrics } = ctx;
@@ -59,8 +62,8 @@ export async function runAttempt(ctx: AttemptContext, run: ClaimedRun, cancel: A
     if (report.outcome === 'cancelled') {
       const reason: unknown = cancel.reason;
       if (reason instanceof WorkerStoppingError) {
-        const released = await inTransaction(pool, (client) =>
-          releaseClaim(client, run, nodeId, report, ctx.topics.runsTopic),
+        const released = await whileClaimed(ctx, run, log, () =>
+          inTransaction(pool, (client) => releaseClaim(client, run, nodeId, report, ctx.topics.runsTopic)),
         );
         metrics.runsExecuted.inc({ outcome: 'cancelled' });
         log().info({ released }, 'call aborted by shutdown; claim handed back');
@@ -75,12 +78,14 @@ export async function runAttempt(ctx: AttemptContext, run: ClaimedRun, cancel: A
 
     metrics.runsExecuted.inc({ outcome: report.outcome });
     if (report.outcome === 'succeeded') {
-      if (!(await ctx.complete(run, report))) stale(ctx, log(), report.outcome);
+      if (!(await whileClaimed(ctx, run, log, () => ctx.complete(run, report)))) {
+        stale(ctx, log(), report.outcome);
+      }
       return;
     }
     const delay = retryDelayMs(run.attempt, run);
-    const result = await inTransaction(pool, (client) =>
-      failAttempt(client, run, { nodeId }, report, delay, ctx.topics),
+    const result = await whileClaimed(ctx, run, log, () =>
+      inTransaction(pool, (client) => failAttempt(client, run, { nodeId }, report, delay, ctx.topics)),
     );
     if (!result) return stale(ctx, log(), report.outcome);
     if (result.state === 'dead') {
@@ -100,8 +105,45 @@ export async function runAttempt(ctx: AttemptContext, run: ClaimedRun, cancel: A
   } catch (err) {
     log().error(
       { err: toError(err) },
-      'settling the attempt failed; the reaper recovers it when the claim expires',
+      'settling the attempt failed until the claim expired; the reaper recovers it',
     );
+  }
+}
+
+/** First pause between tries of a settle write, doubling up to SETTLE_RETRY_MAX_MS. */
+const SETTLE_RETRY_MS = 25;
+const SETTLE_RETRY_MAX_MS = 1000;
+
+/**
+ * Runs a settle write, retrying it with back-off until it succeeds or the claim expires (by our
+ * estimate of the database clock). Every settle write is conditional on this node still holding
+ * the claim, so retrying is safe: once the reaper has taken the run back, the write changes
+ * nothing and reports the claim lost. Throws the last error when the claim expired first.
+ */
+async function whileClaimed<T>(
+  ctx: AttemptContext,
+  run: ClaimedRun,
+  log: () => Logger,
+  write: () => Promise<T>,
+): Promise<T> {
+  for (
+    let tries = 1, pauseMs = SETTLE_RETRY_MS;
+    ;
+    tries++, pauseMs = Math.min(SETTLE_RETRY_MAX_MS, pauseMs * 2)
+  ) {
+    try {
+      return await write();
+    } catch (err) {
+      const leftMs = ctx.clock.msUntil(run.claimExpiresAt);
+      if (leftMs <= 0) throw err;
+      ctx.metrics.settleRetries.inc();
+      if (tries === 1)
+        log().warn(
+          { err: toError(err), claimLeftMs: Math.round(leftMs) },
+          'settle write failed; retrying while the claim holds',
+        );
+      await sleep(Math.min(pauseMs, leftMs));
+    }
   }
 }
 

@@ -1,15 +1,15 @@
 import type pg from 'pg';
+import { toError } from '../errors.js';
 import { completeSucceededMany, type Success } from '../store/attempts.js';
 import {
   claimRun,
   claimRuns,
-  isDeadlock,
   isForbidViolation,
   type ClaimedRun,
   type ClaimOptions,
   type ClaimRequest,
 } from '../store/runs.js';
-import { MicroBatcher } from './micro-batcher.js';
+import { BatchItemError, MicroBatcher } from './micro-batcher.js';
 
 /** A claim's result: the run, or why not (`forbidden`: another run of a forbid job is running). */
 export type ClaimResult = ClaimedRun | 'missed' | 'forbidden';
@@ -21,10 +21,41 @@ const MAX_BATCH = 256;
  * waits and goes in the next one, so batches grow with the load.
  */
 const MAX_IN_FLIGHT = 2;
+/** Items that fail one by one, none succeeding, before the rest are failed without a try. */
+const OUTAGE_AFTER = 2;
 
 /**
- * Claims in batches (see MicroBatcher). When a batch fails as a whole, because two
- * runs of one `forbid` job were in it or another worker's batch deadlocked with it, its runs are
+ * Runs a failed batch's items one statement each, so each gets its own answer: one item the
+ * database refuses (a constraint, a trigger, a value it cannot store) no longer fails the others.
+ * When the first items all fail the cause is not theirs (PostgreSQL is away, the pool is
+ * exhausted): the rest fail with the same error at once rather than each waiting for its own
+ * connection timeout.
+ */
+export async function oneByOne<I, O>(
+  items: readonly I[],
+  single: (item: I) => Promise<O>,
+): Promise<(O | BatchItemError)[]> {
+  const results: (O | BatchItemError)[] = [];
+  let succeeded = 0;
+  for (const item of items) {
+    const failures = results.length - succeeded;
+    if (succeeded === 0 && failures >= OUTAGE_AFTER) {
+      results.push(results[0]!);
+      continue;
+    }
+    try {
+      results.push(await single(item));
+      succeeded += 1;
+    } catch (err) {
+      results.push(new BatchItemError(toError(err)));
+    }
+  }
+  return results;
+}
+
+/**
+ * Claims in batches (see MicroBatcher). When a batch fails as a whole (two runs of one `forbid`
+ * job were in it, another worker's batch deadlocked with it, or any other error), its runs are
  * claimed one by one, so each gets its own answer.
  */
 export function createClaimBatcher(
@@ -36,18 +67,15 @@ export function createClaimBatcher(
       try {
         const runs = await claimRuns(pool, requests, options);
         return runs.map((run) => run ?? 'missed');
-      } catch (err) {
-        if (!isForbidViolation(err) && !isDeadlock(err)) throw err;
-        const results: ClaimResult[] = [];
-        for (const request of requests) {
+      } catch {
+        return oneByOne(requests, async (request): Promise<ClaimResult> => {
           try {
-            results.push((await claimRun(pool, request.runId, options, request.expectedAttempt)) ?? 'missed');
+            return (await claimRun(pool, request.runId, options, request.expectedAttempt)) ?? 'missed';
           } catch (one) {
             if (!isForbidViolation(one)) throw one;
-            results.push('forbidden');
+            return 'forbidden';
           }
-        }
-        return results;
+        });
       }
     },
     MAX_BATCH,
@@ -55,17 +83,18 @@ export function createClaimBatcher(
   );
 }
 
-/** Completes successful attempts in batches (see MicroBatcher). */
+/**
+ * Completes successful attempts in batches (see MicroBatcher). A batch that fails is retried item
+ * by item, so a completion the database refuses costs no other run its completion (each item's
+ * caller retries its own failure while its claim holds: see execution/attempt.ts).
+ */
 export function createCompletionBatcher(pool: pg.Pool, nodeId: string): MicroBatcher<Success, boolean> {
   return new MicroBatcher(
     async (items) => {
       try {
         return await completeSucceededMany(pool, nodeId, items);
-      } catch (err) {
-        if (!isDeadlock(err)) throw err;
-        const results: boolean[] = [];
-        for (const item of items) results.push(...(await completeSucceededMany(pool, nodeId, [item])));
-        return results;
+      } catch {
+        return oneByOne(items, async (item) => (await completeSucceededMany(pool, nodeId, [item]))[0]!);
       }
     },
     MAX_BATCH,

@@ -1,7 +1,12 @@
 import { toError } from '../errors.js';
 
-/** Runs one batch; returns one result per item, in order. */
-export type BatchFunction<I, O> = (items: I[]) => Promise<O[]>;
+/** One item of a batch failed on its own (the batch function returns it in that item's place). */
+export class BatchItemError {
+  constructor(readonly error: Error) {}
+}
+
+/** Runs one batch; returns one result (or the item's own failure) per item, in order. */
+export type BatchFunction<I, O> = (items: I[]) => Promise<(O | BatchItemError)[]>;
 
 interface Pending<I, O> {
   readonly item: I;
@@ -59,7 +64,11 @@ export class MicroBatcher<I, O> {
   private async runBatch(batch: Pending<I, O>[]): Promise<void> {
     try {
       const results = await this.run(batch.map((p) => p.item));
-      batch.forEach((p, i) => p.resolve(results[i]!));
+      batch.forEach((p, i) => {
+        const result = results[i]!;
+        if (result instanceof BatchItemError) p.reject(result.error);
+        else p.resolve(result);
+      });
     } catch (err) {
       const error = toError(err);
       for (const p of batch) p.reject(error);

@@ -226,7 +226,7 @@ export class RunQueue {
   }
 
   private async claimAndRun(entry: Held, execution: Execution): Promise<void> {
-    const { pool, metrics } = this.options;
+    const { metrics } = this.options;
     const message = entry.message;
     const result = await this.options.claim({ runId: message.runId, expectedAttempt: message.attempt });
     if (result === 'forbidden') {

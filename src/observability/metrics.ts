@@ -65,8 +65,13 @@ export function createMetrics(nodeId: string) {
     }),
     runClaims: new Counter({
       name: 'helios_run_claims_total',
-      help: 'Claim attempts by this worker: source kafka|poll, result claimed|missed|skipped|early',
+      help: 'Claim attempts by this worker: source kafka|poll, result claimed|missed|skipped|early|waiting',
       labelNames: ['source', 'result'],
+      registers: [registry],
+    }),
+    settleRetries: new Counter({
+      name: 'helios_settle_retries_total',
+      help: 'Writes of an attempt outcome (completion, retry, dead letter) retried after a failure while the claim held',
       registers: [registry],
     }),
     runsSkipped: new Counter({

@@ -85,11 +85,6 @@ export function isForbidViolation(err: unknown): boolean {
   return e?.code === '23505' && e.constraint === 'runs_forbid_one_running_idx';
 }
 
-/** Two transactions locked the same rows in opposite orders; PostgreSQL aborted one of them. */
-export function isDeadlock(err: unknown): boolean {
-  return (err as { code?: unknown } | null)?.code === '40P01';
-}
-
 /** One run to claim and the attempt the caller expects to start (null: whatever is next). */
 export interface ClaimRequest {
   readonly runId: string;

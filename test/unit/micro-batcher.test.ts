@@ -1,7 +1,8 @@
 import assert from 'node:assert/strict';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { test } from 'node:test';
-import { MicroBatcher } from '../../src/execution/micro-batcher.js';
+import { oneByOne } from '../../src/execution/batching.js';
+import { BatchItemError, MicroBatcher } from '../../src/execution/micro-batcher.js';
 
 /** A batch function whose batches finish only when the test releases them. */
 function gatedBatches() {
@@ -78,4 +79,37 @@ test('a failed batch rejects its calls only, and the next batch still runs', asy
   await assert.rejects(failed[0]!, /database went away/);
   await assert.rejects(failed[1]!, /database went away/);
   assert.equal(await batcher.add(3), 3);
+});
+
+test('an item the batch function fails on its own rejects only that call', async () => {
+  const batcher = new MicroBatcher(
+    async (items: number[]) => items.map((i) => (i === 2 ? new BatchItemError(new Error('two')) : i * 10)),
+    100,
+  );
+  const results = await Promise.allSettled([1, 2, 3].map((i) => batcher.add(i)));
+  assert.deepEqual(
+    results.map((r) => (r.status === 'fulfilled' ? r.value : (r.reason as Error).message)),
+    [10, 'two', 30],
+  );
+});
+
+test('oneByOne gives each item its own answer, and stops trying when the first ones all fail', async () => {
+  const tried: number[] = [];
+  const single = async (i: number) => {
+    tried.push(i);
+    if (i === 2) throw new Error(`bad ${i}`);
+    return i * 10;
+  };
+  const mixed = await oneByOne([1, 2, 3], single);
+  assert.deepEqual(
+    mixed.map((r) => (r instanceof BatchItemError ? r.error.message : r)),
+    [10, 'bad 2', 30],
+  );
+  tried.length = 0;
+  const down = await oneByOne([1, 2, 3, 4], async (i) => {
+    tried.push(i);
+    throw new Error('connection refused');
+  });
+  assert.deepEqual(tried, [1, 2], 'an outage is not tried item by item');
+  assert.ok(down.every((r) => r instanceof BatchItemError && r.error.message === 'connection refused'));
 });
