@@ -33,7 +33,11 @@ export interface CommandOptions {
  * ahead of their time and not claimed are withdrawn. Runs already claimed or executing finish.
  * Null when the job does not exist; a paused job is returned unchanged.
  */
-export async function pauseJob(db: Database, ref: JobRef, options: CommandOptions): Promise<JobRecord | null> {
+export async function pauseJob(
+  db: Database,
+  ref: JobRef,
+  options: CommandOptions,
+): Promise<JobRecord | null> {
   return inTransaction(db, async (client) => {
     const current = await findJob(client, ref, true);
     if (!current?.enabled) return current;

@@ -73,7 +73,9 @@ test('forbid: a dead-letter replay while another run of the job runs waits its t
   // Another run of the job, whose call takes 3 s.
   const busy = await call<{ runId: string }>('POST', `/jobs/${job.id}/trigger`);
   slow.add(busy.runId);
-  await waitFor('the slow run to reach the target', () => target.requests.some((r) => r.runId === busy.runId));
+  await waitFor('the slow run to reach the target', () =>
+    target.requests.some((r) => r.runId === busy.runId),
+  );
   const letters = await call<{ items: { id: string; runId: string }[] }>('GET', '/dead-letters?open=true');
   const letter = letters.items.find((l) => l.runId === dead.runId)!;
   await call('POST', `/dead-letters/${letter.id}/replay`);
@@ -82,7 +84,7 @@ test('forbid: a dead-letter replay while another run of the job runs waits its t
     'the replayed run to finish',
     async () => {
       const state = await run(dead.runId);
-      return ["succeeded", "skipped", "dead", "failed"].includes(state.state) ? state : null;
+      return ['succeeded', 'skipped', 'dead', 'failed'].includes(state.state) ? state : null;
     },
     20_000,
   );

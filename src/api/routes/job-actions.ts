@@ -10,7 +10,11 @@ import { requireJob } from './job-ref.js';
 /** POST /jobs/{id}/trigger, /pause, /resume. */
 export function jobActionRoutes(app: Api, options: ApiOptions): void {
   const { pool, sensitiveHeaders, runsTopic } = options;
-  const commands = { runsTopic, misfireThresholdMs: options.misfireThresholdMs ?? 5000, logger: options.logger };
+  const commands = {
+    runsTopic,
+    misfireThresholdMs: options.misfireThresholdMs ?? 5000,
+    logger: options.logger,
+  };
 
   app.post(
     '/jobs/:id/trigger',
