@@ -4,9 +4,21 @@ import type { Leadership } from '../coordination/election.js';
 import { NotLeaderError, StaleFencingTokenError, toError } from '../errors.js';
 import type { Logger } from '../observability/logger.js';
 import type { Metrics } from '../observability/metrics.js';
-import { failAttempt, msUntilNextExpiry, selectExpiredRuns, type Topics } from '../store/attempts.js';
+import {
+  failAttempt,
+  forgiveExpiredClaim,
+  msUntilNextExpiry,
+  selectExpiredRuns,
+  type Topics,
+} from '../store/attempts.js';
 import { inFencedTransaction } from '../store/fence.js';
 import { retryDelayMs } from './backoff.js';
+
+/**
+ * Expired claims of one run re-queued without using up an attempt (see forgiveExpiredClaim);
+ * later ones count as failed attempts.
+ */
+export const FORGIVEN_EXPIRIES = 2;
 
 /** Options of {@link Reaper}. */
 export interface ReaperOptions {
@@ -25,9 +37,11 @@ export interface ReaperOptions {
 
 /**
  * The leader's loop for stranded work (contract item 6): a run still `running` past its claim
- * deadline belonged to a worker that died, hung or was partitioned. It goes back to `queued` as
- * the next attempt (with backoff and an outbox row) or, with no attempt left, to `dead`. Each
- * pass is one fenced transaction, so a deposed leader cannot re-queue anything.
+ * deadline belonged to a worker that died, hung or was partitioned. Its first FORGIVEN_EXPIRIES
+ * expiries re-queue it at once without using up an attempt (the target did not fail); after
+ * that it goes back to `queued` as the next attempt (with backoff and an outbox row) or, with no
+ * attempt left, to `dead`. Each pass is one fenced transaction, so a deposed leader cannot
+ * re-queue anything.
  *
  * A worker that is merely slow cannot be reaped wrongly: its call is aborted at the run's
  * timeout, which the claim deadline exceeds by the grace period. A paused worker that wakes up
@@ -71,7 +85,8 @@ export class Reaper {
     if (!leadership.isValid()) throw new NotLeaderError('leadership ended before reaping');
     const results = await inFencedTransaction(pool, leadership, async (client) => {
       const expired = await selectExpiredRuns(client, batchSize);
-      const outcomes: { id: string; claimedBy: string | null; to: 'queued' | 'dead' }[] = [];
+      const outcomes: { id: string; claimedBy: string | null; to: 'queued' | 'dead'; charged: boolean }[] =
+        [];
       for (const run of expired) {
         const report = {
           outcome: 'expired' as const,
@@ -80,6 +95,10 @@ export class Reaper {
           error: `claim of ${run.claimedBy ?? 'unknown node'} expired before the attempt completed`,
           responseExcerpt: null,
         };
+        if (await forgiveExpiredClaim(client, run, report, FORGIVEN_EXPIRIES, topics.runsTopic)) {
+          outcomes.push({ id: run.id, claimedBy: run.claimedBy, to: 'queued', charged: false });
+          continue;
+        }
         const result = await failAttempt(
           client,
           run,
@@ -88,12 +107,12 @@ export class Reaper {
           retryDelayMs(run.attempt, run),
           topics,
         );
-        if (result) outcomes.push({ id: run.id, claimedBy: run.claimedBy, to: result.state });
+        if (result) outcomes.push({ id: run.id, claimedBy: run.claimedBy, to: result.state, charged: true });
       }
       return { outcomes, selected: expired.length };
     });
     for (const outcome of results.outcomes) {
-      metrics.runsReaped.inc({ to: outcome.to });
+      metrics.runsReaped.inc({ to: outcome.charged ? outcome.to : 'queued-uncharged' });
       if (outcome.to === 'dead') metrics.deadLetters.inc();
       logger.warn(outcome, 'claim expired; run recovered');
     }

@@ -59,7 +59,7 @@ export function createMetrics(nodeId: string) {
     }),
     runsReaped: new Counter({
       name: 'helios_runs_reaped_total',
-      help: 'Runs whose claim expired and were re-queued or dead-lettered',
+      help: 'Runs whose claim expired: to queued-uncharged (no attempt used up), queued (charged as a failed attempt) or dead',
       labelNames: ['to'],
       registers: [registry],
     }),

@@ -212,6 +212,47 @@ export async function releaseClaim(
   return true;
 }
 
+/**
+ * Re-queues a run whose claim expired without using up an attempt (max_attempts grows by one, as
+ * for a claim handed back at shutdown), counting the expiry. $1 = run id, $2 = attempt,
+ * $3 = error text, $4 = expiries already forgiven at most (the bound).
+ */
+const FORGIVE_EXPIRED = `
+  UPDATE runs SET state = 'queued', not_before = now(), claimed_by = NULL, claim_expires_at = NULL,
+                  max_attempts = max_attempts + 1, expiries = expiries + 1, last_error = $3
+  WHERE id = $1 AND attempt = $2 AND state = 'running' AND claim_expires_at < now() AND expiries < $4
+  RETURNING id, job_id AS "jobId", attempt, scheduled_for AS "scheduledFor", not_before AS "notBefore"`;
+
+/**
+ * The reaper's answer to an expired claim while the run's forgiven expiries are under `bound`.
+ * An expiry means the worker died, froze or lost PostgreSQL, not that the target failed; and the
+ * reaper cannot tell whether the call even started (the claim's acknowledgement lost, a worker
+ * killed while waiting for an early-claimed run's time): charging an attempt then made a
+ * `maxAttempts: 1` run dead with no delivery at all. Past the bound, expiries are charged like
+ * failures (failAttempt), so a job whose calls keep killing workers still ends dead.
+ * Returns false when the run was not forgiven (bound reached or no longer expired).
+ */
+export async function forgiveExpiredClaim(
+  client: pg.PoolClient,
+  run: { id: string; attempt: number },
+  report: AttemptReport,
+  bound: number,
+  runsTopic: string,
+): Promise<boolean> {
+  const { rows } = await client.query<{
+    id: string;
+    jobId: string;
+    attempt: number;
+    scheduledFor: Date;
+    notBefore: Date;
+  }>(FORGIVE_EXPIRED, [run.id, run.attempt, clean(report.error, 2000), bound]);
+  const row = rows[0];
+  if (!row) return false;
+  await recordAttempt(client, run.id, run.attempt, report);
+  await enqueueAttempt(client, row, row.attempt + 1, runsTopic);
+  return true;
+}
+
 /** A run whose claim expired, locked for the reaper. */
 export interface ExpiredRun {
   readonly id: string;
@@ -219,12 +260,14 @@ export interface ExpiredRun {
   readonly claimedBy: string | null;
   readonly backoffMs: number;
   readonly backoffMultiplier: number;
+  /** Earlier expiries of this run that were forgiven (see forgiveExpiredClaim). */
+  readonly expiries: number;
 }
 
 /** Running runs past their claim deadline, oldest first, locked. $1 = limit. */
 const SELECT_EXPIRED = `
   SELECT id, attempt, claimed_by AS "claimedBy", backoff_ms AS "backoffMs",
-         backoff_multiplier AS "backoffMultiplier"
+         backoff_multiplier AS "backoffMultiplier", expiries
   FROM runs
   WHERE state = 'running' AND claim_expires_at < now()
   ORDER BY claim_expires_at

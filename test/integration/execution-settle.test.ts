@@ -137,3 +137,75 @@ test('a failed batch of completions is retried item by item: one poisoned comple
   const repeated = healthy.filter((id) => target.forJob(id).length !== 1);
   assert.deepEqual(repeated, [], 'every healthy run reached the target exactly once');
 });
+
+/** A run as a worker leaves it when it dies right after its claim committed: running, expired. */
+async function strandedRun(jobId: string, extra: { expiries?: number } = {}): Promise<string> {
+  const columns = extra.expiries === undefined ? '' : ', expiries';
+  const values = extra.expiries === undefined ? '' : `, ${extra.expiries}`;
+  const { rows } = await db.pool.query<{ id: string }>(
+    `WITH run AS (
+       INSERT INTO runs (job_id, scheduled_for, trigger, state, attempt, max_attempts, target, timeout_ms,
+                         backoff_ms, backoff_multiplier, concurrency, not_before, claimed_by,
+                         claim_expires_at, started_at${columns})
+       SELECT id, now() - interval '3 seconds', 'manual', 'running', 1, max_attempts, target, timeout_ms,
+              backoff_ms, backoff_multiplier, concurrency, now() - interval '3 seconds', 'ghost-worker',
+              now() - interval '1 millisecond', now() - interval '3 seconds'${values}
+       FROM jobs WHERE id = $1
+       RETURNING id)
+     INSERT INTO run_attempts (run_id, attempt, node_id, started_at)
+     SELECT id, 1, 'ghost-worker', now() - interval '3 seconds' FROM run RETURNING run_id AS id`,
+    [jobId],
+  );
+  return rows[0]!.id;
+}
+
+test('an expired claim costs no attempt: a maxAttempts 1 run whose worker died before calling still runs', async () => {
+  const jobId = await insertJob(db.pool, {
+    name: `stranded-${uniqueId()}`,
+    schedule: '0 0 1 1 *',
+    target: { url: `${target.url}/stranded` },
+    nextRunAt: new Date(Date.now() + 365 * 86_400_000),
+    timeoutMs: 1000,
+    maxAttempts: 1,
+  });
+  const runId = await strandedRun(jobId);
+  const finished = await waitFor('the stranded run to finish', async () => {
+    const { rows } = await db.pool.query<{ state: string }>('SELECT state FROM runs WHERE id = $1', [runId]);
+    return ['succeeded', 'dead'].includes(rows[0]!.state) ? rows[0]! : null;
+  });
+  assert.equal(finished.state, 'succeeded', 'the run was not charged for its worker dying');
+  assert.deepEqual(
+    target.forJob(jobId).map((r) => r.runId),
+    [runId],
+  );
+  assert.deepEqual(
+    (await attemptsOf(db.pool, runId)).map((a) => [a.attempt, a.outcome]),
+    [
+      [1, 'expired'],
+      [2, 'succeeded'],
+    ],
+  );
+});
+
+test('expiries beyond the bound count as failed attempts, so a job that keeps killing workers ends dead', async () => {
+  const jobId = await insertJob(db.pool, {
+    name: `crash-loop-${uniqueId()}`,
+    schedule: '0 0 1 1 *',
+    target: { url: `${target.url}/crash-loop` },
+    nextRunAt: new Date(Date.now() + 365 * 86_400_000),
+    timeoutMs: 1000,
+    maxAttempts: 1,
+  });
+  // Two expiries already forgiven: the third is charged, and with one attempt the run is dead.
+  const runId = await strandedRun(jobId, { expiries: 2 });
+  await waitFor('the run to be dead', async () => {
+    const { rows } = await db.pool.query<{ state: string }>('SELECT state FROM runs WHERE id = $1', [runId]);
+    return rows[0]!.state === 'dead';
+  });
+  const { rows } = await db.pool.query<{ n: number }>(
+    'SELECT count(*)::int AS n FROM dead_letters WHERE run_id = $1',
+    [runId],
+  );
+  assert.equal(rows[0]!.n, 1, 'a dead letter records it');
+  assert.equal(target.forJob(jobId).length, 0);
+});
