@@ -44,6 +44,8 @@ interface Held {
 
 interface Execution {
   readonly runId: string;
+  /** The attempt this execution was started for (the announcement's, or the poller's claim). */
+  readonly announced: number;
   /** 0 until the claim returned. */
   attempt: number;
   readonly controller: AbortController;
@@ -85,7 +87,16 @@ export class RunQueue {
   /** Takes an announcement from Kafka: held until due, then claimed. Never blocks. */
   hold(message: RunMessage, retries = 0, early = true): void {
     if (this.draining) return;
-    if (this.executing.has(message.runId)) return;
+    const execution = this.executing.get(message.runId);
+    if (execution) {
+      // A retry is announced by the very transaction that settles the attempt before it, so its
+      // message can arrive while that execution is still winding down: keep it for afterwards.
+      // Dropping it left the retry to the polling fallback, seconds late.
+      if (message.attempt > Math.max(execution.announced, execution.rehold?.message.attempt ?? 0)) {
+        execution.rehold = { message, retries };
+      }
+      return;
+    }
     const existing = this.held.get(message.runId);
     // The same announcement twice (re-delivery, or the relay re-publishing) is held once.
     if (existing && existing.message.attempt >= message.attempt) return;
@@ -117,7 +128,7 @@ export class RunQueue {
   /** Executes a run claimed elsewhere (the poller), in a slot the caller reserved. */
   execute(run: ClaimedRun): void {
     this.forget(run.id);
-    this.track(run.id, async (execution) => {
+    this.track(run.id, run.attempt, async (execution) => {
       execution.attempt = run.attempt;
       await this.options.run(run, execution.controller.signal);
     });
@@ -203,13 +214,13 @@ export class RunQueue {
       const entry = this.held.get(runId);
       if (!entry) continue;
       this.held.delete(runId);
-      this.track(runId, (execution) => this.claimAndRun(entry, execution));
+      this.track(runId, entry.message.attempt, (execution) => this.claimAndRun(entry, execution));
     }
     this.update();
   }
 
-  private track(runId: string, work: (execution: Execution) => Promise<void>): void {
-    const execution: Execution = { runId, attempt: 0, controller: new AbortController() };
+  private track(runId: string, announced: number, work: (execution: Execution) => Promise<void>): void {
+    const execution: Execution = { runId, announced, attempt: 0, controller: new AbortController() };
     this.executing.set(runId, execution);
     execution.done = work(execution)
       .catch((err: unknown) => this.options.logger.error({ err: toError(err), run: runId }, 'run failed'))
@@ -265,7 +276,7 @@ export class RunQueue {
       const explained = entry.early && miss.dueInMs <= claimLeadMs + skewToleranceMs;
       if (!explained) void this.options.clock.sync(pool).catch(() => undefined);
       const dueAt = new Date(this.options.clock.now() + miss.dueInMs);
-      execution.rehold = { message: { ...message, notBefore: dueAt }, retries: entry.retries + 1 };
+      execution.rehold ??= { message: { ...message, notBefore: dueAt }, retries: entry.retries + 1 };
       return;
     }
     metrics.runClaims.inc({ source: 'kafka', result: 'missed' });
@@ -288,7 +299,7 @@ export class RunQueue {
     metrics.runClaims.inc({ source: 'kafka', result: 'waiting' });
     if (message.attempt > 1 && entry.retries < MAX_REHOLDS) {
       const dueAt = new Date(this.options.clock.now() + FORBID_WAIT_MS * 2 ** entry.retries);
-      execution.rehold = { message: { ...message, notBefore: dueAt }, retries: entry.retries + 1 };
+      execution.rehold ??= { message: { ...message, notBefore: dueAt }, retries: entry.retries + 1 };
     }
   }
 

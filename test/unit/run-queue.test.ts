@@ -1,0 +1,75 @@
+import assert from 'node:assert/strict';
+import { setTimeout as sleep } from 'node:timers/promises';
+import { test } from 'node:test';
+import type pg from 'pg';
+import { DbClock } from '../../src/execution/db-clock.js';
+import { RunQueue } from '../../src/execution/run-queue.js';
+import type { RunMessage } from '../../src/execution/run-message.js';
+import { silentLogger } from '../../src/observability/logger.js';
+import { createMetrics } from '../../src/observability/metrics.js';
+import type { ClaimedRun, ClaimRequest } from '../../src/store/runs.js';
+
+// The queue's timing logic alone: claims and executions are fakes (the claim itself is tested
+// against PostgreSQL in test/integration/execution-claims.test.ts).
+
+const RUN_ID = '00000000-0000-4000-8000-000000000001';
+
+function message(attempt: number): RunMessage {
+  return { runId: RUN_ID, jobId: RUN_ID, attempt, scheduledFor: new Date(), notBefore: new Date() };
+}
+
+function claimed(attempt: number): ClaimedRun {
+  return {
+    id: RUN_ID,
+    jobId: RUN_ID,
+    attempt,
+    maxAttempts: 3,
+    scheduledFor: new Date(),
+    target: { url: 'http://127.0.0.1:9/' },
+    timeoutMs: 1000,
+    backoffMs: 0,
+    backoffMultiplier: 2,
+    concurrency: 'allow',
+    notBefore: new Date(),
+    claimExpiresAt: new Date(Date.now() + 10_000),
+  };
+}
+
+test('a retry announced while its previous attempt is still executing is claimed once that attempt ends', async () => {
+  const claims: ClaimRequest[] = [];
+  let finishFirst!: () => void;
+  const executed: number[] = [];
+  const queue = new RunQueue({
+    pool: {} as pg.Pool,
+    claim: async (request) => {
+      claims.push(request);
+      return claimed(request.expectedAttempt ?? 1);
+    },
+    skewToleranceMs: 10,
+    claimLeadMs: 0,
+    concurrency: 4,
+    prefetch: 100,
+    clock: new DbClock(),
+    run: async (run) => {
+      executed.push(run.attempt);
+      // The first attempt settles (and, in real life, announces the retry) before it returns.
+      if (run.attempt === 1) await new Promise<void>((resolve) => (finishFirst = resolve));
+    },
+    onBackpressure: () => undefined,
+    logger: silentLogger,
+    metrics: createMetrics('test'),
+  });
+  queue.hold(message(1));
+  await sleep(20);
+  assert.deepEqual(executed, [1]);
+  queue.hold(message(2)); // arrives while attempt 1 is still executing
+  queue.hold(message(1)); // a re-delivered old announcement changes nothing
+  finishFirst();
+  await sleep(50);
+  assert.deepEqual(
+    claims.map((c) => c.expectedAttempt),
+    [1, 2],
+  );
+  assert.deepEqual(executed, [1, 2]);
+  await queue.drain(100, new Error('test over'));
+});
