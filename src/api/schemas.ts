@@ -119,6 +119,12 @@ export const Job = Type.Object(
     maxCatchUp: Type.Integer(),
     enabled: Type.Boolean(),
     nextRunAt: Nullable(DateTime),
+    scheduleError: Nullable(
+      Type.String({
+        description:
+          'Why the scheduler stopped planning this job (its schedule could not be evaluated); an edit of the schedule or a resume clears it',
+      }),
+    ),
     createdAt: DateTime,
     updatedAt: DateTime,
   },

@@ -35,6 +35,7 @@ export function jobView(job: JobRecord, sensitive: ReadonlySet<string>): Job {
     maxCatchUp: job.maxCatchUp,
     enabled: job.enabled,
     nextRunAt: isoOrNull(job.nextRunAt),
+    scheduleError: job.scheduleError,
     createdAt: iso(job.createdAt),
     updatedAt: iso(job.updatedAt),
   };

@@ -20,3 +20,16 @@ export function kafkaErrorType(err: unknown): string | undefined {
 export function isRetriableKafkaError(err: unknown): boolean {
   return typeof err === 'object' && err !== null && (err as { retriable?: unknown }).retriable === true;
 }
+
+/**
+ * True when the broker refused these messages for good (a protocol error it marks not retriable,
+ * such as MESSAGE_TOO_LARGE or INVALID_RECORD) rather than being unreachable or slow: trying the
+ * same messages again cannot help, but other messages may well go through.
+ */
+export function isBrokerRefusal(err: unknown): boolean {
+  for (let cause: unknown = err, depth = 0; cause && depth < 5; depth++) {
+    if (kafkaErrorType(cause) !== undefined && !isRetriableKafkaError(cause)) return true;
+    cause = (cause as { cause?: unknown }).cause;
+  }
+  return false;
+}

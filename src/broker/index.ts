@@ -3,4 +3,4 @@ export { ensureTopics, deleteTopics, type TopicSpec, type TopicState } from './t
 export { RunPublisher, type RunPublisherOptions } from './publisher.js';
 export { RunConsumer, type RunConsumerOptions, type MessageHandler } from './consumer.js';
 export type { OutgoingMessage, ConsumedMessage, PublishReceipt } from './messages.js';
-export { PublishError } from './errors.js';
+export { isBrokerRefusal, PublishError } from './errors.js';

@@ -56,7 +56,13 @@ export async function resumeJob(db: Database, ref: JobRef): Promise<JobRecord | 
   return inTransaction(db, async (client) => {
     const current = await findJob(client, ref, true);
     if (!current || current.enabled) return current;
-    const nextRunAt = parseCron(current.schedule, current.timezone).next(await databaseClock(client));
+    const now = await databaseClock(client);
+    let nextRunAt: Date | null = null;
+    try {
+      nextRunAt = parseCron(current.schedule, current.timezone).next(now);
+    } catch {
+      // A schedule the dispatcher parked stays parked (scheduleError says why) until it is edited.
+    }
     return updateJob(client, current.id, { ...current, enabled: true, nextRunAt });
   });
 }

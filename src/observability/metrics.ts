@@ -69,6 +69,11 @@ export function createMetrics(nodeId: string) {
       labelNames: ['source', 'result'],
       registers: [registry],
     }),
+    jobsParked: new Counter({
+      name: 'helios_jobs_parked_total',
+      help: 'Jobs the dispatcher parked (no next run) because their schedule could not be evaluated',
+      registers: [registry],
+    }),
     settleRetries: new Counter({
       name: 'helios_settle_retries_total',
       help: 'Writes of an attempt outcome (completion, retry, dead letter) retried after a failure while the claim held',

@@ -2,6 +2,7 @@ import type pg from 'pg';
 import type { Logger } from '../observability/logger.js';
 import type { Metrics } from '../observability/metrics.js';
 import type { Notifications } from '../store/notifications.js';
+import { isBrokerRefusal } from '../broker/index.js';
 import { toError } from '../errors.js';
 import {
   markPublished,
@@ -34,11 +35,15 @@ export interface OutboxRelayOptions {
 }
 
 const MAX_SLEEP_MS = 1000;
+/** Rows of a failed batch that fail one by one, none going out, before the relay calls it an outage. */
+const ISOLATION_GIVES_UP_AFTER = 2;
 
 /**
  * Publishes due outbox rows to Kafka, then marks them published. A crash between the two
  * re-publishes the batch: consumers dedupe by claiming the run in PostgreSQL. Rows are never
- * skipped: a failed batch stays pending and is retried with backoff.
+ * skipped: a failed batch stays pending and is retried with backoff; a row that fails on its own
+ * while the rest of its batch publishes is put off with a growing back-off (its run still
+ * executes: the workers' polling fallback claims it once overdue).
  */
 export class OutboxRelay {
   constructor(private readonly options: OutboxRelayOptions) {}
@@ -73,9 +78,15 @@ export class OutboxRelay {
         await notifications.wait('helios_outbox', sleepMs, signal);
       } catch (err) {
         if (signal.aborted) return;
-        failures += 1;
         metrics.outboxPublishFailures.inc();
         const error = toError(err);
+        // One row the broker refuses (too large, say) must not hold back every row behind it.
+        // Only a refusal is isolated: in an outage each single publish would wait for its timeout.
+        if (isBrokerRefusal(error) && (await this.isolate(rows).catch(() => false))) {
+          failures = 0;
+          continue;
+        }
+        failures += 1;
         logger.warn({ err: error, rows: rows.length, failures }, 'outbox publish failed; retrying');
         if (rows.length > 0) {
           await markPublishFailed(
@@ -87,6 +98,38 @@ export class OutboxRelay {
         await notifications.wait('helios_outbox', Math.min(5000, 100 * 2 ** failures), signal);
       }
     }
+  }
+
+  /**
+   * After a failed batch: publishes its rows one at a time, marks those that went out, and puts
+   * off those that failed on their own. Returns false, having changed nothing, when the first rows
+   * all fail too: then the broker is away, not a row, and the whole batch waits for it.
+   */
+  private async isolate(rows: OutboxRow[]): Promise<boolean> {
+    const { pool, logger, metrics } = this.options;
+    const published: string[] = [];
+    const refused: { row: OutboxRow; error: Error }[] = [];
+    for (const row of rows) {
+      if (published.length === 0 && refused.length >= ISOLATION_GIVES_UP_AFTER) return false;
+      try {
+        await this.publish([row]);
+        published.push(row.id);
+      } catch (err) {
+        refused.push({ row, error: toError(err) });
+      }
+    }
+    // A batch of one that the broker refused is that row's own fault too.
+    if (published.length === 0 && rows.length > 1) return false;
+    if (published.length > 0) await markPublished(pool, published);
+    metrics.outboxPublished.inc(published.length);
+    for (const { row, error } of refused) {
+      logger.error(
+        { err: error, outboxId: row.id, topic: row.topic, key: row.key },
+        'outbox row refused by the broker; putting it off',
+      );
+      await markPublishFailed(pool, [row.id], error.message, true);
+    }
+    return true;
   }
 
   private async publish(rows: OutboxRow[]): Promise<void> {

@@ -5,7 +5,7 @@ import type { Metrics } from '../observability/metrics.js';
 import type { Notifications } from '../store/notifications.js';
 import { NotLeaderError, StaleFencingTokenError, toError } from '../errors.js';
 import { inFencedTransaction } from '../store/fence.js';
-import { advanceJobs, createRuns, msUntilNextDue, selectDueJobs } from '../store/dispatch.js';
+import { advanceJobs, createRuns, msUntilNextDue, parkJobs, selectDueJobs } from '../store/dispatch.js';
 import { parseCron, type CronSchedule } from './cron.js';
 import { planOccurrences, type OccurrencePlan } from './occurrences.js';
 
@@ -83,10 +83,11 @@ export class Dispatcher {
     const stopTimer = metrics.dispatchDuration.startTimer();
     const result = await inFencedTransaction(pool, leadership, async (client) => {
       const { now, jobs } = await selectDueJobs(client, lookaheadMs, batchSize);
-      if (jobs.length === 0) return { jobs: 0, created: 0 };
+      if (jobs.length === 0) return { jobs: 0, created: 0, parked: 0 };
       const horizon = new Date(now.getTime() + lookaheadMs);
       const occurrences: { jobId: string; scheduledFor: Date }[] = [];
       const advances: { id: string; nextRunAt: Date | null }[] = [];
+      const parked: { id: string; error: string }[] = [];
       // Jobs sharing a schedule and a due instant (a herd) share one plan: the cron maths is the
       // leader's main CPU cost inside the transaction, which holds row locks while it runs.
       const plans = new Map<string, OccurrencePlan>();
@@ -100,12 +101,11 @@ export class Dispatcher {
             plans.set(key, plan);
           }
         } catch (err) {
-          // A schedule that cannot be evaluated must not block every other job: park this one.
-          this.options.logger.error(
-            { err: toError(err), job: job.id },
-            'cannot evaluate schedule; job parked',
-          );
-          advances.push({ id: job.id, nextRunAt: null });
+          // A schedule that cannot be evaluated must not block every other job: park this one,
+          // with the reason on the job, where the API shows it (an edit or a resume unparks it).
+          const error = toError(err);
+          this.options.logger.error({ err: error, job: job.id }, 'cannot evaluate schedule; job parked');
+          parked.push({ id: job.id, error: error.message });
           continue;
         }
         for (const at of plan.fire) occurrences.push({ jobId: job.id, scheduledFor: at });
@@ -116,10 +116,12 @@ export class Dispatcher {
       }
       const created = await createRuns(client, occurrences, leadership.token, runsTopic);
       await advanceJobs(client, advances);
-      return { jobs: jobs.length, created };
+      await parkJobs(client, parked);
+      return { jobs: jobs.length, created, parked: parked.length };
     });
     stopTimer();
     if (result.created > 0) metrics.runsCreated.inc({ state: 'queued' }, result.created);
+    if (result.parked > 0) metrics.jobsParked.inc(result.parked);
     return { jobs: result.jobs, full: result.jobs === batchSize };
   }
 

@@ -99,6 +99,21 @@ export async function advanceJobs(db: Queryable, updates: { id: string; nextRunA
   await db.query(ADVANCE_JOBS, [updates.map((u) => u.id), updates.map((u) => u.nextRunAt)]);
 }
 
+/** Parks jobs whose schedule cannot be evaluated. $1 = job ids, $2 = errors (parallel). */
+const PARK_JOBS = `
+  UPDATE jobs SET next_run_at = NULL, schedule_error = left(u.error, 1000)
+  FROM unnest($1::uuid[], $2::text[]) AS u (id, error)
+  WHERE jobs.id = u.id`;
+
+/**
+ * Parks jobs whose schedule cannot be evaluated: no next run, and the reason recorded on the job
+ * (`schedule_error`, shown by the API) until an edit or a resume gives it a next run again.
+ */
+export async function parkJobs(db: Queryable, parked: { id: string; error: string }[]) {
+  if (parked.length === 0) return;
+  await db.query(PARK_JOBS, [parked.map((p) => p.id), parked.map((p) => p.error)]);
+}
+
 /** Milliseconds until the earliest enabled job is due (by the database clock); null if none. */
 const NEXT_DUE = `
   SELECT (extract(epoch FROM min(next_run_at) - now()) * 1000)::float8 AS "inMs"

@@ -32,6 +32,8 @@ export interface JobFields {
 
 export interface JobRecord extends JobFields {
   readonly id: string;
+  /** Why the dispatcher parked the job (its schedule could not be evaluated); null otherwise. */
+  readonly scheduleError: string | null;
   readonly createdAt: Date;
   readonly updatedAt: Date;
   /** `created_at` as PostgreSQL text, with microseconds (a Date would lose them), for cursors. */
@@ -50,7 +52,7 @@ const COLUMNS = `
   id, name, schedule, timezone, target, timeout_ms AS "timeoutMs", max_attempts AS "maxAttempts",
   backoff_ms AS "backoffMs", backoff_multiplier AS "backoffMultiplier", concurrency, misfire,
   max_catch_up AS "maxCatchUp", enabled, next_run_at AS "nextRunAt", created_at AS "createdAt",
-  updated_at AS "updatedAt", created_at::text AS "cursorTs"`;
+  updated_at AS "updatedAt", created_at::text AS "cursorTs", schedule_error AS "scheduleError"`;
 
 function values(job: JobFields): unknown[] {
   return [
@@ -92,11 +94,15 @@ export async function insertJob(db: Queryable, job: JobFields): Promise<JobRecor
   }
 }
 
-/** Replaces every field of job $1. $2..$14 = the fields in JobFields order. */
+/**
+ * Replaces every field of job $1. $2..$14 = the fields in JobFields order. A next run ($14 not
+ * NULL) unparks a job the dispatcher had parked.
+ */
 const UPDATE = `
   UPDATE jobs SET name = $2, schedule = $3, timezone = $4, target = $5::jsonb, timeout_ms = $6,
     max_attempts = $7, backoff_ms = $8, backoff_multiplier = $9, concurrency = $10, misfire = $11,
-    max_catch_up = $12, enabled = $13, next_run_at = $14, updated_at = now()
+    max_catch_up = $12, enabled = $13, next_run_at = $14, updated_at = now(),
+    schedule_error = CASE WHEN $14::timestamptz IS NULL THEN schedule_error END
   WHERE id = $1
   RETURNING ${COLUMNS}`;
 
