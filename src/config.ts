@@ -108,6 +108,15 @@ export interface HeliosConfig {
   readonly apiBodyLimit: number;
   /** HELIOS_LOG_LEVEL: pino level; default info. */
   readonly logLevel: string;
+  /** Retention of history, applied by the leader's pruner. */
+  readonly retention: {
+    /** HELIOS_RUN_RETENTION: finished runs (with attempts and resolved dead letters) older than this are deleted; default 30d. */
+    readonly runsMs: number;
+    /** HELIOS_RUN_KEEP_PER_JOB: the newest runs of each job kept whatever their age; default 100. */
+    readonly keepPerJob: number;
+    /** HELIOS_OUTBOX_RETENTION: published outbox rows are deleted after this; default 10m. */
+    readonly outboxMs: number;
+  };
 }
 
 type Env = Record<string, string | undefined>;
@@ -126,6 +135,21 @@ function int(env: Env, name: string, fallback: number, min: number, max: number)
   const value = Number(raw);
   if (value < min || value > max)
     throw new ConfigError(name, `must be between ${min} and ${max}, got ${value}`);
+  return value;
+}
+
+const DURATION_UNITS: Record<string, number> = { ms: 1, s: 1000, m: 60_000, h: 3_600_000, d: 86_400_000 };
+
+/** A duration: milliseconds, or a number with a unit (`500ms`, `90s`, `15m`, `12h`, `30d`). */
+function duration(env: Env, name: string, fallbackMs: number, minMs: number, maxMs: number): number {
+  const raw = env[name]?.trim();
+  if (!raw) return fallbackMs;
+  const match = /^(\d+)(ms|s|m|h|d)?$/.exec(raw);
+  if (!match)
+    throw new ConfigError(name, `must be a duration like 30d, 12h, 15m, 90s or milliseconds, got "${raw}"`);
+  const value = Number(match[1]) * DURATION_UNITS[match[2] ?? 'ms']!;
+  if (value < minMs || value > maxMs)
+    throw new ConfigError(name, `must be between ${minMs} ms and ${maxMs} ms, got ${value} ms`);
   return value;
 }
 
@@ -309,6 +333,11 @@ export function loadConfig(env: Env = process.env): HeliosConfig {
     sensitiveHeaders: parseSensitiveHeaders(env),
     apiBodyLimit: int(env, 'HELIOS_API_BODY_LIMIT', 256 * 1024, 1024, 64 * 1024 * 1024),
     logLevel,
+    retention: Object.freeze({
+      runsMs: duration(env, 'HELIOS_RUN_RETENTION', 30 * 86_400_000, 1000, 3650 * 86_400_000),
+      keepPerJob: int(env, 'HELIOS_RUN_KEEP_PER_JOB', 100, 0, 1_000_000),
+      outboxMs: duration(env, 'HELIOS_OUTBOX_RETENTION', 600_000, 0, 30 * 86_400_000),
+    }),
   };
   return Object.freeze(config);
 }

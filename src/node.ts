@@ -18,6 +18,7 @@ import { Dispatcher } from './scheduling/dispatcher.js';
 import { OutboxRelay } from './outbox/relay.js';
 import { Worker } from './execution/worker.js';
 import { Reaper } from './execution/reaper.js';
+import { Pruner } from './retention/pruner.js';
 import { buildApiServer } from './api/server.js';
 import { registerApi } from './api/v1.js';
 
@@ -288,6 +289,16 @@ export class HeliosNode {
       onFenced: () => this.election?.stepDown('fenced', config.leaseTtlMs),
     });
     track('reaper', reaper.run());
+    const pruner = new Pruner({
+      pool: this.pool!,
+      signal: leadership.signal,
+      runRetentionMs: config.retention.runsMs,
+      keepPerJob: config.retention.keepPerJob,
+      outboxRetentionMs: config.retention.outboxMs,
+      logger: logger.child({ part: 'pruner' }),
+      metrics,
+    });
+    track('pruner', pruner.run());
   }
 
   /** Graceful stop within `config.shutdownTimeoutMs` per part. Safe to call twice. */

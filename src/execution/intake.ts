@@ -3,6 +3,7 @@ import { RunConsumer, type BrokerClient, type ConsumedMessage } from '../broker/
 import { LifecycleError, toError } from '../errors.js';
 import type { Logger } from '../observability/logger.js';
 import { InvalidRunMessageError, parseRunMessage, type RunMessage } from './run-message.js';
+import { loopBackoffMs } from '../loop-backoff.js';
 
 /** Options of {@link KafkaIntake}. */
 export interface KafkaIntakeOptions {
@@ -107,7 +108,7 @@ export class KafkaIntake {
       if (signal.aborted) break;
       failures += 1;
       // The polling fallback keeps runs executing meanwhile, so a patient back-off costs little.
-      await sleep(Math.min(MAX_RESTART_DELAY_MS, 250 * 2 ** failures), undefined, { signal }).catch(
+      await sleep(loopBackoffMs(failures, MAX_RESTART_DELAY_MS, 250), undefined, { signal }).catch(
         () => undefined,
       );
     }

@@ -7,6 +7,7 @@ import { inTransaction } from '../store/db.js';
 import { claimOverdueRuns } from '../store/overdue.js';
 import type { ClaimedRun, ClaimOptions } from '../store/runs.js';
 import type { DbClock } from './db-clock.js';
+import { loopBackoffMs } from '../loop-backoff.js';
 
 /** Options of {@link pollOverdue}. */
 export interface PollerOptions {
@@ -70,7 +71,7 @@ export async function pollOverdue(options: PollerOptions): Promise<void> {
       failures += 1;
       logger.warn({ err: toError(err), failures }, 'overdue poll failed; retrying');
     }
-    const wait = failures === 0 ? options.intervalMs : Math.min(10_000, options.intervalMs * 2 ** failures);
+    const wait = failures === 0 ? options.intervalMs : loopBackoffMs(failures, 10_000, options.intervalMs);
     await sleep(wait, undefined, { signal }).catch(() => undefined);
   }
 }

@@ -13,6 +13,7 @@ import {
 } from '../store/attempts.js';
 import { inFencedTransaction } from '../store/fence.js';
 import { retryDelayMs } from './backoff.js';
+import { loopBackoffMs } from '../loop-backoff.js';
 
 /**
  * Expired claims of one run re-queued without using up an attempt (see forgiveExpiredClaim);
@@ -73,7 +74,7 @@ export class Reaper {
         if (err instanceof NotLeaderError || signal.aborted) return;
         failures += 1;
         logger.warn({ err: toError(err), failures }, 'reaper pass failed; retrying');
-        await sleep(Math.min(5000, 100 * 2 ** failures), undefined, { signal }).catch(() => undefined);
+        await sleep(loopBackoffMs(failures, 5000), undefined, { signal }).catch(() => undefined);
       }
     }
   }

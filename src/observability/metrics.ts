@@ -69,6 +69,12 @@ export function createMetrics(nodeId: string) {
       labelNames: ['source', 'result'],
       registers: [registry],
     }),
+    pruned: new Counter({
+      name: 'helios_pruned_rows_total',
+      help: 'Rows deleted by retention: table runs (with their attempts and dead letters) or outbox',
+      labelNames: ['table'],
+      registers: [registry],
+    }),
     jobsParked: new Counter({
       name: 'helios_jobs_parked_total',
       help: 'Jobs the dispatcher parked (no next run) because their schedule could not be evaluated',

@@ -8,10 +8,10 @@ import {
   markPublished,
   markPublishFailed,
   msUntilNextOutboxRow,
-  purgePublished,
   selectDueOutbox,
   type OutboxRow,
 } from '../store/outbox.js';
+import { loopBackoffMs } from '../loop-backoff.js';
 
 /** What the relay needs from the broker (structurally satisfied by broker/RunPublisher). */
 export interface MessagePublisher {
@@ -26,8 +26,6 @@ export interface OutboxRelayOptions {
   readonly signal: AbortSignal;
   /** Rows per publish; default 1000. */
   readonly batchSize?: number;
-  /** Published rows are deleted after this long; default 10 minutes. */
-  readonly retainPublishedMs?: number;
   readonly logger: Logger;
   readonly metrics: Metrics;
   /** Fault injection for tests: awaited after rows were read and before they are published. */
@@ -53,7 +51,6 @@ export class OutboxRelay {
     const { signal, notifications, logger, metrics, pool } = this.options;
     const batchSize = this.options.batchSize ?? 1000;
     let failures = 0;
-    let lastPurge = 0;
     while (!signal.aborted) {
       let rows: OutboxRow[] = [];
       try {
@@ -68,10 +65,6 @@ export class OutboxRelay {
           metrics.outboxPublished.inc(rows.length);
           failures = 0;
           if (rows.length === batchSize) continue;
-        }
-        if (Date.now() - lastPurge > 30_000) {
-          lastPurge = Date.now();
-          await purgePublished(pool, this.options.retainPublishedMs ?? 600_000, 10_000);
         }
         const untilDue = await msUntilNextOutboxRow(pool);
         const sleepMs = untilDue === null ? MAX_SLEEP_MS : Math.min(MAX_SLEEP_MS, Math.max(untilDue, 5));
@@ -95,7 +88,7 @@ export class OutboxRelay {
             error.message,
           ).catch(() => undefined);
         }
-        await notifications.wait('helios_outbox', Math.min(5000, 100 * 2 ** failures), signal);
+        await notifications.wait('helios_outbox', loopBackoffMs(failures, 5000), signal);
       }
     }
   }

@@ -8,6 +8,7 @@ import { inFencedTransaction } from '../store/fence.js';
 import { advanceJobs, createRuns, msUntilNextDue, parkJobs, selectDueJobs } from '../store/dispatch.js';
 import { parseCron, type CronSchedule } from './cron.js';
 import { planOccurrences, type OccurrencePlan } from './occurrences.js';
+import { loopBackoffMs } from '../loop-backoff.js';
 
 export interface DispatcherOptions {
   readonly pool: pg.Pool;
@@ -70,7 +71,7 @@ export class Dispatcher {
         if (err instanceof NotLeaderError || signal.aborted) return;
         failures += 1;
         logger.warn({ err: toError(err), failures }, 'dispatch pass failed; retrying');
-        await notifications.wait('helios_jobs', Math.min(2000, 100 * 2 ** failures), signal);
+        await notifications.wait('helios_jobs', loopBackoffMs(failures, 2000), signal);
       }
     }
   }

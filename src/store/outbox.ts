@@ -57,16 +57,6 @@ export async function msUntilNextOutboxRow(db: Queryable): Promise<number | null
   return rows[0]?.inMs ?? null;
 }
 
-/** Deletes rows published more than $1 ms ago, at most $2 of them. */
-const PURGE = `
-  DELETE FROM outbox WHERE id IN (
-    SELECT id FROM outbox WHERE published_at < now() - $1 * interval '1 millisecond' LIMIT $2)`;
-
-export async function purgePublished(db: Queryable, olderThanMs: number, limit: number): Promise<number> {
-  const { rowCount } = await db.query(PURGE, [olderThanMs, limit]);
-  return rowCount ?? 0;
-}
-
 /** Rows not yet published (for the cluster view). */
 export async function countPendingOutbox(db: Queryable): Promise<number> {
   const { rows } = await db.query<{ n: number }>(

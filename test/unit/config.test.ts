@@ -85,3 +85,26 @@ test('a bad API token entry is reported by position, never by value', () => {
   );
   failsOn({ HELIOS_API_TOKENS: 'short:admin' }, 'HELIOS_API_TOKENS', /16 characters/);
 });
+
+test('retention settings take durations with units and reject anything else by name', () => {
+  const base = {
+    HELIOS_DATABASE_URL: 'postgres://u@127.0.0.1/db',
+    HELIOS_ETCD_ENDPOINTS: 'http://127.0.0.1:2379',
+    HELIOS_KAFKA_BROKERS: '127.0.0.1:9092',
+  };
+  assert.deepEqual(loadConfig(base).retention, {
+    runsMs: 30 * 86_400_000,
+    keepPerJob: 100,
+    outboxMs: 600_000,
+  });
+  const set = loadConfig({
+    ...base,
+    HELIOS_RUN_RETENTION: '2m',
+    HELIOS_OUTBOX_RETENTION: '90s',
+    HELIOS_RUN_KEEP_PER_JOB: '5',
+  });
+  assert.deepEqual(set.retention, { runsMs: 120_000, keepPerJob: 5, outboxMs: 90_000 });
+  assert.equal(loadConfig({ ...base, HELIOS_RUN_RETENTION: '1500' }).retention.runsMs, 1500);
+  assert.throws(() => loadConfig({ ...base, HELIOS_RUN_RETENTION: '30 days' }), /HELIOS_RUN_RETENTION/);
+  assert.throws(() => loadConfig({ ...base, HELIOS_RUN_RETENTION: '0' }), /HELIOS_RUN_RETENTION/);
+});

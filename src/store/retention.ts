@@ -1,0 +1,69 @@
+import type { Queryable } from './db.js';
+
+// Pruning history: finished runs (their attempts and dead letters cascade) and published outbox
+// rows. Each statement deletes a bounded batch and locks only the rows it deletes, so pruning
+// never holds long locks next to the dispatcher, the workers or the relay.
+
+/**
+ * Deletes finished runs of up to $4 jobs (ids after $3, in id order; NULL = from the start) that
+ * are older than the cutoff $1 and not among their job's newest $2 runs, at most $5 per job. A
+ * dead run whose dead letter is still open is kept: the operator has not dealt with it. Uses the
+ * (job_id, scheduled_for) unique index per job, so no extra index on `runs` is needed.
+ * Returns the last job id of the batch (the next cursor) and how many runs went.
+ */
+const PRUNE_RUNS = `
+  WITH batch AS (
+    SELECT id FROM jobs WHERE $3::uuid IS NULL OR id > $3::uuid ORDER BY id LIMIT $4
+  ), bounds AS (
+    SELECT b.id AS job_id, least($1::timestamptz, coalesce((
+      SELECT k.scheduled_for FROM runs k WHERE k.job_id = b.id
+      ORDER BY k.scheduled_for DESC OFFSET $2 LIMIT 1), '-infinity')) AS upto
+    FROM batch b
+  ), doomed AS (
+    SELECT r.id FROM bounds
+    CROSS JOIN LATERAL (
+      SELECT r.id FROM runs r
+      WHERE r.job_id = bounds.job_id AND r.scheduled_for <= bounds.upto
+        AND r.state IN ('succeeded', 'failed', 'dead', 'skipped') AND r.finished_at < $1
+        AND NOT EXISTS (SELECT 1 FROM dead_letters d WHERE d.run_id = r.id AND d.replayed_at IS NULL)
+      ORDER BY r.scheduled_for
+      LIMIT $5
+      FOR UPDATE OF r SKIP LOCKED
+    ) r
+  ), deleted AS (
+    DELETE FROM runs WHERE id IN (SELECT id FROM doomed) RETURNING 1
+  )
+  SELECT (SELECT max(id::text) FROM batch) AS "lastJob", (SELECT count(*)::int FROM deleted) AS pruned`;
+
+export async function pruneRuns(
+  db: Queryable,
+  options: { cutoff: Date; keepPerJob: number; afterJob: string | null; jobs: number; perJob: number },
+): Promise<{ lastJob: string | null; pruned: number }> {
+  const { rows } = await db.query<{ lastJob: string | null; pruned: number }>(PRUNE_RUNS, [
+    options.cutoff,
+    options.keepPerJob,
+    options.afterJob,
+    options.jobs,
+    options.perJob,
+  ]);
+  return rows[0]!;
+}
+
+/** Deletes at most $2 outbox rows published more than $1 ms ago (outbox_published_idx). */
+const PRUNE_OUTBOX = `
+  DELETE FROM outbox WHERE id IN (
+    SELECT id FROM outbox WHERE published_at < now() - $1 * interval '1 millisecond'
+    ORDER BY published_at LIMIT $2)`;
+
+export async function pruneOutbox(db: Queryable, olderThanMs: number, limit: number): Promise<number> {
+  const { rowCount } = await db.query(PRUNE_OUTBOX, [olderThanMs, limit]);
+  return rowCount ?? 0;
+}
+
+/** The database's now() minus $1 ms: the retention cutoff by the one clock. */
+export async function databaseCutoff(db: Queryable, retentionMs: number): Promise<Date> {
+  const { rows } = await db.query<{ at: Date }>(`SELECT now() - $1 * interval '1 millisecond' AS at`, [
+    retentionMs,
+  ]);
+  return rows[0]!.at;
+}

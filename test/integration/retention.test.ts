@@ -1,0 +1,121 @@
+import assert from 'node:assert/strict';
+import { after, before, test } from 'node:test';
+import { silentLogger } from '../../src/observability/logger.js';
+import { createMetrics } from '../../src/observability/metrics.js';
+import { Pruner } from '../../src/retention/pruner.js';
+import { createTestDatabase, type TestDatabase } from '../support/database.js';
+import { insertJob } from '../support/execution.js';
+
+// Retention against the real database: what goes, what stays.
+
+let db: TestDatabase;
+before(async () => {
+  db = await createTestDatabase();
+});
+after(() => db.drop());
+
+const DAY = 86_400_000;
+
+function pruner(options: { runRetentionMs?: number; keepPerJob?: number; outboxRetentionMs?: number } = {}) {
+  return new Pruner({
+    pool: db.pool,
+    signal: new AbortController().signal,
+    runRetentionMs: options.runRetentionMs ?? 30 * DAY,
+    keepPerJob: options.keepPerJob ?? 3,
+    outboxRetentionMs: options.outboxRetentionMs ?? 600_000,
+    logger: silentLogger,
+    metrics: createMetrics('retention-test'),
+  });
+}
+
+/** `count` finished runs of a job, one a day, the newest `newestDaysAgo` days ago. */
+async function history(jobId: string, count: number, newestDaysAgo: number, state = 'succeeded') {
+  await db.pool.query(
+    `INSERT INTO runs (job_id, scheduled_for, state, attempt, max_attempts, target, timeout_ms, backoff_ms,
+                       backoff_multiplier, not_before, finished_at)
+     SELECT $1, t, $4, 1, 3, '{"url":"http://127.0.0.1:9/"}', 1000, 0, 2, t, t + interval '1 second'
+     FROM (SELECT now() - ($3 + i) * interval '1 day' AS t FROM generate_series(0, $2 - 1) i) s`,
+    [jobId, count, newestDaysAgo, state],
+  );
+  await db.pool.query(
+    `INSERT INTO run_attempts (run_id, attempt, node_id, started_at, outcome)
+     SELECT id, 1, 'n', scheduled_for, 'succeeded' FROM runs WHERE job_id = $1 AND attempt = 1
+     ON CONFLICT DO NOTHING`,
+    [jobId],
+  );
+}
+
+async function runsOfJob(jobId: string) {
+  const { rows } = await db.pool.query<{ n: number; oldest: Date }>(
+    `SELECT count(*)::int AS n, min(scheduled_for) AS oldest FROM runs WHERE job_id = $1`,
+    [jobId],
+  );
+  return rows[0]!;
+}
+
+async function job(name: string): Promise<string> {
+  return insertJob(db.pool, {
+    name,
+    schedule: '0 0 * * *',
+    target: { url: 'http://127.0.0.1:9/' },
+    nextRunAt: new Date(Date.now() + DAY),
+  });
+}
+
+test('finished runs past the retention are pruned with their attempts; the newest N of each job stay', async () => {
+  const busy = await job('busy');
+  await history(busy, 60, 0); // 60 daily runs, 0 to 59 days old: 29 of them (31 days and older) past the retention
+  const quiet = await job('quiet');
+  await history(quiet, 5, 200); // has not fired for 200 days: everything is past the retention
+  const pruned = await pruner().sweepRuns();
+  assert.equal(pruned, 29 + 2, 'past the retention: 29 of busy, and all but the newest 3 of quiet');
+  const b = await runsOfJob(busy);
+  assert.equal(b.n, 31);
+  assert.ok(b.oldest.getTime() > Date.now() - 30 * DAY - 60_000, 'nothing older than the retention is left');
+  const q = await runsOfJob(quiet);
+  assert.equal(q.n, 3, 'a job that has not fired for longer than the retention keeps its last 3 runs');
+  const { rows } = await db.pool.query<{ n: number }>(
+    `SELECT count(*)::int AS n FROM run_attempts a WHERE NOT EXISTS (SELECT 1 FROM runs r WHERE r.id = a.run_id)`,
+  );
+  assert.equal(rows[0]!.n, 0, 'attempts go with their runs');
+  assert.equal(await pruner().sweepRuns(), 0, 'a second sweep finds nothing');
+});
+
+test('unfinished runs and dead runs with an open dead letter are never pruned', async () => {
+  const id = await job('keeps');
+  await history(id, 10, 100, 'dead');
+  await db.pool.query(
+    `INSERT INTO dead_letters (run_id, job_id, attempt, error)
+     SELECT id, job_id, 1, 'x' FROM runs WHERE job_id = $1 ORDER BY scheduled_for LIMIT 4`,
+    [id],
+  );
+  await db.pool.query(
+    `UPDATE dead_letters SET replayed_at = now() WHERE run_id IN (
+       SELECT id FROM runs WHERE job_id = $1 ORDER BY scheduled_for LIMIT 1)`,
+    [id],
+  );
+  await db.pool.query(
+    `UPDATE runs SET state = 'queued' WHERE id IN (
+       SELECT id FROM runs WHERE job_id = $1 ORDER BY scheduled_for DESC OFFSET 5 LIMIT 1)`,
+    [id],
+  );
+  // 10 old runs; keep newest 3; of the other 7: 3 have an open dead letter, 1 is queued: 3 go.
+  assert.equal(await pruner().sweepRuns(), 3);
+  assert.equal((await runsOfJob(id)).n, 7);
+});
+
+test('published outbox rows past their retention are deleted however many there are; pending ones stay', async () => {
+  await db.pool.query(
+    `INSERT INTO outbox (topic, key, payload, published_at)
+     SELECT 't', 'k', '{}', now() - interval '11 minutes' FROM generate_series(1, 25000)`,
+  );
+  await db.pool.query(
+    `INSERT INTO outbox (topic, key, payload, published_at) VALUES ('t', 'recent', '{}', now()), ('t', 'pending', '{}', NULL)`,
+  );
+  assert.equal(await pruner().pruneOutbox(), 25_000, 'more than one batch in one pass');
+  const { rows } = await db.pool.query<{ key: string }>(`SELECT key FROM outbox ORDER BY key`);
+  assert.deepEqual(
+    rows.map((r) => r.key),
+    ['pending', 'recent'],
+  );
+});
