@@ -12,6 +12,8 @@ NODES=3
 BASE_PORT="${HELIOS_CLUSTER_BASE_PORT:-8080}"
 TARGET_PORT="${HELIOS_DEMO_TARGET_PORT:-9099}"
 cd "$ROOT"
+# npm run puts node_modules/.bin first on the PATH: this is the pinned Node.js 24 (devDependency "node").
+echo "[cluster] Node.js $(node --version)"
 
 stopped=0
 stop_started() {

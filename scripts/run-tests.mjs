@@ -12,6 +12,13 @@ function find(dir) {
   });
 }
 
+// `npm test` runs this with the Node.js of the pinned `node` devDependency (npm puts
+// node_modules/.bin first on the PATH), whatever the system's is; say which one.
+console.log(`# Node.js ${process.version}`);
+if (Number(process.versions.node.split('.')[0]) < 24) {
+  console.error('Helios needs Node.js 24: run the tests through npm (npm test), which uses the pinned one');
+  process.exit(1);
+}
 const prefixes = process.argv.slice(2);
 // Unit tests first: they are fast and fail early.
 const files = find('test')

@@ -256,8 +256,15 @@ const MAX_CACHED_ZONES = 1024;
 const zones = new Map<string, Zone>();
 
 /** The cached Zone for a name, or null if unknown; invalid names are not cached (they come from users). */
+/**
+ * IANA zone names (`Europe/Berlin`, `UTC`, `Etc/GMT+1`). Node.js 24's ICU also accepts UTC
+ * offsets such as `+01:00` as a time zone; a fixed offset has no DST and is not a zone of the
+ * IANA database, so we keep refusing it.
+ */
+const ZONE_NAME = /^[A-Za-z][A-Za-z0-9_+-]*(\/[A-Za-z0-9_+-]+)*$/;
+
 function zoneFor(tz: string): Zone | null {
-  if (typeof tz !== 'string' || tz === '') return null;
+  if (typeof tz !== 'string' || !ZONE_NAME.test(tz)) return null;
   let zone = zones.get(tz);
   if (zone === undefined) {
     let format: Intl.DateTimeFormat;

@@ -18,7 +18,8 @@ test('calls made in one turn go in one batch, and each gets its own result', asy
   const { batches, run } = gatedBatches();
   const batcher = new MicroBatcher(run, 100);
   const results = Promise.all([1, 2, 3].map((i) => batcher.add(i)));
-  await sleep(5);
+  // After this turn's setImmediate callbacks (a fixed sleep raced them on a loaded machine).
+  await new Promise((resolve) => setImmediate(resolve));
   assert.deepEqual(
     batches.map((b) => b.items),
     [[1, 2, 3]],
