@@ -234,7 +234,7 @@ test('thousands of random schedules agree with cron-parser outside DST transitio
     // fast-check then stops early (still a pass, a shorter prefix of the same sequence) and the
     // counts printed below say how much was compared. Most of the time is cron-parser's: it walks
     // a sparse schedule hour by hour through Luxon (about 40 ms for six monthly occurrences).
-    { seed: 20_261_201, numRuns: 2000, interruptAfterTimeLimit: 15_000 },
+    { seed: 20_261_201, numRuns: 2000, interruptAfterTimeLimit: 15_000, includeErrorInReport: true },
   );
   const seconds = ((performance.now() - started) / 1000).toFixed(1);
   console.log(
