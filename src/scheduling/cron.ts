@@ -37,9 +37,11 @@ export function isValidTimezone(tz: string): boolean {
 
 /**
  * Parses a 5-field (`minute hour day-of-month month day-of-week`) or 6-field (seconds first) cron
- * expression. Day-of-month and day-of-week combine with OR when both are restricted (Vixie cron).
+ * expression. Day-of-month and day-of-week combine with OR when both are restricted (Vixie cron);
+ * a day field is restricted unless it is exactly `*` or `?`, so `*` + `/2` counts as restricted
+ * (Vixie cron would not). L and `#` are read as croner reads them; W and `+` are refused.
  * @param timezone IANA zone the expression's wall-clock times are read in; default `UTC`.
- * @throws InvalidCronError naming `schedule` or `timezone`.
+ * @throws InvalidCronError naming `schedule` (also for a schedule that never fires) or `timezone`.
  */
 export function parseCron(expression: string, timezone = 'UTC'): CronSchedule {
   const cron = compile(expression);
@@ -73,8 +75,9 @@ function compile(expression: string): Cron {
   const dow = fields.length - 1;
   if (/w/i.test(fields[dom] ?? '')) throw bad("'W' (nearest weekday) is not supported");
   const normalised = fields.map((field, i) => {
-    // Quartz writes '?' for "any" in a day field. croner would substitute the time of parsing,
-    // which differs between nodes, so '?' is accepted only where it can mean '*'.
+    // Quartz writes '?' for "any" in a day field. croner 9 substituted the time of parsing
+    // (different on every node) and croner 11 reads '*' anywhere; Helios keeps accepting it only
+    // where it always meant '*'.
     if (field === '?' && (i === dom || i === dow)) return '*';
     if (field.includes('?')) throw bad("'?' is only allowed as a whole day-of-month or day-of-week field");
     return field;
@@ -87,10 +90,11 @@ function compile(expression: string): Cron {
       mode: '5-or-6-parts',
       // Vixie cron: when both day fields are restricted, a day matching either one fires.
       domAndDow: false,
-      // '5/5' and '/10' (read as 5-59/5 and */10) were accepted before croner 10 made them
-      // opt-in; stored jobs use them, and a schedule that stops parsing gets its job parked.
+      // '5/5' and '/10' (read as 5-59/5 and */10) were accepted before croner made them opt-in;
+      // stored jobs may use them, and a stored schedule that stops parsing gets its job parked.
       sloppyRanges: true,
-      // utcOffset 0 keeps croner on pure UTC arithmetic; its `timezone` option costs ~50x more.
+      // utcOffset 0 keeps croner on pure UTC arithmetic: its `timezone` option costs ~50x more
+      // and has DST rules of its own (interval jobs fire twice in an overlap); ours are below.
       utcOffset: 0,
     });
     first = cron.nextRun(NEVER_FIRES_FROM);
@@ -100,8 +104,9 @@ function compile(expression: string): Cron {
   }
   // A job that can never run (31 April, 30 February) is a mistake worth a 400, not a silent null.
   // Without a year field a schedule repeats with the 400-year Gregorian cycle, so one occurrence
-  // within 400 years of any instant means it fires forever. croner stops its own walk after
-  // about 400 years and returns null; the horizon bounds the search whatever croner does.
+  // within 400 years of any instant means it fires forever. croner's walk (a loop in croner 11;
+  // croner 9 recursed) gives up after about 400 years with null, in a few ms; the horizon keeps
+  // the rule ours should croner ever search further.
   if (first === null || first.getTime() - NEVER_FIRES_FROM.getTime() > GREGORIAN_CYCLE_MS) {
     throw bad('it never fires');
   }
