@@ -38,7 +38,7 @@ export function isValidTimezone(tz: string): boolean {
 /**
  * Parses a 5-field (`minute hour day-of-month month day-of-week`) or 6-field (seconds first) cron
  * expression. Day-of-month and day-of-week combine with OR when both are restricted (Vixie cron);
- * a day field is restricted unless it is exactly `*` or `?`, so `*` + `/2` counts as restricted
+ * a day field is restricted unless it is exactly `*` or `?`, so a step over `*` is restricted
  * (Vixie cron would not). L and `#` are read as croner reads them; W and `+` are refused.
  * @param timezone IANA zone the expression's wall-clock times are read in; default `UTC`.
  * @throws InvalidCronError naming `schedule` (also for a schedule that never fires) or `timezone`.
