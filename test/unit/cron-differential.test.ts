@@ -240,7 +240,7 @@ test('thousands of random schedules agree with cron-parser outside DST transitio
   console.log(
     `differential: ${cases} cases, ${compared} occurrences compared, ${neverFire} never fire, ${cut} cut at a DST transition, ${seconds} s`,
   );
-  // A floor against a vacuous run; 2,000 cases run when the machine is not shared (CPU ~10 s).
+  // A floor against a vacuous run: on a 2-core machine shared by many processes, 600 to 1,100 ran.
   assert.ok(cases >= 300, `only ${cases} cases ran before the time limit`);
   // The DST cut and the never-firing cases must not hollow the comparison out.
   assert.ok(compared >= cases * OCCURRENCES * 0.9, `only ${compared} occurrences compared`);
