@@ -37,9 +37,11 @@ export function isValidTimezone(tz: string): boolean {
 
 /**
  * Parses a 5-field (`minute hour day-of-month month day-of-week`) or 6-field (seconds first) cron
- * expression. Day-of-month and day-of-week combine with OR when both are restricted (Vixie cron).
+ * expression. Day-of-month and day-of-week combine with OR when both are restricted (Vixie cron);
+ * a day field is restricted unless it is exactly `*` or `?`, so a step over `*` is restricted
+ * (Vixie cron would not). L and `#` are read as croner reads them; W and `+` are refused.
  * @param timezone IANA zone the expression's wall-clock times are read in; default `UTC`.
- * @throws InvalidCronError naming `schedule` or `timezone`.
+ * @throws InvalidCronError naming `schedule` (also for a schedule that never fires) or `timezone`.
  */
 export function parseCron(expression: string, timezone = 'UTC'): CronSchedule {
   const cron = compile(expression);
@@ -65,26 +67,56 @@ function compile(expression: string): Cron {
   }
   // croner treats any string with ':' as a one-off ISO date instead of a pattern.
   if (trimmed.includes(':')) throw bad("':' is not allowed");
+  // croner 11 reads two extensions croner 9 rejected: '+' (day fields combined with AND) and 'W'
+  // (nearest weekday, day-of-month only; in day-of-week a W can only be part of WED). Both stay
+  // rejected so that the upgrade changed no schedule's meaning and the day fields stay OR.
+  if (trimmed.includes('+')) throw bad("'+' is not allowed");
   const dom = fields.length - 3;
   const dow = fields.length - 1;
+  if (/w/i.test(fields[dom] ?? '')) throw bad("'W' (nearest weekday) is not supported");
   const normalised = fields.map((field, i) => {
-    // Quartz writes '?' for "any" in a day field. croner would substitute the time of parsing,
-    // which differs between nodes, so '?' is accepted only where it can mean '*'.
+    // Quartz writes '?' for "any" in a day field. croner 9 substituted the time of parsing
+    // (different on every node) and croner 11 reads '*' anywhere; Helios keeps accepting it only
+    // where it always meant '*'.
     if (field === '?' && (i === dom || i === dow)) return '*';
     if (field.includes('?')) throw bad("'?' is only allowed as a whole day-of-month or day-of-week field");
     return field;
   });
   let cron: Cron;
+  let first: Date | null;
   try {
-    // utcOffset 0 keeps croner on pure UTC arithmetic; its `timezone` option costs ~50x more.
-    cron = new Cron(normalised.join(' '), { paused: true, legacyMode: true, utcOffset: 0 });
+    cron = new Cron(normalised.join(' '), {
+      paused: true,
+      mode: '5-or-6-parts',
+      // Vixie cron: when both day fields are restricted, a day matching either one fires.
+      domAndDow: false,
+      // '5/5' and '/10' (read as 5-59/5 and */10) were accepted before croner made them opt-in;
+      // stored jobs may use them, and a stored schedule that stops parsing gets its job parked.
+      sloppyRanges: true,
+      // utcOffset 0 keeps croner on pure UTC arithmetic: its `timezone` option costs ~50x more
+      // and has DST rules of its own (interval jobs fire twice in an overlap); ours are below.
+      utcOffset: 0,
+    });
+    first = cron.nextRun(NEVER_FIRES_FROM);
   } catch (err) {
+    // A throw from the search counts too: croner 9 overflowed its stack on `0 0 31 4,6,9,11 *`.
     throw bad(err instanceof Error ? err.message.replace(/^CronPattern: /, '') : String(err));
   }
-  // A job that can never run (e.g. 30 February) is a mistake worth a 400, not a silent null.
-  if (cron.nextRun(new Date(0)) === null) throw bad('it never fires');
+  // A job that can never run (31 April, 30 February) is a mistake worth a 400, not a silent null.
+  // Without a year field a schedule repeats with the 400-year Gregorian cycle, so one occurrence
+  // within 400 years of any instant means it fires forever. croner's walk (a loop in croner 11;
+  // croner 9 recursed) gives up after about 400 years with null, in a few ms; the horizon keeps
+  // the rule ours should croner ever search further.
+  if (first === null || first.getTime() - NEVER_FIRES_FROM.getTime() > GREGORIAN_CYCLE_MS) {
+    throw bad('it never fires');
+  }
   return cron;
 }
+
+/** Where the "does it ever fire" search starts; any instant would do (see GREGORIAN_CYCLE_MS). */
+const NEVER_FIRES_FROM = new Date(Date.UTC(2000, 0, 1));
+/** 400 Gregorian years (146,097 days): dates and weekdays repeat exactly after it. */
+const GREGORIAN_CYCLE_MS = 146_097 * DAY_MS;
 
 class ZonedSchedule implements CronSchedule {
   constructor(

@@ -84,9 +84,63 @@ test('garbage and out-of-range fields are rejected as schedule errors', () => {
     '0 0 * * 1:2',
     '2026-01-01T00:00:00 * * * *',
     '0 0 30 2 *', // 30 February never happens
+    '0 0 LW * *', // croner 11 reads W (nearest weekday); Helios does not
+    '0 0 15w * *',
+    '0 0 1 * +MON', // croner 11 reads '+' as "day fields AND"; Helios keeps OR
+    '0 0 * * +1',
   ]) {
     assertRejected('schedule', expression);
   }
+});
+
+test('forms accepted before the croner 11 upgrade still parse, with the same meaning', () => {
+  const from = at('2026-01-07T00:00:00Z');
+  // A numeric step start (Quartz style) and a step without start, as croner 9 read them.
+  assert.deepEqual(iso(parseCron('5/20 * * * *').nextN(from, 3)), [
+    '2026-01-07T00:05:00.000Z',
+    '2026-01-07T00:25:00.000Z',
+    '2026-01-07T00:45:00.000Z',
+  ]);
+  assert.deepEqual(iso(parseCron('/30 * * * *').nextN(from, 2)), [
+    '2026-01-07T00:30:00.000Z',
+    '2026-01-07T01:00:00.000Z',
+  ]);
+  // The W check is for day-of-month only: WED in day-of-week is a name.
+  assert.equal(parseCron('0 0 * * WED').next(from)?.toISOString(), '2026-01-14T00:00:00.000Z');
+  assert.equal(parseCron('0 0 L * *').next(from)?.toISOString(), '2026-01-31T00:00:00.000Z');
+  assert.equal(parseCron('0 0 * * 5#2').next(from)?.toISOString(), '2026-01-09T00:00:00.000Z');
+});
+
+test('a schedule that never fires is a schedule error, found by a bounded search', () => {
+  const started = performance.now();
+  for (const expression of [
+    '0 0 31 2 *',
+    '0 0 31 4 *',
+    '0 0 30,31 2 *',
+    '0 0 0 31 2 *',
+    '* * * 31 2 *',
+    // croner 9 overflowed its stack on these (a RangeError, so a 500 from the API).
+    '0 0 31 4,6,9,11 *',
+    '0 0 31 2,4,6,9,11 *',
+    '59 59 23 31 4,6,9,11 *',
+  ]) {
+    assertRejected('schedule', expression);
+    assert.throws(() => parseCron(expression, 'Europe/Berlin'), /it never fires/);
+  }
+  // The search walks about 400 years per expression: bounded, and cheap enough for an API call.
+  assert.ok(performance.now() - started < 5000, 'the never-fires search is bounded');
+  // Rare is not never: each of these fires, some only every few decades.
+  const from = at('2026-12-01T00:00:00Z');
+  assert.equal(parseCron('0 0 29 2 *').next(from)?.toISOString(), '2028-02-29T00:00:00.000Z');
+  assert.equal(parseCron('0 0 31 2,3 *').next(from)?.toISOString(), '2027-03-31T00:00:00.000Z');
+  // 31 February or any Monday in February (OR): the Mondays fire.
+  assert.equal(parseCron('0 0 31 2 1').next(from)?.toISOString(), '2027-02-01T00:00:00.000Z');
+  // A fifth Monday in February needs 29 February on a Monday; 2100 is not a leap year.
+  assert.deepEqual(iso(parseCron('0 0 * 2 1#5').nextN(from, 3)), [
+    '2044-02-29T00:00:00.000Z',
+    '2072-02-29T00:00:00.000Z',
+    '2112-02-29T00:00:00.000Z',
+  ]);
 });
 
 test('unknown timezones are rejected as timezone errors', () => {
@@ -333,4 +387,34 @@ test('every 2026 transition in several zones matches a minute-by-minute wall-clo
     }
   }
   assert.ok(checked > 100);
+});
+
+test('day-of-month steps fire on 1 March in every zone, in leap and common years (croner 9 skipped it)', () => {
+  // Berlin is on winter time and Sydney on summer time from 15 February to 10 March: no zone here
+  // changes its offset inside the window.
+  const zones = {
+    UTC: 'Z',
+    'Europe/Berlin': '+01:00',
+    'Asia/Kolkata': '+05:30',
+    'Australia/Sydney': '+11:00',
+  };
+  const cases = [
+    // */10 is days 1, 11, 21, 31; */6 is 1, 7, 13, 19, 25, 31; */7 is 1, 8, 15, 22, 29.
+    { expression: '0 0 */10 * *', days: ['02-21', '03-01', '03-11'] },
+    { expression: '0 0 0 */6 * *', days: ['02-19', '02-25', '03-01', '03-07'] },
+    { expression: '0 0 */7 * *', days: ['02-22', '03-01', '03-08'], leapDays: ['02-22', '02-29', '03-01'] },
+  ];
+  for (const year of [2026, 2028, 2100]) {
+    const leap = year % 4 === 0 && year % 100 !== 0;
+    for (const [timezone, offset] of Object.entries(zones)) {
+      for (const { expression, days, leapDays } of cases) {
+        const expected = (leap && leapDays ? leapDays : days).map((day) =>
+          new Date(`${year}-${day}T00:00:00${offset}`).toISOString(),
+        );
+        const from = new Date(`${year}-02-15T12:00:00${offset}`);
+        const actual = iso(parseCron(expression, timezone).nextN(from, expected.length));
+        assert.deepEqual(actual, expected, `${expression} in ${timezone} from ${from.toISOString()}`);
+      }
+    }
+  }
 });
