@@ -44,7 +44,6 @@ export class ChaosCluster {
   private readonly apiUrls = new Map<string, string>();
   private readonly env: NodeEnv;
   private readonly servers: { pgPort: number; kafka: string };
-  private picks = 0;
 
   private constructor(
     env: NodeEnv,
@@ -181,11 +180,6 @@ export class ChaosCluster {
       case 'etcd':
         return this.etcdCluster.members.map((m) => ({ address: m.address }));
     }
-  }
-
-  /** Alternates between true and false, so choices of the schedule vary but stay reproducible. */
-  alternate(): boolean {
-    return this.picks++ % 2 === 0;
   }
 
   /** The node etcd names as leader, waiting up to `timeoutMs` for one. */

@@ -30,7 +30,8 @@ export const FAULT_KINDS = [
   'restart-postgres',
   'restart-etcd',
   'kill-etcd-leader',
-  'partition-etcd-member',
+  'isolate-etcd-leader',
+  'isolate-etcd-follower',
   ...PARTITIONS,
 ] as const;
 
@@ -63,7 +64,8 @@ export const FAULTS_EXPLAINING_REDELIVERY: readonly FaultKind[] = [
 /** Kinds that need network namespaces (the TCP proxy fallback has only the etcd cut). */
 const NEEDS_NETNS = new Set<FaultKind>([
   ...PARTITIONS.filter((k) => k !== 'partition-etcd-both'),
-  'partition-etcd-member',
+  'isolate-etcd-leader',
+  'isolate-etcd-follower',
 ]);
 
 /**
@@ -90,10 +92,10 @@ export function planFaults(
     'restart-postgres',
     'restart-etcd',
     'partition-etcd-both',
-    pick(available.filter((k) => k === 'kill-etcd-leader' || k === 'partition-etcd-member')),
+    pick(available.filter((k) => k === 'kill-etcd-leader' || k.startsWith('isolate-etcd-'))),
   ];
   const more = available.filter((k) => k.startsWith('partition-') && !required.includes(k));
-  if (more.length > 0) required.push(pick(more.filter((k) => k !== 'partition-etcd-member')));
+  if (more.length > 0) required.push(pick(more));
   return { required: shuffle(required, random), available };
 }
 
@@ -138,8 +140,9 @@ export async function injectFault(kind: FaultKind, ctx: FaultContext): Promise<F
       return restartEtcd(kind, 1000, ctx);
     case 'kill-etcd-leader':
       return killEtcdLeader(ctx);
-    case 'partition-etcd-member':
-      return partitionEtcdMember(ctx);
+    case 'isolate-etcd-leader':
+    case 'isolate-etcd-follower':
+      return isolateEtcdMember(kind, ctx);
     case 'postgres-down-30s':
       return restartServer(kind, 'pg', 30_000, ctx);
     case 'kafka-down-120s':
@@ -260,22 +263,16 @@ async function killEtcdLeader(ctx: FaultContext): Promise<FaultRecord> {
 }
 
 /**
- * One etcd member loses the other members and every client (all its packets dropped) for 8 s;
- * alternately the raft leader and a follower.
+ * One etcd member, the raft leader or a follower, loses the other members and every client (all
+ * its packets dropped) for 8 s; the other two keep a quorum.
  */
-async function partitionEtcdMember(ctx: FaultContext): Promise<FaultRecord> {
+async function isolateEtcdMember(kind: FaultKind, ctx: FaultContext): Promise<FaultRecord> {
   const etcd = ctx.cluster.etcdCluster;
   const leader = await etcd.leader();
-  const member = ctx.cluster.alternate() ? leader : etcd.members.find((m) => m !== leader)!;
+  const member = kind === 'isolate-etcd-leader' ? leader : etcd.members.find((m) => m !== leader)!;
   const start = Date.now();
   await ctx.cluster.network!.cut(member.name, 'all', 'both');
-  const record: FaultRecord = {
-    kind: 'partition-etcd-member',
-    node: member.name,
-    start,
-    end: start,
-    note: member === leader ? 'the raft leader' : 'a follower',
-  };
+  const record: FaultRecord = { kind, node: member.name, start, end: start };
   await sleep(8000);
   await ctx.cluster.network!.heal(member.name);
   await etcd.waitHealthy(30_000);
