@@ -118,11 +118,20 @@ export class ChaosNetwork {
         // reported by the caller's next attempt
       }
     }
-    try {
-      execFileSync('ip', ['link', 'del', `${tag}br`], { stdio: 'ignore' });
-      removed.push(`${tag}br`);
-    } catch {
-      // no bridge left over
+    // The kernel frees a namespace (and the veth ends in it) only after its last process is
+    // reaped, so the host ends and the bridge are deleted by name: deleting one end of a veth
+    // deletes the pair.
+    const links = execFileSync('ip', ['-o', 'link', 'show'], { encoding: 'utf8' })
+      .split('\n')
+      .map((line) => line.split(': ')[1]?.split('@')[0] ?? '')
+      .filter((name) => name.startsWith(`${tag}v`) || name === `${tag}br`);
+    for (const link of links) {
+      try {
+        execFileSync('ip', ['link', 'del', link], { stdio: 'ignore' });
+        removed.push(link);
+      } catch {
+        // went away with its namespace meanwhile
+      }
     }
     return removed;
   }
