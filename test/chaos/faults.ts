@@ -72,7 +72,8 @@ const NEEDS_NETNS = new Set<FaultKind>([
  * The kinds that must each happen once, in a seeded order. A long run (`LONG_RUN_MS`) gets every
  * kind; a short one (the CI run) the process and server faults, one etcd-cluster fault, the
  * leader's symmetric etcd partition and one more seeded partition, to stay near 90 s. The run adds
- * random kinds from `available` while its fault phase lasts.
+ * random kinds from `available` while its fault phase lasts. `CHAOS_FAULTS` (a comma list)
+ * replaces the required kinds.
  */
 export function planFaults(
   durationMs: number,
@@ -80,6 +81,14 @@ export function planFaults(
   random: () => number,
 ): { required: FaultKind[]; available: FaultKind[] } {
   const available = FAULT_KINDS.filter((k) => netns || !NEEDS_NETNS.has(k));
+  // CHAOS_FAULTS=kind,kind…: exactly these first (to reproduce or study a few kinds).
+  const only = process.env.CHAOS_FAULTS?.split(',').filter(Boolean);
+  if (only?.length) {
+    const known: readonly string[] = [...available, ...LONG_FAULT_KINDS];
+    const unknown = only.filter((k) => !known.includes(k));
+    if (unknown.length) throw new Error(`CHAOS_FAULTS: unknown or unavailable kinds ${unknown.join(' ')}`);
+    return { required: only as FaultKind[], available };
+  }
   if (durationMs >= LONG_RUN_MS) {
     return { required: shuffle([...available, ...LONG_FAULT_KINDS], random), available };
   }
