@@ -246,7 +246,7 @@ async function partition(kind: FaultKind, ctx: FaultContext): Promise<FaultRecor
     node: victim.name,
     start,
     end: start,
-    note: network ? note : `TCP proxy (no network namespaces)${note ? `; ${note}` : ''}`,
+    note: network ? note : `through the TCP proxies: no network namespaces${note ? `; ${note}` : ''}`,
   };
   await sleep((what === 'postgres' ? 3 : 2) * ctx.ttlMs);
   if (network) await network.heal(victim.name);
