@@ -21,6 +21,14 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 STATE="${HELIOS_STATE_DIR:-$ROOT/.helios}"
 PG_BIN="${HELIOS_PG_BIN:-/usr/lib/postgresql/15/bin}"
+# The ports a checkout's servers were started with are remembered in .helios/ports, so a later call
+# without the exports (a restart by the chaos test, a new shell) reaches the same servers instead of
+# starting others on the default ports; exported variables still win.
+if [[ -f "$STATE/ports" ]]; then
+  while IFS='=' read -r name value; do
+    if [[ "$name" =~ ^HELIOS_[A-Z_]+_PORT$ && -z "${!name:-}" ]]; then export "$name=$value"; fi
+  done <"$STATE/ports"
+fi
 PG_PORT="${HELIOS_PG_PORT:-55432}"
 ETCD_PORT="${HELIOS_ETCD_PORT:-52379}"
 ETCD_PEER_PORT="${HELIOS_ETCD_PEER_PORT:-52380}"
@@ -323,6 +331,8 @@ case "$cmd" in
     [[ -f "$kafka_dir/libs/.stamp" ]] && command -v etcd >/dev/null || install_all
     for s in $(servers "$@"); do "${s}_up"; done
     write_env
+    printf 'HELIOS_PG_PORT=%s\nHELIOS_ETCD_PORT=%s\nHELIOS_ETCD_PEER_PORT=%s\nHELIOS_KAFKA_PORT=%s\nHELIOS_KAFKA_CONTROLLER_PORT=%s\n' \
+      "$PG_PORT" "$ETCD_PORT" "$ETCD_PEER_PORT" "$KAFKA_PORT" "$KAFKA_CONTROLLER_PORT" >"$STATE/ports"
     log "ready; source $STATE/env"
     ;;
   down)
@@ -333,7 +343,7 @@ case "$cmd" in
   status) status ;;
   reset)
     "$0" down
-    rm -rf "$pg_dir" "$etcd_dir" "$kafka_dir/data" "$kafka_dir/logs" "$STATE/env"
+    rm -rf "$pg_dir" "$etcd_dir" "$kafka_dir/data" "$kafka_dir/logs" "$STATE/env" "$STATE/ports"
     log "server data deleted"
     ;;
   *) echo "usage: $0 install|up|down|status|reset [pg|etcd|kafka ...]" >&2; exit 2 ;;

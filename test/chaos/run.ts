@@ -50,7 +50,10 @@ const env = {
 };
 const target = new TargetServer(() => ({ status: 200, delayMs: 50 + Math.floor(Math.random() * 250) }));
 // --- netns/etcd cluster (wt-netns): network namespaces, a 3-member etcd cluster, the fault plan.
-const cluster = await ChaosCluster.create(env, ['chaos-a', 'chaos-b', 'chaos-c'], log);
+const cluster = await ChaosCluster.create(env, ['chaos-a', 'chaos-b', 'chaos-c'], log).catch(async (err) => {
+  await db.drop(); // the run has not started: nothing else to clean
+  throw err;
+});
 // Every required kind once, in a seeded order; more random faults while time is left.
 const { required: schedule, available } = planFaults(durationMs, cluster.network !== null, random);
 log(`faults planned: ${schedule.join(' ')}`);
