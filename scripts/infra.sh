@@ -10,17 +10,37 @@
 #
 # Ports are loopback-only and non-default so a developer's own servers are not disturbed;
 # override with HELIOS_PG_PORT, HELIOS_ETCD_PORT, HELIOS_KAFKA_PORT.
+#
+# The chaos test runs nodes in network namespaces behind a bridge of its own; it sets
+# HELIOS_NETNS_HOST (the bridge's address, e.g. 10.200.79.1, a /24 that exists only on this
+# machine) and HELIOS_KAFKA_NETNS_PORT, and then PostgreSQL also listens on that address (trusting
+# that /24 only) and Kafka gets a second listener there, advertised as such, so clients inside the
+# namespaces are sent to an address they can reach. Unset (the default), everything is loopback only.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 STATE="${HELIOS_STATE_DIR:-$ROOT/.helios}"
 PG_BIN="${HELIOS_PG_BIN:-/usr/lib/postgresql/15/bin}"
+# The ports a checkout's servers were started with are remembered in .helios/ports, so a later call
+# without the exports (a restart by the chaos test, a new shell) reaches the same servers instead of
+# starting others on the default ports; exported variables still win.
+if [[ -f "$STATE/ports" ]]; then
+  while IFS='=' read -r name value; do
+    if [[ "$name" =~ ^HELIOS_[A-Z_]+_PORT$ && -z "${!name:-}" ]]; then export "$name=$value"; fi
+  done <"$STATE/ports"
+fi
 PG_PORT="${HELIOS_PG_PORT:-55432}"
 ETCD_PORT="${HELIOS_ETCD_PORT:-52379}"
 ETCD_PEER_PORT="${HELIOS_ETCD_PEER_PORT:-52380}"
 KAFKA_PORT="${HELIOS_KAFKA_PORT:-59092}"
 KAFKA_CONTROLLER_PORT="${HELIOS_KAFKA_CONTROLLER_PORT:-59093}"
 KAFKA_HEAP="${HELIOS_KAFKA_HEAP:--Xms256m -Xmx512m}"
+NETNS_HOST="${HELIOS_NETNS_HOST:-}"
+KAFKA_NETNS_PORT="${HELIOS_KAFKA_NETNS_PORT:-}"
+if [[ -n "$NETNS_HOST" && ! "$NETNS_HOST" =~ ^10\.[0-9]{1,3}\.[0-9]{1,3}\.[0-9]{1,3}$ ]]; then
+  printf '[infra] ERROR: HELIOS_NETNS_HOST must be a private 10.x.y.z address, got %s\n' "$NETNS_HOST" >&2
+  exit 2
+fi
 PG_DB="helios"
 
 log() { printf '[infra] %s\n' "$*" >&2; }
@@ -65,6 +85,11 @@ install_all() {
   if ! command -v etcd >/dev/null; then
     log "installing etcd-server"
     apt_install etcd-server
+  fi
+  # nft (packet filtering inside the chaos test's network namespaces: the real partitions).
+  if ! command -v nft >/dev/null; then
+    log "installing nftables"
+    apt_install nftables
   fi
   # The Debian package starts a system etcd on the default ports where systemd runs; ours is separate.
   if ! command -v java >/dev/null || ! java -version 2>&1 | grep -Eq 'version "(1[7-9]|2[0-9])'; then
@@ -131,7 +156,14 @@ log_min_messages = warning
 log_line_prefix = '%m [%p] '
 EOF
     fi
-    as_postgres "'$PG_BIN/pg_ctl' -D '$pg_dir/data' -l '$pg_dir/postgres.log' -w -t 30 start" >/dev/null \
+    local listen_opt=""
+    if [[ -n "$NETNS_HOST" ]]; then
+      # Trust only the chaos bridge's /24 (it exists only on this machine), idempotently.
+      local hba_line="host all all ${NETNS_HOST%.*}.0/24 trust"
+      grep -qxF "$hba_line" "$pg_dir/data/pg_hba.conf" || echo "$hba_line" >>"$pg_dir/data/pg_hba.conf"
+      listen_opt="-o '-c listen_addresses=127.0.0.1,$NETNS_HOST'"
+    fi
+    as_postgres "'$PG_BIN/pg_ctl' -D '$pg_dir/data' -l '$pg_dir/postgres.log' $listen_opt -w -t 30 start" >/dev/null \
       || fail_with_log "postgres" "$pg_dir/postgres.log"
     # The pid recorded for `down` is the postmaster's.
     pg_pid >"$pg_dir/pid"
@@ -202,14 +234,23 @@ kafka_up() {
   [[ -f "$kafka_dir/libs/.stamp" ]] || die "Kafka jars missing: run scripts/infra.sh install"
   if alive "$(pid_of "$kafka_dir/pid")"; then log "kafka already running (pid $(pid_of "$kafka_dir/pid"))"; else
     mkdir -p "$kafka_dir/data" "$kafka_dir/logs"
+    # Kafka refuses two listeners on one port, so the namespaces' listener has a port of its own.
+    local listeners="PLAINTEXT://127.0.0.1:$KAFKA_PORT" advertised="PLAINTEXT://127.0.0.1:$KAFKA_PORT"
+    local protocols="PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT"
+    if [[ -n "$NETNS_HOST" ]]; then
+      [[ -n "$KAFKA_NETNS_PORT" ]] || die "HELIOS_NETNS_HOST needs HELIOS_KAFKA_NETNS_PORT"
+      listeners="$listeners,NETNS://$NETNS_HOST:$KAFKA_NETNS_PORT"
+      advertised="$advertised,NETNS://$NETNS_HOST:$KAFKA_NETNS_PORT"
+      protocols="$protocols,NETNS:PLAINTEXT"
+    fi
     cat >"$kafka_dir/server.properties" <<EOF
 process.roles=broker,controller
 node.id=1
 controller.quorum.voters=1@127.0.0.1:$KAFKA_CONTROLLER_PORT
-listeners=PLAINTEXT://127.0.0.1:$KAFKA_PORT,CONTROLLER://127.0.0.1:$KAFKA_CONTROLLER_PORT
-advertised.listeners=PLAINTEXT://127.0.0.1:$KAFKA_PORT
+listeners=$listeners,CONTROLLER://127.0.0.1:$KAFKA_CONTROLLER_PORT
+advertised.listeners=$advertised
 controller.listener.names=CONTROLLER
-listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
+listener.security.protocol.map=$protocols
 inter.broker.listener.name=PLAINTEXT
 log.dirs=$kafka_dir/data
 num.partitions=1
@@ -290,6 +331,8 @@ case "$cmd" in
     [[ -f "$kafka_dir/libs/.stamp" ]] && command -v etcd >/dev/null || install_all
     for s in $(servers "$@"); do "${s}_up"; done
     write_env
+    printf 'HELIOS_PG_PORT=%s\nHELIOS_ETCD_PORT=%s\nHELIOS_ETCD_PEER_PORT=%s\nHELIOS_KAFKA_PORT=%s\nHELIOS_KAFKA_CONTROLLER_PORT=%s\n' \
+      "$PG_PORT" "$ETCD_PORT" "$ETCD_PEER_PORT" "$KAFKA_PORT" "$KAFKA_CONTROLLER_PORT" >"$STATE/ports"
     log "ready; source $STATE/env"
     ;;
   down)
@@ -300,7 +343,7 @@ case "$cmd" in
   status) status ;;
   reset)
     "$0" down
-    rm -rf "$pg_dir" "$etcd_dir" "$kafka_dir/data" "$kafka_dir/logs" "$STATE/env"
+    rm -rf "$pg_dir" "$etcd_dir" "$kafka_dir/data" "$kafka_dir/logs" "$STATE/env" "$STATE/ports"
     log "server data deleted"
     ;;
   *) echo "usage: $0 install|up|down|status|reset [pg|etcd|kafka ...]" >&2; exit 2 ;;

@@ -1,7 +1,7 @@
 import type pg from 'pg';
 import type { TargetRequest } from '../support/execution.js';
 import type { ManagedProcess } from '../support/processes.js';
-import type { FaultKind, FaultRecord } from './faults.js';
+import { FAULTS_EXPLAINING_REDELIVERY, type FaultKind, type FaultRecord } from './faults.js';
 
 export interface CheckInput {
   readonly pool: pg.Pool;
@@ -22,12 +22,7 @@ export interface CheckResult {
 }
 
 /** Faults that can explain a second delivery: the worker died, froze, or could not record completion. */
-const EXPLAINS_REDELIVERY: FaultKind[] = [
-  'kill-leader',
-  'kill-worker-mid-call',
-  'pause-leader',
-  'restart-postgres',
-];
+const EXPLAINS_REDELIVERY: readonly FaultKind[] = FAULTS_EXPLAINING_REDELIVERY;
 
 function percentile(values: number[], p: number): number {
   if (values.length === 0) return NaN;

@@ -10,7 +10,6 @@
 import { mkdirSync, writeFileSync } from 'node:fs';
 import { parseArgs } from 'node:util';
 import { setTimeout as sleep } from 'node:timers/promises';
-import { createEtcdClient } from '../../src/coordination/etcd.js';
 import { createKafka, deleteTopics } from '../../src/broker/index.js';
 import { silentLogger } from '../../src/observability/logger.js';
 import { createTestDatabase } from '../support/database.js';
@@ -19,8 +18,8 @@ import { TargetServer, insertJob } from '../support/execution.js';
 import { infra } from '../support/processes.js';
 import { ChaosCluster } from './cluster.js';
 import { check } from './checker.js';
-import { FAULT_KINDS, injectFault, type FaultKind, type FaultRecord } from './faults.js';
-import { seededRandom, shuffle } from './random.js';
+import { injectFault, planFaults, type FaultRecord } from './faults.js';
+import { seededRandom } from './random.js';
 
 const { values } = parseArgs({
   options: {
@@ -38,14 +37,11 @@ const TTL_MS = 3000;
 const log = (message: string) => console.log(`[chaos ${new Date().toISOString().slice(11, 23)}] ${message}`);
 
 const random = seededRandom(seed);
-// Every fault kind at least once, in a seeded order; more random faults while time is left.
-const schedule: FaultKind[] = shuffle([...FAULT_KINDS], random);
 log(`seed ${seed}, fault phase ${durationMs / 1000} s, ${jobCount} every-second jobs`);
 
 await infra('up');
 const servers = serverEnv();
 const db = await createTestDatabase();
-const etcd = createEtcdClient(servers.etcdEndpoints.split(','));
 const env = {
   databaseUrl: db.url,
   etcdPrefix: `/helios-chaos/${uniqueId()}`,
@@ -53,16 +49,20 @@ const env = {
   extra: { HELIOS_LOG_LEVEL: 'info', HELIOS_CLAIM_GRACE_MS: '3000', HELIOS_SHUTDOWN_TIMEOUT_MS: '3000' },
 };
 const target = new TargetServer(() => ({ status: 200, delayMs: 50 + Math.floor(Math.random() * 250) }));
-const cluster = new ChaosCluster(env, etcd, Number(new URL(servers.etcdEndpoints.split(',')[0]!).port), [
-  'chaos-a',
-  'chaos-b',
-  'chaos-c',
-]);
+// --- netns/etcd cluster (wt-netns): network namespaces, a 3-member etcd cluster, the fault plan.
+const cluster = await ChaosCluster.create(env, ['chaos-a', 'chaos-b', 'chaos-c'], log).catch(async (err) => {
+  await db.drop(); // the run has not started: nothing else to clean
+  throw err;
+});
+// Every required kind once, in a seeded order; more random faults while time is left.
+const { required: schedule, available } = planFaults(durationMs, cluster.network !== null, random);
+log(`faults planned: ${schedule.join(' ')}`);
+// --- end netns/etcd cluster
 const faults: FaultRecord[] = [];
 let exitCode = 1;
 
 try {
-  const targetUrl = await target.start();
+  const targetUrl = await target.start(cluster.targetHost);
   await cluster.start();
   log(`nodes up; leader ${(await cluster.leader()).name}`);
 
@@ -92,7 +92,7 @@ try {
 
   const phaseEnd = Date.now() + durationMs;
   for (let i = 0; Date.now() < phaseEnd || i < schedule.length; i++) {
-    const kind = schedule[i] ?? FAULT_KINDS[Math.floor(random() * FAULT_KINDS.length)]!;
+    const kind = schedule[i] ?? available[Math.floor(random() * available.length)]!;
     log(`fault ${i + 1}: ${kind}`);
     const record = await injectFault(kind, { cluster, pool: db.pool, ttlMs: TTL_MS, log });
     faults.push(record);
@@ -168,11 +168,6 @@ try {
   await cluster.stop();
   await target.close();
   await infra('up'); // whatever the last fault did, leave the servers running
-  await etcd
-    .delete()
-    .prefix(env.etcdPrefix)
-    .catch(() => undefined);
-  etcd.close();
   const kafka = createKafka({
     brokers: servers.kafkaBrokers.split(','),
     clientId: 'chaos-cleanup',

@@ -87,13 +87,15 @@ export class TargetServer {
     this.behaviour = behaviour;
   }
 
-  async start(): Promise<string> {
-    await new Promise<void>((resolve) => this.server.listen(0, '127.0.0.1', resolve));
+  /** Listens on `host` (loopback by default; the chaos test's bridge address for its namespaces). */
+  async start(host = '127.0.0.1'): Promise<string> {
+    await new Promise<void>((resolve) => this.server.listen(0, host, resolve));
     return this.url;
   }
 
   get url(): string {
-    return `http://127.0.0.1:${(this.server.address() as AddressInfo).port}`;
+    const { address, port } = this.server.address() as AddressInfo;
+    return `http://${address}:${port}`;
   }
 
   /** Requests of one job, in arrival order. */
