@@ -52,6 +52,29 @@ export async function runAttempt(ctx: AttemptContext, run: ClaimedRun, cancel: A
         return;
       }
     }
+    // A claim whose answer arrived late (a network that dropped then retransmitted it, a pause)
+    // may expire before the call could end, or have expired and been taken back by the reaper
+    // already: a call made now could be the run's second. Hand the claim back instead (it costs
+    // no attempt); whoever claims the run next makes the call.
+    const claimLeftMs = ctx.clock.msUntil(run.claimExpiresAt);
+    if (claimLeftMs <= run.timeoutMs) {
+      metrics.runsExecuted.inc({ outcome: 'claim-too-late' });
+      const report = {
+        outcome: 'cancelled' as const,
+        statusCode: null,
+        durationMs: null,
+        error: `claim acknowledged with ${Math.round(claimLeftMs)} ms left, less than the timeout; call not made`,
+        responseExcerpt: null,
+      };
+      const released = await inTransaction(pool, (client) =>
+        releaseClaim(client, run, nodeId, report, ctx.topics.runsTopic),
+      ).catch(() => false);
+      log().warn(
+        { claimLeftMs: Math.round(claimLeftMs), released },
+        'claim acknowledged too late; call not made',
+      );
+      return;
+    }
     if (run.attempt === 1)
       metrics.lateness.observe(Math.max(0, ctx.clock.now() - run.scheduledFor.getTime()) / 1000);
     const report = await ctx.executor.execute(run, cancel);

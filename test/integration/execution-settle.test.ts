@@ -25,7 +25,10 @@ import { spawnNode, stopAll, type ManagedProcess } from '../support/processes.js
 const etcd = createEtcdClient(serverEnv().etcdEndpoints.split(','));
 const prefix = `/helios-test/${uniqueId()}`;
 const topic = `helios.test.${uniqueId()}`;
-const target = new TargetServer(() => ({ status: 200 }));
+// A /late-claim call takes long enough that the reaper re-queues its expired claim meanwhile.
+const target = new TargetServer((request) =>
+  request.path.startsWith('/late-claim') ? { status: 200, delayMs: 800 } : { status: 200 },
+);
 const nodes: ManagedProcess[] = [];
 let db: TestDatabase;
 
@@ -34,8 +37,14 @@ before(async () => {
   // nextval() is not rolled back with the failing transaction, so "only the first" holds.
   await db.pool.query(`
     CREATE SEQUENCE injected_failures;
+    CREATE SEQUENCE late_claims;
     CREATE FUNCTION inject_completion_failure() RETURNS trigger LANGUAGE plpgsql AS $$
     BEGIN
+      -- The first claim of a /late-claim run answers only after its claim has expired.
+      IF NEW.state = 'running' AND OLD.state = 'queued' AND NEW.target->>'url' LIKE '%/late-claim%'
+         AND nextval('late_claims') = 1 THEN
+        PERFORM pg_sleep(2.5);
+      END IF;
       IF NEW.state = 'succeeded' AND OLD.state = 'running' THEN
         IF NEW.target->>'url' LIKE '%/poison%' THEN
           RAISE EXCEPTION 'injected: this completion always fails';
@@ -208,4 +217,29 @@ test('expiries beyond the bound count as failed attempts, so a job that keeps ki
   );
   assert.equal(rows[0]!.n, 1, 'a dead letter records it');
   assert.equal(target.forJob(jobId).length, 0);
+});
+
+test('a claim acknowledged after it expired does not make the call: the run is delivered once', async () => {
+  const at = await nextWholeSecond(db.pool, 1000);
+  // timeout 1000 + grace 1000: the claim expires 2 s after it was made, the answer comes after 2.5 s.
+  const jobId = await insertJob(db.pool, {
+    name: `late-claim-${uniqueId()}`,
+    schedule: oncePerMinuteAt(at),
+    target: { url: `${target.url}/late-claim` },
+    nextRunAt: at,
+    timeoutMs: 1000,
+    maxAttempts: 3,
+  });
+  const [run] = await waitFor(
+    'the run to finish',
+    async () => {
+      const runs = await runsOf(db.pool, jobId);
+      return runs.length > 0 && !['queued', 'running'].includes(runs[0]!.state) ? runs : null;
+    },
+    30_000,
+  );
+  await stopJobs(db.pool, [jobId]);
+  await sleep(1500);
+  assert.equal(run!.state, 'succeeded');
+  assert.equal(target.forJob(jobId).length, 1, 'the target was called once');
 });
