@@ -1,0 +1,60 @@
+import assert from 'node:assert/strict';
+import { createServer, type Server, type Socket } from 'node:net';
+import type { AddressInfo } from 'node:net';
+import { after, before, test } from 'node:test';
+import { createEtcdClient } from '../../src/coordination/etcd.js';
+import { serverEnv, uniqueId } from '../support/env.js';
+
+// With several etcd members configured, a member that is down or cut off must not fail the calls
+// a healthy member could answer (found by the chaos run: a partitioned follower made the leader
+// step down again and again).
+
+let blackHole: Server;
+const sockets = new Set<Socket>();
+before(async () => {
+  // Accepts connections and never answers: a member behind a partition that drops its replies.
+  blackHole = createServer((socket) => {
+    sockets.add(socket);
+    socket.on('close', () => sockets.delete(socket));
+  });
+  await new Promise<void>((resolve) => blackHole.listen(0, '127.0.0.1', resolve));
+});
+after(async () => {
+  for (const socket of sockets) socket.destroy();
+  await new Promise<void>((resolve) => blackHole.close(() => resolve()));
+});
+
+test(
+  'calls move off a member that does not answer: only the first call to it fails',
+  { timeout: 60_000 },
+  async () => {
+    const dead = `http://127.0.0.1:${(blackHole.address() as AddressInfo).port}`;
+    const real = serverEnv().etcdEndpoints.split(',')[0]!;
+    const client = createEtcdClient([real, dead], 500);
+    const key = `/helios-test/${uniqueId()}/k`;
+    try {
+      await client
+        .put(key)
+        .value('v')
+        .catch(() => undefined);
+      let failures = 0;
+      const started = Date.now();
+      for (let i = 0; i < 30; i++) {
+        try {
+          await client.get(key).string();
+        } catch {
+          failures += 1;
+        }
+      }
+      const elapsedS = (Date.now() - started) / 1000;
+      // The breaker lets one call through to the dead member again each second.
+      assert.ok(
+        failures <= 1 + Math.ceil(elapsedS),
+        `${failures} of 30 calls failed in ${elapsedS.toFixed(1)} s (each call picks a member at random)`,
+      );
+      await client.delete().key(key);
+    } finally {
+      client.close();
+    }
+  },
+);
