@@ -253,6 +253,9 @@ export class HeliosNode {
       this.leaderTasks.add(tracked);
       void tracked.finally(() => this.leaderTasks.delete(tracked));
     };
+    // Bound to this epoch: a fenced write of this epoch proves a newer leader, but if that newer
+    // leader is this node's next epoch, ending it would be wrong (see LeaderElection.stepDown).
+    const stepDown = () => this.election?.stepDown('fenced', config.leaseTtlMs, leadership);
     const dispatcher = new Dispatcher({
       pool: this.pool!,
       leadership,
@@ -263,7 +266,7 @@ export class HeliosNode {
       misfireThresholdMs: config.misfireThresholdMs,
       logger: logger.child({ part: 'dispatcher' }),
       metrics,
-      onFenced: () => this.election?.stepDown('fenced', config.leaseTtlMs),
+      onFenced: stepDown,
       beforeWrite: this.options.beforeLeaderWrite,
     });
     track('dispatcher', dispatcher.run());
@@ -284,7 +287,7 @@ export class HeliosNode {
       intervalMs: config.reaperIntervalMs,
       logger: logger.child({ part: 'reaper' }),
       metrics,
-      onFenced: () => this.election?.stepDown('fenced', config.leaseTtlMs),
+      onFenced: stepDown,
     });
     track('reaper', reaper.run());
   }
