@@ -12,7 +12,7 @@ import { Notifications } from './store/notifications.js';
 import { createEtcdClient } from './coordination/etcd.js';
 import { NodeRegistry } from './coordination/registry.js';
 import { LeaderElection, type Leadership } from './coordination/election.js';
-import { createKafka, ensureTopics, RunPublisher, type BrokerClient } from './broker/index.js';
+import { createKafka, RunPublisher, TopicProvisioner, type BrokerClient } from './broker/index.js';
 import { KafkaProbe } from './broker/health.js';
 import { Dispatcher } from './scheduling/dispatcher.js';
 import { OutboxRelay } from './outbox/relay.js';
@@ -50,6 +50,7 @@ export class HeliosNode {
   private kafka?: BrokerClient;
   private notifications?: Notifications;
   private publisher?: RunPublisher;
+  private topics?: TopicProvisioner;
   private election?: LeaderElection;
   private app?: FastifyInstance;
   private leaderTasks = new Set<Promise<void>>();
@@ -130,18 +131,37 @@ export class HeliosNode {
     }));
     const probe = new KafkaProbe(kafka);
     this.onStop('kafka probe', () => probe.close());
-    await ensureTopics(kafka, [
-      { name: config.runsTopic, partitions: config.topicPartitions },
-      { name: config.deadLetterTopic, partitions: 1 },
-    ]);
+    // Not awaited: a node starts while Kafka is down (workers execute through the polling
+    // fallback, the API needs no Kafka); the relay waits for the topics, the consumer retries.
+    const topics = (this.topics = new TopicProvisioner({
+      kafka,
+      topics: [
+        { name: config.runsTopic, partitions: config.topicPartitions },
+        { name: config.deadLetterTopic, partitions: 1 },
+      ],
+      logger,
+    }));
+    topics.start();
+    this.onStop('kafka topics', () => topics.stop());
 
     const app = (this.app = await buildApiServer({
       logger,
       metrics: this.metrics.registry,
+      // Only PostgreSQL is required for readiness; etcd and Kafka outages degrade the node (the
+      // body names them) without taking it out of service. See registerHealthRoutes.
       probes: {
-        postgres: async () => void (await pool.query('SELECT 1')),
-        etcd: async () => void (await etcd.get(`${config.etcdPrefix}/readyz`).string()),
-        kafka: () => probe.check(),
+        postgres: { required: true, check: async () => void (await pool.query('SELECT 1')) },
+        etcd: {
+          required: false,
+          check: async () => void (await etcd.get(`${config.etcdPrefix}/readyz`).string()),
+        },
+        kafka: {
+          required: false,
+          check: async () => {
+            topics.check();
+            await probe.check();
+          },
+        },
       },
       bodyLimit: config.apiBodyLimit,
       // Any node with the api role serves the operator API (writes go to PostgreSQL); the others
@@ -221,7 +241,8 @@ export class HeliosNode {
       const publisher = (this.publisher = new RunPublisher({ kafka, logger }));
       this.onStop('kafka publisher', () => publisher.disconnect());
       // Connect early so a wrong broker address shows at start; publish() reconnects by itself.
-      await publisher
+      // Not awaited: with Kafka down it would hold the start for the connect timeout.
+      void publisher
         .connect()
         .catch((err: unknown) => logger.warn({ err: toError(err) }, 'publisher connect failed'));
       const election = (this.election = new LeaderElection({
@@ -270,9 +291,18 @@ export class HeliosNode {
       beforeWrite: this.options.beforeLeaderWrite,
     });
     track('dispatcher', dispatcher.run());
+    const publisher = this.publisher!;
+    const topics = this.topics!;
     const relay = new OutboxRelay({
       pool: this.pool!,
-      publisher: this.publisher!,
+      // Publishing waits until the topics exist (the broker does not create them): a relay that
+      // published into a missing topic would only fail, count failures and back off meanwhile.
+      publisher: {
+        publish: async (topic, messages) => {
+          await topics.whenReady(leadership.signal);
+          return publisher.publish(topic, messages);
+        },
+      },
       notifications: this.notifications!,
       signal: leadership.signal,
       beforePublish: this.options.beforePublish,

@@ -52,7 +52,7 @@ test('reconnecting the LISTEN connection many times adds no listener per reconne
         10_000,
         20,
       );
-      [pid] = await listenPids();
+      pid = (await listenPids())[0]!;
       // The session is listed before the LISTENs ran; a notification proves it is listening.
       await waitFor(
         'the LISTEN to take effect',

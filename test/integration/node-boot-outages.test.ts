@@ -1,0 +1,194 @@
+import assert from 'node:assert/strict';
+import { setTimeout as sleep } from 'node:timers/promises';
+import { after, before, test } from 'node:test';
+import { createEtcdClient } from '../../src/coordination/etcd.js';
+import { listNodes } from '../../src/coordination/registry.js';
+import { createTestDatabase, type TestDatabase } from '../support/database.js';
+import { serverEnv, uniqueId } from '../support/env.js';
+import { insertJob, nextWholeSecond, runsOf, stopJobs, TargetServer, waitFor } from '../support/execution.js';
+import { infra, spawnNode, stopAll, type ManagedProcess } from '../support/processes.js';
+
+// A node must start while Kafka or etcd is down and pick the missing server up when it returns.
+// These tests stop the shared servers (this worktree's own, by the ports in the environment) and
+// restart them in `finally`, whatever happened.
+
+const etcd = createEtcdClient(serverEnv().etcdEndpoints.split(','));
+const target = new TargetServer();
+const nodes: ManagedProcess[] = [];
+const prefixes: string[] = [];
+let db: TestDatabase;
+
+before(async () => {
+  db = await createTestDatabase();
+  await target.start();
+});
+after(async () => {
+  await infra('up', 'etcd', 'kafka'); // leave every server running for the next file
+  await stopAll(nodes);
+  await target.close();
+  await db.drop();
+  for (const prefix of prefixes) await etcd.delete().prefix(prefix);
+  etcd.close();
+});
+
+function startNode(name: string): ManagedProcess {
+  const prefix = `/helios-test/${uniqueId()}`;
+  prefixes.push(prefix);
+  const node = spawnNode(name, {
+    databaseUrl: db.url,
+    etcdPrefix: prefix,
+    topic: `helios.test.${uniqueId()}`,
+    // The polling fallback takes a run 500 ms overdue, so a run executes soon without Kafka.
+    extra: { HELIOS_ROLES: 'scheduler,worker,api', HELIOS_POLL_OVERDUE_MS: '500' },
+  });
+  nodes.push(node);
+  return node;
+}
+
+interface Readiness {
+  status: string;
+  failing: string[];
+  degraded: string[];
+}
+
+async function readyz(url: string): Promise<{ code: number; body: Readiness }> {
+  const response = await fetch(`${url}/readyz`);
+  return { code: response.status, body: (await response.json()) as Readiness };
+}
+
+/** Sum of `helios_run_claims_total` samples with these labels on one node. */
+async function claims(url: string, source: 'kafka' | 'poll'): Promise<number> {
+  const text = await (await fetch(`${url}/metrics`)).text();
+  let sum = 0;
+  for (const line of text.split('\n')) {
+    if (line.startsWith('helios_run_claims_total{') && line.includes(`source="${source}",result="claimed"`))
+      sum += Number(line.split(' ').at(-1));
+  }
+  return sum;
+}
+
+async function everySecondJob(name: string): Promise<string> {
+  return insertJob(db.pool, {
+    name: `${name}-${uniqueId()}`,
+    schedule: '* * * * * *',
+    target: { url: `${target.url}/${name}` },
+    nextRunAt: await nextWholeSecond(db.pool, 500),
+  });
+}
+
+async function succeeded(jobId: string): Promise<number> {
+  return (await runsOf(db.pool, jobId)).filter((r) => r.state === 'succeeded').length;
+}
+
+test(
+  'with Kafka stopped a node starts, runs a job through the polling fallback and names kafka as degraded; when Kafka returns announcements flow again',
+  { timeout: 180_000 },
+  async () => {
+    await infra('down', 'kafka');
+    let jobId: string | undefined;
+    let node: ManagedProcess;
+    let apiUrl: string;
+    try {
+      node = startNode('kafka-down-1');
+      const started = await node.waitForLog((l) => l.msg === 'node started', 30_000);
+      apiUrl = String(started.apiUrl);
+      await node.waitForLog((l) => l.msg === 'became leader', 15_000);
+
+      const ready = await readyz(apiUrl);
+      assert.equal(ready.code, 200, 'a worker still executes: the node stays in service');
+      assert.equal(ready.body.status, 'degraded');
+      assert.deepEqual(ready.body.failing, ['kafka']);
+      assert.deepEqual(ready.body.degraded, ['kafka']);
+
+      jobId = await everySecondJob('kafka-down');
+      await waitFor('runs executed without Kafka', async () => (await succeeded(jobId!)) >= 2, 20_000, 200);
+      assert.ok((await claims(apiUrl, 'poll')) >= 2, 'claimed by the polling fallback');
+      assert.equal(await claims(apiUrl, 'kafka'), 0, 'nothing came through Kafka');
+      const pending = await db.pool.query<{ n: number }>(
+        'SELECT count(*)::int AS n FROM outbox WHERE published_at IS NULL',
+      );
+      assert.ok(pending.rows[0]!.n >= 2, 'announcements wait in the outbox');
+    } finally {
+      await infra('up', 'kafka');
+    }
+    await node.waitForLog((l) => l.msg === 'Kafka topics ready', 60_000);
+    await node.waitForLog((l) => l.msg === 'joined consumer group', 60_000);
+    await waitFor(
+      'runs claimed from Kafka announcements',
+      async () => (await claims(apiUrl, 'kafka')) >= 2,
+      30_000,
+      250,
+    );
+    await waitFor(
+      'the outbox backlog to be published',
+      async () =>
+        (
+          await db.pool.query<{ n: number }>(
+            'SELECT count(*)::int AS n FROM outbox WHERE published_at IS NULL',
+          )
+        ).rows[0]!.n <= 1,
+      30_000,
+      250,
+    );
+    await waitFor(
+      'readiness to be ready again',
+      async () => (await readyz(apiUrl)).body.status === 'ready',
+      15_000,
+      250,
+    );
+    await stopJobs(db.pool, [jobId!]);
+    await node.stop();
+    assert.equal((await node.exited).code, 0, node.stderr.join('\n'));
+  },
+);
+
+test(
+  'with etcd stopped a node starts and its API answers without a leader; when etcd returns it registers, campaigns and dispatches',
+  { timeout: 180_000 },
+  async () => {
+    await infra('down', 'etcd');
+    let node: ManagedProcess;
+    let apiUrl: string;
+    let jobId: string;
+    try {
+      node = startNode('etcd-down-1');
+      const started = await node.waitForLog((l) => l.msg === 'node started', 30_000);
+      apiUrl = String(started.apiUrl);
+
+      const ready = await readyz(apiUrl);
+      assert.equal(ready.code, 200);
+      assert.equal(ready.body.status, 'degraded');
+      assert.deepEqual(ready.body.failing, ['etcd']);
+      const jobs = await fetch(`${apiUrl}/api/v1/jobs`);
+      assert.equal(jobs.status, 200, 'the API answers from PostgreSQL');
+
+      jobId = await everySecondJob('etcd-down');
+      await sleep(3000);
+      assert.equal(
+        node.hasLog((l) => l.msg === 'became leader'),
+        false,
+        'no leader without etcd',
+      );
+      assert.deepEqual(await runsOf(db.pool, jobId), [], 'nothing is dispatched without a leader');
+    } finally {
+      await infra('up', 'etcd');
+    }
+    await node.waitForLog((l) => l.msg === 'became leader', 30_000);
+    await waitFor('the job to run once etcd is back', async () => (await succeeded(jobId)) >= 1, 20_000, 200);
+    await waitFor(
+      'the node to register',
+      async () => (await listNodes(etcd, prefixes.at(-1)!)).some((n) => n.id === 'etcd-down-1'),
+      15_000,
+      250,
+    );
+    await waitFor(
+      'readiness to be ready again',
+      async () => (await readyz(apiUrl)).body.status === 'ready',
+      15_000,
+      250,
+    );
+    await stopJobs(db.pool, [jobId]);
+    await node.stop();
+    assert.equal((await node.exited).code, 0, node.stderr.join('\n'));
+  },
+);
