@@ -192,3 +192,31 @@ test(
     assert.equal((await node.exited).code, 0, node.stderr.join('\n'));
   },
 );
+
+test(
+  'a node started with both etcd and Kafka stopped names both in /readyz and stops within a few seconds',
+  { timeout: 120_000 },
+  async () => {
+    await infra('down', 'etcd', 'kafka');
+    try {
+      const node = startNode('both-down-1');
+      const started = await node.waitForLog((l) => l.msg === 'node started', 30_000);
+      const ready = await readyz(String(started.apiUrl));
+      assert.equal(ready.code, 200);
+      assert.deepEqual(ready.body.failing.sort(), ['etcd', 'kafka']);
+      await sleep(2000); // let the background retries get going
+      const stopAt = Date.now();
+      node.signal('SIGTERM');
+      const exit = await node.exited;
+      assert.equal(exit.code, 0, node.stderr.join('\n'));
+      assert.ok(Date.now() - stopAt < 6000, `shutdown took ${Date.now() - stopAt} ms`);
+      assert.equal(
+        node.hasLog((l) => l.msg === 'part did not stop cleanly'),
+        false,
+        JSON.stringify(node.logs.filter((l) => l.msg === 'part did not stop cleanly')),
+      );
+    } finally {
+      await infra('up', 'etcd', 'kafka');
+    }
+  },
+);
