@@ -154,6 +154,8 @@ test(
       node = startNode('etcd-down-1');
       const started = await node.waitForLog((l) => l.msg === 'node started', 30_000);
       apiUrl = String(started.apiUrl);
+      // Topics are ensured in the background; until then readiness names kafka too.
+      await node.waitForLog((l) => l.msg === 'Kafka topics ready', 30_000);
 
       const ready = await readyz(apiUrl);
       assert.equal(ready.code, 200);
