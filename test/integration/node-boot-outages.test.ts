@@ -1,6 +1,8 @@
 import assert from 'node:assert/strict';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { after, before, test } from 'node:test';
+import { pino } from 'pino';
+import { createKafka, deleteTopics } from '../../src/broker/index.js';
 import { createEtcdClient } from '../../src/coordination/etcd.js';
 import { listNodes } from '../../src/coordination/registry.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
@@ -12,10 +14,14 @@ import { infra, spawnNode, stopAll, type ManagedProcess } from '../support/proce
 // These tests stop the shared servers (this worktree's own, by the ports in the environment) and
 // restart them in `finally`, whatever happened.
 
+const quiet = pino({ level: 'silent' });
 const etcd = createEtcdClient(serverEnv().etcdEndpoints.split(','));
 const target = new TargetServer();
 const nodes: ManagedProcess[] = [];
-const prefixes: string[] = [];
+const prefixes = new Map<string, string>(); // node name → its etcd prefix
+// One topic for every node of the file, as in a real cluster: the leader's relay publishes every
+// node's outbox rows, and a row for a topic nobody created would hold its batch for ever.
+const topic = `helios.test.${uniqueId()}`;
 let db: TestDatabase;
 
 before(async () => {
@@ -23,21 +29,37 @@ before(async () => {
   await target.start();
 });
 after(async () => {
-  await infra('up', 'etcd', 'kafka'); // leave every server running for the next file
+  await infra('up', 'etcd');
+  await restartKafka(); // leave every server running for the next file
   await stopAll(nodes);
   await target.close();
   await db.drop();
-  for (const prefix of prefixes) await etcd.delete().prefix(prefix);
+  for (const prefix of prefixes.values()) await etcd.delete().prefix(prefix);
   etcd.close();
+  // Every partition left behind makes the next Kafka restart slower (the tests restart it).
+  const kafka = createKafka({
+    brokers: serverEnv().kafkaBrokers.split(','),
+    clientId: 'cleanup',
+    logger: quiet,
+  });
+  await deleteTopics(kafka, [topic, `${topic}.dlq`]).catch(() => undefined);
 });
+
+/**
+ * `infra.sh up kafka`, waiting a second time if the first wait ran out: a broker reloading many
+ * partitions on a loaded machine can take longer than infra.sh's 60 s (it keeps starting).
+ */
+async function restartKafka(): Promise<void> {
+  await infra('up', 'kafka').catch(() => infra('up', 'kafka'));
+}
 
 function startNode(name: string): ManagedProcess {
   const prefix = `/helios-test/${uniqueId()}`;
-  prefixes.push(prefix);
+  prefixes.set(name, prefix);
   const node = spawnNode(name, {
     databaseUrl: db.url,
     etcdPrefix: prefix,
-    topic: `helios.test.${uniqueId()}`,
+    topic,
     // The polling fallback takes a run 500 ms overdue, so a run executes soon without Kafka.
     extra: { HELIOS_ROLES: 'scheduler,worker,api', HELIOS_POLL_OVERDUE_MS: '500' },
   });
@@ -67,6 +89,17 @@ async function claims(url: string, source: 'kafka' | 'poll'): Promise<number> {
   return sum;
 }
 
+/** SIGTERM while a server is still down: the node exits 0 within a few seconds, every part stopped. */
+async function stopsCleanly(node: ManagedProcess): Promise<void> {
+  const stopAt = Date.now();
+  node.signal('SIGTERM');
+  const exit = await node.exited;
+  assert.equal(exit.code, 0, node.stderr.join('\n'));
+  assert.ok(Date.now() - stopAt < 6000, `shutdown took ${Date.now() - stopAt} ms`);
+  const unclean = node.logs.filter((l) => l.msg === 'part did not stop cleanly');
+  assert.deepEqual(unclean, [], 'every part stopped cleanly');
+}
+
 async function everySecondJob(name: string): Promise<string> {
   return insertJob(db.pool, {
     name: `${name}-${uniqueId()}`,
@@ -82,7 +115,7 @@ async function succeeded(jobId: string): Promise<number> {
 
 test(
   'with Kafka stopped a node starts, runs a job through the polling fallback and names kafka as degraded; when Kafka returns announcements flow again',
-  { timeout: 180_000 },
+  { timeout: 300_000 },
   async () => {
     await infra('down', 'kafka');
     let jobId: string | undefined;
@@ -108,9 +141,18 @@ test(
         'SELECT count(*)::int AS n FROM outbox WHERE published_at IS NULL',
       );
       assert.ok(pending.rows[0]!.n >= 2, 'announcements wait in the outbox');
+
+      // A second node, started and stopped while Kafka is still away, stops cleanly.
+      const other = startNode('kafka-down-2');
+      await other.waitForLog((l) => l.msg === 'node started', 30_000);
+      await sleep(1000); // its background retries are under way
+      await stopsCleanly(other);
     } finally {
-      await infra('up', 'kafka');
+      await restartKafka();
     }
+    // On failure, what the node said about Kafka is the first thing to read.
+    const kafkaWarnings = () =>
+      JSON.stringify(node.logs.filter((l) => (l.level ?? 0) >= 40).slice(-15), null, 1);
     await node.waitForLog((l) => l.msg === 'Kafka topics ready', 60_000);
     await node.waitForLog((l) => l.msg === 'joined consumer group', 60_000);
     await waitFor(
@@ -124,12 +166,21 @@ test(
       async () =>
         (
           await db.pool.query<{ n: number }>(
-            'SELECT count(*)::int AS n FROM outbox WHERE published_at IS NULL',
+            // Rows of runs created ahead are due at once; "due a second ago" leaves the newest.
+            `SELECT count(*)::int AS n FROM outbox
+             WHERE published_at IS NULL AND publish_after < now() - interval '1 second'`,
           )
-        ).rows[0]!.n <= 1,
-      30_000,
+        ).rows[0]!.n === 0,
+      60_000,
       250,
-    );
+    ).catch(async (err: unknown) => {
+      const { rows } = await db.pool.query(
+        'SELECT topic, count(*)::int AS n FROM outbox WHERE published_at IS NULL GROUP BY topic',
+      );
+      throw new Error(
+        `${String(err)}; pending: ${JSON.stringify(rows)}; the node's last warnings: ${kafkaWarnings()}`,
+      );
+    });
     await waitFor(
       'readiness to be ready again',
       async () => (await readyz(apiUrl)).body.status === 'ready',
@@ -172,6 +223,11 @@ test(
         'no leader without etcd',
       );
       assert.deepEqual(await runsOf(db.pool, jobId), [], 'nothing is dispatched without a leader');
+
+      const other = startNode('etcd-down-2');
+      await other.waitForLog((l) => l.msg === 'node started', 30_000);
+      await sleep(1000);
+      await stopsCleanly(other);
     } finally {
       await infra('up', 'etcd');
     }
@@ -179,7 +235,7 @@ test(
     await waitFor('the job to run once etcd is back', async () => (await succeeded(jobId)) >= 1, 20_000, 200);
     await waitFor(
       'the node to register',
-      async () => (await listNodes(etcd, prefixes.at(-1)!)).some((n) => n.id === 'etcd-down-1'),
+      async () => (await listNodes(etcd, prefixes.get('etcd-down-1')!)).some((n) => n.id === 'etcd-down-1'),
       15_000,
       250,
     );
@@ -192,33 +248,5 @@ test(
     await stopJobs(db.pool, [jobId]);
     await node.stop();
     assert.equal((await node.exited).code, 0, node.stderr.join('\n'));
-  },
-);
-
-test(
-  'a node started with both etcd and Kafka stopped names both in /readyz and stops within a few seconds',
-  { timeout: 120_000 },
-  async () => {
-    await infra('down', 'etcd', 'kafka');
-    try {
-      const node = startNode('both-down-1');
-      const started = await node.waitForLog((l) => l.msg === 'node started', 30_000);
-      const ready = await readyz(String(started.apiUrl));
-      assert.equal(ready.code, 200);
-      assert.deepEqual(ready.body.failing.sort(), ['etcd', 'kafka']);
-      await sleep(2000); // let the background retries get going
-      const stopAt = Date.now();
-      node.signal('SIGTERM');
-      const exit = await node.exited;
-      assert.equal(exit.code, 0, node.stderr.join('\n'));
-      assert.ok(Date.now() - stopAt < 6000, `shutdown took ${Date.now() - stopAt} ms`);
-      assert.equal(
-        node.hasLog((l) => l.msg === 'part did not stop cleanly'),
-        false,
-        JSON.stringify(node.logs.filter((l) => l.msg === 'part did not stop cleanly')),
-      );
-    } finally {
-      await infra('up', 'etcd', 'kafka');
-    }
   },
 );
