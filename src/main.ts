@@ -6,6 +6,8 @@ import { HeliosNode } from './node.js';
 import { createPool } from './store/db.js';
 import { migrate } from './store/migrate.js';
 import { CLI_COMMANDS, runCli } from './cli/index.js';
+import { createEtcdClient } from './coordination/etcd.js';
+import { fenceStatus, resetFence, type FenceStatus } from './coordination/fence-reset.js';
 import { CLI_USAGE } from './cli/usage.js';
 
 const USAGE = `usage: helios <command>
@@ -13,6 +15,9 @@ const USAGE = `usage: helios <command>
 commands:
   node      run a Helios node (roles from HELIOS_ROLES), configured by HELIOS_* variables
   migrate   apply pending database migrations and exit
+  fence status   show the leader fence, etcd's revision and the leader (needs the database and etcd)
+  fence reset    lower the fence to etcd's revision after etcd was restored or replaced; refuses
+                 while a leader holds the key (stop every scheduler first: see README, Operations)
 
 ${CLI_USAGE}`;
 
@@ -57,6 +62,79 @@ async function runMigrate(): Promise<void> {
   }
 }
 
+/**
+ * `helios fence status|reset`: a node-side command like `migrate` (HELIOS_DATABASE_URL,
+ * HELIOS_ETCD_ENDPOINTS, HELIOS_ETCD_PREFIX), not a REST call: the fence is the last guard
+ * against two leaders writing, so lowering it takes the operator's own access to PostgreSQL and
+ * etcd, and works with every node stopped, as the procedure requires. Exit 1 when refused.
+ */
+async function runFence(sub: string | undefined): Promise<void> {
+  if (sub !== 'status' && sub !== 'reset') {
+    process.stderr.write(`usage: helios fence status|reset\n`);
+    process.exitCode = 2;
+    return;
+  }
+  const config = loadConfig();
+  const logger = createLogger({ level: config.logLevel, nodeId: config.nodeId });
+  const pool = createPool({
+    connectionString: config.databaseUrl,
+    max: 2,
+    logger,
+    applicationName: 'helios-fence',
+  });
+  const etcd = createEtcdClient(config.etcdEndpoints);
+  const leaderKey = `${config.etcdPrefix}/leader`;
+  const out = (line: string) => process.stdout.write(`${line}\n`);
+  try {
+    const describe = (status: FenceStatus) => {
+      out(
+        `fence token:   ${status.fence.token} (written by ${status.fence.nodeId ?? 'nobody'} at ${status.fence.updatedAt.toISOString()})`,
+      );
+      out(`etcd revision: ${status.etcdRevision}`);
+      out(
+        `leader:        ${status.leader ? `${status.leader.nodeId} (token ${status.leader.token})` : 'none'}`,
+      );
+    };
+    if (sub === 'status') {
+      const status = await fenceStatus(pool, etcd, leaderKey);
+      describe(status);
+      if (status.fenceAhead)
+        out(
+          'the fence is ahead of etcd: no leader can write (etcd restored or replaced?); see `helios fence reset`',
+        );
+      return;
+    }
+    const result = await resetFence(pool, etcd, leaderKey);
+    switch (result.outcome) {
+      case 'reset':
+        out(
+          `fence reset from ${result.from} to ${result.to}: the next leader elected in this etcd can write`,
+        );
+        return;
+      case 'not-needed':
+        describe(result.status);
+        out('the fence is not ahead of etcd: nothing to reset');
+        return;
+      case 'leader-present':
+        describe(result.status);
+        process.stderr.write(
+          `helios: refusing to reset the fence while ${result.status.leader!.nodeId} holds ${leaderKey}; stop every node with the scheduler role (and make sure no node of the old etcd can still write), then run it again\n`,
+        );
+        process.exitCode = 1;
+        return;
+      case 'changed-meanwhile':
+        process.stderr.write(
+          'helios: the fence changed while resetting (a leader wrote); nothing was changed\n',
+        );
+        process.exitCode = 1;
+        return;
+    }
+  } finally {
+    etcd.close();
+    await pool.end();
+  }
+}
+
 async function main(argv: string[]): Promise<void> {
   const [command] = argv;
   switch (command) {
@@ -64,6 +142,8 @@ async function main(argv: string[]): Promise<void> {
       return runNode();
     case 'migrate':
       return runMigrate();
+    case 'fence':
+      return runFence(argv[1]);
     case undefined:
     case 'help':
     case '--help':

@@ -12,7 +12,7 @@ import { Notifications } from './store/notifications.js';
 import { createEtcdClient } from './coordination/etcd.js';
 import { NodeRegistry } from './coordination/registry.js';
 import { LeaderElection, type Leadership } from './coordination/election.js';
-import { createKafka, ensureTopics, RunPublisher, type BrokerClient } from './broker/index.js';
+import { createKafka, RunPublisher, TopicProvisioner, type BrokerClient } from './broker/index.js';
 import { KafkaProbe } from './broker/health.js';
 import { Dispatcher } from './scheduling/dispatcher.js';
 import { OutboxRelay } from './outbox/relay.js';
@@ -51,6 +51,7 @@ export class HeliosNode {
   private kafka?: BrokerClient;
   private notifications?: Notifications;
   private publisher?: RunPublisher;
+  private topics?: TopicProvisioner;
   private election?: LeaderElection;
   private app?: FastifyInstance;
   private leaderTasks = new Set<Promise<void>>();
@@ -131,18 +132,37 @@ export class HeliosNode {
     }));
     const probe = new KafkaProbe(kafka);
     this.onStop('kafka probe', () => probe.close());
-    await ensureTopics(kafka, [
-      { name: config.runsTopic, partitions: config.topicPartitions },
-      { name: config.deadLetterTopic, partitions: 1 },
-    ]);
+    // Not awaited: a node starts while Kafka is down (workers execute through the polling
+    // fallback, the API needs no Kafka); the relay waits for the topics, the consumer retries.
+    const topics = (this.topics = new TopicProvisioner({
+      kafka,
+      topics: [
+        { name: config.runsTopic, partitions: config.topicPartitions },
+        { name: config.deadLetterTopic, partitions: 1 },
+      ],
+      logger,
+    }));
+    topics.start();
+    this.onStop('kafka topics', () => topics.stop());
 
     const app = (this.app = await buildApiServer({
       logger,
       metrics: this.metrics.registry,
+      // Only PostgreSQL is required for readiness; etcd and Kafka outages degrade the node (the
+      // body names them) without taking it out of service. See registerHealthRoutes.
       probes: {
-        postgres: async () => void (await pool.query('SELECT 1')),
-        etcd: async () => void (await etcd.get(`${config.etcdPrefix}/readyz`).string()),
-        kafka: () => probe.check(),
+        postgres: { required: true, check: async () => void (await pool.query('SELECT 1')) },
+        etcd: {
+          required: false,
+          check: async () => void (await etcd.get(`${config.etcdPrefix}/readyz`).string()),
+        },
+        kafka: {
+          required: false,
+          check: async () => {
+            topics.check();
+            await probe.check();
+          },
+        },
       },
       bodyLimit: config.apiBodyLimit,
       // Any node with the api role serves the operator API (writes go to PostgreSQL); the others
@@ -223,7 +243,8 @@ export class HeliosNode {
       const publisher = (this.publisher = new RunPublisher({ kafka, logger }));
       this.onStop('kafka publisher', () => publisher.disconnect());
       // Connect early so a wrong broker address shows at start; publish() reconnects by itself.
-      await publisher
+      // Not awaited: with Kafka down it would hold the start for the connect timeout.
+      void publisher
         .connect()
         .catch((err: unknown) => logger.warn({ err: toError(err) }, 'publisher connect failed'));
       const election = (this.election = new LeaderElection({
@@ -255,6 +276,9 @@ export class HeliosNode {
       this.leaderTasks.add(tracked);
       void tracked.finally(() => this.leaderTasks.delete(tracked));
     };
+    // Bound to this epoch: a fenced write of this epoch proves a newer leader, but if that newer
+    // leader is this node's next epoch, ending it would be wrong (see LeaderElection.stepDown).
+    const stepDown = () => this.election?.stepDown('fenced', config.leaseTtlMs, leadership);
     const dispatcher = new Dispatcher({
       pool: this.pool!,
       leadership,
@@ -265,13 +289,22 @@ export class HeliosNode {
       misfireThresholdMs: config.misfireThresholdMs,
       logger: logger.child({ part: 'dispatcher' }),
       metrics,
-      onFenced: () => this.election?.stepDown('fenced', config.leaseTtlMs),
+      onFenced: stepDown,
       beforeWrite: this.options.beforeLeaderWrite,
     });
     track('dispatcher', dispatcher.run());
+    const publisher = this.publisher!;
+    const topics = this.topics!;
     const relay = new OutboxRelay({
       pool: this.pool!,
-      publisher: this.publisher!,
+      // Publishing waits until the topics exist (the broker does not create them): a relay that
+      // published into a missing topic would only fail, count failures and back off meanwhile.
+      publisher: {
+        publish: async (topic, messages) => {
+          await topics.whenReady(leadership.signal);
+          return publisher.publish(topic, messages);
+        },
+      },
       notifications: this.notifications!,
       signal: leadership.signal,
       beforePublish: this.options.beforePublish,
@@ -286,7 +319,7 @@ export class HeliosNode {
       intervalMs: config.reaperIntervalMs,
       logger: logger.child({ part: 'reaper' }),
       metrics,
-      onFenced: () => this.election?.stepDown('fenced', config.leaseTtlMs),
+      onFenced: stepDown,
     });
     track('reaper', reaper.run());
     const pruner = new Pruner({

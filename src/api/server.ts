@@ -1,11 +1,12 @@
 import Fastify, { LogController, type FastifyBaseLogger, type FastifyInstance } from 'fastify';
 import type { Logger } from '../observability/logger.js';
 import type { Registry } from 'prom-client';
-import { registerHealthRoutes, type Probe } from './health.js';
+import { registerHealthRoutes, type Dependency, type Probe } from './health.js';
 
 export interface ApiServerOptions {
   readonly logger: Logger;
-  readonly probes: Record<string, Probe>;
+  /** Readiness checks by dependency name (see registerHealthRoutes); a bare Probe is required. */
+  readonly probes: Record<string, Probe | Dependency>;
   readonly metrics: Registry;
   /** Extra route registrations (the v1 API), applied before listening. */
   readonly register?: (app: FastifyInstance) => Promise<void> | void;

@@ -37,8 +37,9 @@ export async function ensureTopics(
   kafka: BrokerClient,
   topics: TopicSpec[],
   timeoutMs = 15_000,
+  cancel?: AbortSignal,
 ): Promise<TopicState[]> {
-  return withAdmin(kafka, timeoutMs, 'ensure Kafka topics', async (admin, signal) => {
+  return withAdmin(kafka, timeoutMs, 'ensure Kafka topics', cancel, async (admin, signal) => {
     const existing = new Set(await admin.listTopics());
     const missing = topics.filter((t) => !existing.has(t.name));
     // Only missing topics are requested: asking for existing ones makes the broker answer with
@@ -72,7 +73,7 @@ export async function ensureTopics(
 
 /** Deletes topics; unknown topics are ignored. Used by tests and tooling, never by a node. */
 export async function deleteTopics(kafka: BrokerClient, names: string[], timeoutMs = 15_000): Promise<void> {
-  await withAdmin(kafka, timeoutMs, 'delete Kafka topics', async (admin) => {
+  await withAdmin(kafka, timeoutMs, 'delete Kafka topics', undefined, async (admin) => {
     const existing = new Set(await admin.listTopics());
     const present = names.filter((n) => existing.has(n));
     if (present.length) await admin.deleteTopics({ topics: present, timeout: timeoutMs });
@@ -80,28 +81,35 @@ export async function deleteTopics(kafka: BrokerClient, names: string[], timeout
 }
 
 /**
- * Runs `work` with a connected admin client, bounded by `timeoutMs`, and always disconnects it.
- * `signal` aborts when the call is over, so work abandoned by the timeout stops polling instead of
- * reconnecting the admin client in the background.
+ * Runs `work` with a connected admin client, bounded by `timeoutMs` (and ended early by `cancel`),
+ * and always disconnects it. `signal` aborts when the call is over, so work abandoned by the
+ * timeout stops polling instead of reconnecting the admin client in the background.
  */
 async function withAdmin<T>(
   kafka: BrokerClient,
   timeoutMs: number,
   what: string,
+  cancel: AbortSignal | undefined,
   work: (admin: Admin, signal: AbortSignal) => Promise<T>,
 ): Promise<T> {
   const admin = kafka.admin();
   const done = new AbortController();
+  const onCancel = () => done.abort(cancel?.reason);
+  cancel?.addEventListener('abort', onCancel, { once: true });
   try {
-    return await withTimeout(
-      (async () => {
-        await admin.connect();
-        return work(admin, done.signal);
-      })(),
-      timeoutMs,
-      what,
-    );
+    cancel?.throwIfAborted();
+    const cancelled = new Promise<never>((_, reject) => {
+      done.signal.addEventListener('abort', () => reject(toError(done.signal.reason)), { once: true });
+    });
+    cancelled.catch(() => undefined); // only observed when cancel wins the race
+    const working = (async () => {
+      await admin.connect();
+      return work(admin, done.signal);
+    })();
+    working.catch(() => undefined); // abandoned when the deadline or cancel wins
+    return await withTimeout(Promise.race([working, cancelled]), timeoutMs, what);
   } finally {
+    cancel?.removeEventListener('abort', onCancel);
     done.abort();
     await admin.disconnect().catch(() => undefined);
   }

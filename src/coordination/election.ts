@@ -88,10 +88,22 @@ export class LeaderElection {
   /**
    * Ends the current epoch (if any) and campaigns again after `pauseMs`: used when the fence
    * rejected a write, which proves a newer leader exists.
+   *
+   * `of` names the epoch the caller belongs to; when it is not the current one, nothing happens.
+   * A task of an ended epoch can still be finishing a write (it passed its leadership check just
+   * before the epoch ended) when this node has already won the next epoch; that write is fenced
+   * out by the new epoch's token, and its "step down" must not end the new epoch.
    */
-  stepDown(reason: StepDownReason, pauseMs = 0): void {
+  stepDown(reason: StepDownReason, pauseMs = 0, of?: Leadership): void {
     const epoch = this.epoch;
     if (!epoch) return;
+    if (of && epoch.leadership !== of) {
+      this.options.logger.debug(
+        { token: of.token.toString(), current: epoch.leadership.token.toString(), reason },
+        'step-down request of an ended epoch ignored',
+      );
+      return;
+    }
     this.endEpoch(reason);
     void this.release(epoch.lease);
     if (pauseMs > 0) this.pauseUntil = performance.now() + pauseMs;

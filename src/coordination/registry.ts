@@ -22,6 +22,8 @@ export interface NodeRegistryOptions {
   readonly ttlSeconds?: number;
   /** How often `lastSeen` is refreshed; default 5 s. */
   readonly refreshMs?: number;
+  /** First retry after a failed registration (doubling up to `refreshMs`); default 250 ms. */
+  readonly retryMs?: number;
   readonly logger: Logger;
 }
 
@@ -42,12 +44,41 @@ export class NodeRegistry {
     return `${this.options.prefix}/nodes/${this.options.info.id}`;
   }
 
-  /** Registers once (so a started node is visible at once), then keeps the entry fresh. */
+  /** True while the last registration attempt succeeded. */
+  get registered(): boolean {
+    return this.isRegistered;
+  }
+  private isRegistered = false;
+
+  /**
+   * Tries to register once (so a started node is visible at once), then keeps the entry fresh.
+   * Never fails for etcd being away: a node must start while etcd is down (its API and worker do
+   * not need etcd), so the first registration is then retried in the background with back-off.
+   */
   async start(): Promise<void> {
     if (this.state !== 'idle') throw new LifecycleError(`registry is ${this.state}`);
     this.state = 'running';
-    await this.register();
+    await this.attempt(0);
     this.loop = this.refreshLoop();
+  }
+
+  /** One registration; failures are logged (the first as a warning), never thrown. */
+  private async attempt(failures: number): Promise<boolean> {
+    try {
+      await this.register();
+      if (failures > 0) this.options.logger.info({ failures }, 'node registered after retries');
+      this.isRegistered = true;
+      return true;
+    } catch (err) {
+      if (this.abort.signal.aborted) return false;
+      this.isRegistered = false;
+      const level = failures === 0 ? 'warn' : 'debug';
+      this.options.logger[level](
+        { err: toError(err), failures: failures + 1 },
+        'node registration failed; retrying in the background',
+      );
+      return false;
+    }
   }
 
   private async register(): Promise<void> {
@@ -55,7 +86,9 @@ export class NodeRegistry {
     if (!this.lease || this.lease.revoked()) {
       const lease = client.lease(ttlSeconds);
       lease.on('lost', (err) => {
-        logger.warn({ err }, 'node registration lease lost; re-registering');
+        // A grant that failed while etcd is away is reported by attempt(); only a lease that
+        // held our entry is news.
+        logger[this.isRegistered ? 'warn' : 'debug']({ err }, 'node registration lease lost; re-registering');
         if (this.lease === lease) this.lease = undefined;
       });
       this.lease = lease;
@@ -74,14 +107,19 @@ export class NodeRegistry {
 
   private async refreshLoop(): Promise<void> {
     const signal = this.abort.signal;
+    const refreshMs = this.options.refreshMs ?? 5000;
+    const retryMs = this.options.retryMs ?? 250;
+    let failures = this.isRegistered ? 0 : 1;
     while (!signal.aborted) {
+      // While etcd is away, retry sooner than the refresh period (a node coming back from an etcd
+      // outage should reappear in the cluster view quickly), backing off up to that period.
+      const delay = failures === 0 ? refreshMs : Math.min(refreshMs, retryMs * 2 ** (failures - 1));
       try {
-        await sleep(this.options.refreshMs ?? 5000, undefined, { signal });
-        await this.register();
-      } catch (err) {
-        if (signal.aborted) return;
-        this.options.logger.warn({ err: toError(err) }, 'node registration refresh failed');
+        await sleep(delay, undefined, { signal });
+      } catch {
+        return;
       }
+      failures = (await this.attempt(failures)) ? 0 : failures + 1;
     }
   }
 

@@ -1,6 +1,6 @@
 import type pg from 'pg';
 import { StaleFencingTokenError } from '../errors.js';
-import { inTransaction } from './db.js';
+import { inTransaction, type Queryable } from './db.js';
 
 /** Raises the fence to our token unless a newer leader already wrote. $1 = token, $2 = node id. */
 const RAISE_FENCE = `
@@ -23,4 +23,44 @@ export async function inFencedTransaction<T>(
     if (rowCount !== 1) throw new StaleFencingTokenError(fence.token);
     return work(client);
   });
+}
+
+/** The fence row. No parameters. */
+const READ_FENCE = `
+  SELECT token::text AS token, node_id AS "nodeId", updated_at AS "updatedAt" FROM leader_fence WHERE id`;
+
+/**
+ * Lowers (or sets) the fence, only if it still holds the token the caller saw.
+ * $1 = new token, $2 = who wrote it (a marker, not a node), $3 = the token the caller read.
+ */
+const RESET_FENCE = `
+  UPDATE leader_fence SET token = $1, node_id = $2, updated_at = now()
+  WHERE id AND token = $3`;
+
+/** The highest fencing token that has written, and who wrote it. */
+export interface FenceRow {
+  readonly token: bigint;
+  readonly nodeId: string | null;
+  readonly updatedAt: Date;
+}
+
+export async function readFence(db: Queryable): Promise<FenceRow> {
+  const { rows } = await db.query<{ token: string; nodeId: string | null; updatedAt: Date }>(READ_FENCE);
+  const row = rows[0];
+  if (!row) throw new Error('leader_fence has no row: is the schema migrated?');
+  return { token: BigInt(row.token), nodeId: row.nodeId, updatedAt: row.updatedAt };
+}
+
+/**
+ * Sets the fence to `token` if it still is `expected` (compare-and-set: a leader that wrote in
+ * between wins). Returns false when it was not. Only for the operator's `helios fence reset`.
+ */
+export async function setFence(
+  db: Queryable,
+  token: bigint,
+  expected: bigint,
+  writer: string,
+): Promise<boolean> {
+  const { rowCount } = await db.query(RESET_FENCE, [token.toString(), writer, expected.toString()]);
+  return rowCount === 1;
 }

@@ -1,10 +1,22 @@
 import { setTimeout as sleep } from 'node:timers/promises';
 import pg from 'pg';
 import type { Logger } from '../observability/logger.js';
-import { LifecycleError, toError } from '../errors.js';
+import { LifecycleError, toError, withTimeout } from '../errors.js';
 
 /** Channels that wake loops early; the loops still poll, so a lost notification only delays. */
 export type Channel = 'helios_jobs' | 'helios_outbox' | 'helios_runs';
+
+/** Tuning of {@link Notifications}; the defaults suit a node. */
+export interface NotificationsOptions {
+  /**
+   * Longest wait for a connection (TCP, TLS, startup and the LISTENs). Without it a server that
+   * accepts and never answers (a partition, a black-holed address) would hold the loop, and
+   * `stop()`, for ever. Default 5000 ms, as the pool's.
+   */
+  readonly connectTimeoutMs?: number;
+  /** Pause between connection attempts. Default 500 ms. */
+  readonly retryDelayMs?: number;
+}
 
 /**
  * One dedicated connection that LISTENs on our channels and reconnects when it breaks.
@@ -21,6 +33,7 @@ export class Notifications {
     private readonly connectionString: string,
     private readonly channels: readonly Channel[],
     private readonly logger: Logger,
+    private readonly options: NotificationsOptions = {},
   ) {}
 
   /** Connects (retrying in the background if PostgreSQL is down). */
@@ -31,10 +44,21 @@ export class Notifications {
 
   private async connectLoop(): Promise<void> {
     const signal = this.abort.signal;
+    const connectTimeoutMs = this.options.connectTimeoutMs ?? 5000;
+    // One abort listener for the life of the loop: one per connection would pile up on the
+    // signal with every reconnect (a flapping server would leak them without bound).
+    const aborted = new Promise<void>((resolve) =>
+      signal.addEventListener('abort', () => resolve(), { once: true }),
+    );
     while (!signal.aborted) {
       const client = new pg.Client({
         connectionString: this.connectionString,
         application_name: 'helios-listen',
+        // pg's own timeout covers TCP, TLS and the startup exchange.
+        connectionTimeoutMillis: connectTimeoutMs,
+        // A connection that goes silent after it was set up is noticed by the OS, not never.
+        keepAlive: true,
+        keepAliveInitialDelayMillis: 10_000,
       });
       const ended = new Promise<void>((resolve) => {
         client.on('error', (err) => {
@@ -44,20 +68,28 @@ export class Notifications {
         client.on('end', () => resolve());
       });
       try {
-        await client.connect();
-        client.on('notification', (msg) => this.notify(msg.channel as Channel));
-        for (const channel of this.channels) await client.query(`LISTEN ${channel}`);
+        // The LISTENs are bounded too, and an abort ends the attempt at once (the finally below
+        // closes the half-open client).
+        const ready = (async () => {
+          await client.connect();
+          client.on('notification', (msg) => this.notify(msg.channel as Channel));
+          for (const channel of this.channels) await client.query(`LISTEN ${channel}`);
+        })();
+        ready.catch(() => undefined); // observed below; abandoned on timeout or abort
+        await Promise.race([withTimeout(ready, connectTimeoutMs * 2, 'LISTEN connect'), aborted]);
+        if (signal.aborted) break;
         this.client = client;
         // Anything that happened while we were not listening is picked up by a wake-up now.
         for (const channel of this.channels) this.notify(channel);
-        await Promise.race([ended, new Promise((resolve) => signal.addEventListener('abort', resolve))]);
+        await Promise.race([ended, aborted]);
       } catch (err) {
         if (!signal.aborted) this.logger.warn({ err: toError(err) }, 'LISTEN connect failed; retrying');
       } finally {
         this.client = undefined;
-        await client.end().catch(() => undefined);
+        // Bounded: ending a client whose socket is silent must not hold the loop either.
+        await withTimeout(client.end(), 1000, 'LISTEN disconnect').catch(() => undefined);
       }
-      await sleep(500, undefined, { signal }).catch(() => undefined);
+      await sleep(this.options.retryDelayMs ?? 500, undefined, { signal }).catch(() => undefined);
     }
   }
 

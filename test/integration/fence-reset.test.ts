@@ -1,0 +1,178 @@
+import assert from 'node:assert/strict';
+import { spawn, type ChildProcess } from 'node:child_process';
+import { once } from 'node:events';
+import { mkdtempSync, rmSync } from 'node:fs';
+import { setTimeout as sleep } from 'node:timers/promises';
+import { after, before, test } from 'node:test';
+import { createEtcdClient } from '../../src/coordination/etcd.js';
+import { readFence } from '../../src/store/fence.js';
+import { createTestDatabase, type TestDatabase } from '../support/database.js';
+import { REPO_ROOT, serverEnv, uniqueId } from '../support/env.js';
+import { insertJob, nextWholeSecond, runsOf, stopJobs, TargetServer, waitFor } from '../support/execution.js';
+import {
+  nodeEnvironment,
+  spawnNode,
+  stopAll,
+  type ManagedProcess,
+  type NodeEnv,
+} from '../support/processes.js';
+
+// Replacing etcd (a fresh data set, as after a restore from an old backup or a rebuild) restarts
+// its revisions below the token PostgreSQL's fence holds: no leader can write until the operator
+// runs `helios fence reset`. Two real etcd servers: the worktree's, and a fresh one started here
+// on the next two ports after the worktree's etcd client and peer ports.
+
+const mainEtcdUrl = serverEnv().etcdEndpoints.split(',')[0]!;
+const freshPort = Number(new URL(mainEtcdUrl).port) + 2;
+const freshUrl = `http://127.0.0.1:${freshPort}`;
+const mainEtcd = createEtcdClient([mainEtcdUrl]);
+const prefix = `/helios-test/${uniqueId()}`;
+const target = new TargetServer();
+const nodes: ManagedProcess[] = [];
+let db: TestDatabase;
+let fresh: ChildProcess | undefined;
+let freshDir: string | undefined;
+
+before(async () => {
+  db = await createTestDatabase();
+  await target.start();
+});
+after(async () => {
+  await stopAll(nodes);
+  if (fresh && fresh.exitCode === null) {
+    fresh.kill('SIGTERM');
+    await once(fresh, 'exit');
+  }
+  if (freshDir) rmSync(freshDir, { recursive: true, force: true });
+  await target.close();
+  await db.drop();
+  await mainEtcd.delete().prefix(prefix);
+  mainEtcd.close();
+});
+
+/** A fresh single-member etcd with its own empty data directory. */
+async function startFreshEtcd(): Promise<void> {
+  freshDir = mkdtempSync(`${REPO_ROOT}.helios/etcd-fresh-`);
+  const peer = `http://127.0.0.1:${freshPort + 1}`;
+  fresh = spawn(
+    'etcd',
+    [
+      ...['--name', 'fresh', '--data-dir', freshDir],
+      ...['--listen-client-urls', freshUrl, '--advertise-client-urls', freshUrl],
+      ...['--listen-peer-urls', peer, '--initial-advertise-peer-urls', peer],
+      ...['--initial-cluster', `fresh=${peer}`, '--log-level', 'error', '--logger', 'zap'],
+    ],
+    { stdio: 'ignore' },
+  );
+  const client = createEtcdClient([freshUrl]);
+  try {
+    await waitFor(
+      'the fresh etcd to answer',
+      () =>
+        client
+          .get('/ping')
+          .string()
+          .then(
+            () => true,
+            () => false,
+          ),
+      20_000,
+      200,
+    );
+  } finally {
+    client.close();
+  }
+}
+
+function env(etcdUrl: string): NodeEnv {
+  return {
+    databaseUrl: db.url,
+    etcdPrefix: prefix,
+    topic: `helios.test.${uniqueId()}`,
+    extra: { HELIOS_ROLES: 'scheduler,worker,api', HELIOS_ETCD_ENDPOINTS: etcdUrl },
+  };
+}
+
+function startNode(name: string, etcdUrl: string): ManagedProcess {
+  const node = spawnNode(name, env(etcdUrl));
+  nodes.push(node);
+  return node;
+}
+
+/** Runs `helios fence <sub>` against the fresh etcd, as an operator would. */
+async function fence(sub: string): Promise<{ code: number | null; stdout: string; stderr: string }> {
+  const child = spawn(process.execPath, [`${REPO_ROOT}dist/main.js`, 'fence', sub], {
+    env: nodeEnvironment('operator', env(freshUrl)),
+    stdio: ['ignore', 'pipe', 'pipe'],
+  });
+  let stdout = '';
+  let stderr = '';
+  child.stdout.on('data', (chunk: Buffer) => (stdout += chunk.toString()));
+  child.stderr.on('data', (chunk: Buffer) => (stderr += chunk.toString()));
+  const [code] = (await once(child, 'exit')) as [number | null];
+  return { code, stdout, stderr };
+}
+
+test(
+  'after etcd is replaced no leader can write until `helios fence reset`, which refuses while a leader holds the key',
+  { timeout: 180_000 },
+  async () => {
+    // The old etcd has seen many revisions; a fresh one starts at 1.
+    for (let i = 0; i < 30; i++) await mainEtcd.put(`${prefix}/bump`).value(String(i));
+    const old = startNode('fence-old', mainEtcdUrl);
+    const elected = await old.waitForLog((l) => l.msg === 'became leader', 30_000);
+    const oldToken = BigInt(elected.token as string);
+    await waitFor(
+      'the old leader to raise the fence',
+      async () => (await readFence(db.pool)).token === oldToken,
+      10_000,
+    );
+    await old.stop();
+
+    await startFreshEtcd();
+    const stuck = startNode('fence-stuck', freshUrl);
+    const stuckElected = await stuck.waitForLog((l) => l.msg === 'became leader', 30_000);
+    assert.ok(BigInt(stuckElected.token as string) < oldToken, 'the fresh etcd hands out a lower token');
+    await stuck.waitForLog((l) => String(l.msg).startsWith('dispatch rejected by the fence'), 15_000);
+    await stuck.stop();
+
+    const status = await fence('status');
+    assert.equal(status.code, 0, status.stderr);
+    assert.match(status.stdout, /the fence is ahead of etcd/);
+
+    const reset = await fence('reset');
+    assert.equal(reset.code, 0, reset.stderr);
+    const lowered = await readFence(db.pool);
+    assert.ok(lowered.token < oldToken, `fence lowered: ${lowered.token}`);
+    assert.match(reset.stdout, new RegExp(`fence reset from ${oldToken} to ${lowered.token}`));
+
+    // A leader elected in the fresh etcd now writes: a job runs.
+    const jobId = await insertJob(db.pool, {
+      name: `after-reset-${uniqueId()}`,
+      schedule: '* * * * * *',
+      target: { url: `${target.url}/after-reset` },
+      nextRunAt: await nextWholeSecond(db.pool, 500),
+    });
+    const healed = startNode('fence-healed', freshUrl);
+    await healed.waitForLog((l) => l.msg === 'became leader', 30_000);
+    await waitFor(
+      'a run after the reset',
+      async () => (await runsOf(db.pool, jobId)).some((r) => r.state === 'succeeded'),
+      20_000,
+      200,
+    );
+    assert.equal(
+      healed.hasLog((l) => String(l.msg).includes('rejected by the fence')),
+      false,
+    );
+
+    // With a leader holding the key, a reset is refused and changes nothing.
+    const fenceBefore = (await readFence(db.pool)).token;
+    const refused = await fence('reset');
+    assert.equal(refused.code, 1);
+    assert.match(refused.stderr, /refusing to reset the fence while fence-healed holds/);
+    await sleep(200);
+    assert.ok((await readFence(db.pool)).token >= fenceBefore, 'the refused reset lowered nothing');
+    await stopJobs(db.pool, [jobId]);
+  },
+);
