@@ -1,5 +1,6 @@
 import type pg from 'pg';
 import { toError } from '../errors.js';
+import { isDatabaseUnavailable } from '../store/db.js';
 import { completeSucceededMany, type Success } from '../store/attempts.js';
 import {
   claimRun,
@@ -21,33 +22,42 @@ const MAX_BATCH = 256;
  * waits and goes in the next one, so batches grow with the load.
  */
 const MAX_IN_FLIGHT = 2;
-/** Items that fail one by one, none succeeding, before the rest are failed without a try. */
+/** Items that fail one by one for want of the database, none succeeding, before the rest are failed without a try. */
 const OUTAGE_AFTER = 2;
 
 /**
  * Runs a failed batch's items one statement each, so each gets its own answer: one item the
  * database refuses (a constraint, a trigger, a value it cannot store) no longer fails the others.
- * When the first items all fail the cause is not theirs (PostgreSQL is away, the pool is
- * exhausted): the rest fail with the same error at once rather than each waiting for its own
- * connection timeout.
+ * When the first items all fail because the database is away (no connection, the pool is
+ * exhausted: `isOutage`), the rest fail with the same error at once rather than each waiting for
+ * its own connection timeout.
  */
 export async function oneByOne<I, O>(
   items: readonly I[],
   single: (item: I) => Promise<O>,
+  isOutage: (err: unknown) => boolean = isDatabaseUnavailable,
 ): Promise<(O | BatchItemError)[]> {
   const results: (O | BatchItemError)[] = [];
   let succeeded = 0;
+  let outage: BatchItemError | undefined;
+  let outages = 0;
   for (const item of items) {
-    const failures = results.length - succeeded;
-    if (succeeded === 0 && failures >= OUTAGE_AFTER) {
-      results.push(results[0]!);
+    // Only failures that say the database is away count: items the database refused on their
+    // own (however many lead the batch) must not fail the healthy ones behind them.
+    if (outage && succeeded === 0 && outages >= OUTAGE_AFTER) {
+      results.push(outage);
       continue;
     }
     try {
       results.push(await single(item));
       succeeded += 1;
     } catch (err) {
-      results.push(new BatchItemError(toError(err)));
+      const failure = new BatchItemError(toError(err));
+      if (isOutage(err)) {
+        outage = failure;
+        outages += 1;
+      }
+      results.push(failure);
     }
   }
   return results;

@@ -102,17 +102,21 @@ export class OutboxRelay {
     const { pool, logger, metrics } = this.options;
     const published: string[] = [];
     const refused: { row: OutboxRow; error: Error }[] = [];
+    let unreachable = 0;
     for (const row of rows) {
-      if (published.length === 0 && refused.length >= ISOLATION_GIVES_UP_AFTER) return false;
+      // Rows the broker refuses, however many lead the batch, are theirs; only failures that are
+      // not refusals say the broker is away.
+      if (published.length === 0 && unreachable >= ISOLATION_GIVES_UP_AFTER) return false;
       try {
         await this.publish([row]);
         published.push(row.id);
       } catch (err) {
-        refused.push({ row, error: toError(err) });
+        if (isBrokerRefusal(err)) refused.push({ row, error: toError(err) });
+        else unreachable += 1;
       }
     }
-    // A batch of one that the broker refused is that row's own fault too.
-    if (published.length === 0 && rows.length > 1) return false;
+    // Nothing refused: whatever failed, failed for want of the broker; the batch waits for it.
+    if (refused.length === 0) return false;
     if (published.length > 0) await markPublished(pool, published);
     metrics.outboxPublished.inc(published.length);
     for (const { row, error } of refused) {

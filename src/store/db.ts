@@ -10,6 +10,20 @@ export type Queryable = Pick<pg.Pool, 'query'> | pg.PoolClient;
 
 // timestamptz arrives as Date (pg default); bigint (int8) as a string is turned into bigint where used.
 
+/**
+ * True when an error says the database could not be reached or used at all (no connection, the
+ * pool's checkout timed out, the session ended, the server is shutting down or out of resources)
+ * rather than that it refused this statement's data (a constraint, a trigger, a bad value).
+ * PostgreSQL's own errors carry a five-character SQLSTATE; connection failures carry none, or a
+ * system code like ECONNREFUSED.
+ */
+export function isDatabaseUnavailable(err: unknown): boolean {
+  const code = (err as { code?: unknown } | null)?.code;
+  if (typeof code !== 'string' || !/^[0-9A-Z]{5}$/.test(code)) return true;
+  // 08 connection exception, 53 insufficient resources, 57 operator intervention, 58 system error.
+  return /^(08|53|57|58)/.test(code);
+}
+
 /** Opens the node's pool. Errors on idle clients are logged, not thrown (they would crash the process). */
 export function createPool(options: {
   connectionString: string;

@@ -114,3 +114,15 @@ test('oneByOne gives each item its own answer, and stops trying when the first o
   assert.deepEqual(tried, [1, 2], 'an outage is not tried item by item');
   assert.ok(down.every((r) => r instanceof BatchItemError && r.error.message === 'connection refused'));
 });
+
+test('oneByOne: items the database refuses on their own, however many lead the batch, do not fail the rest', async () => {
+  const refused = (i: number) => Object.assign(new Error(`trigger refused ${i}`), { code: 'P0001' });
+  const results = await oneByOne([1, 2, 3, 4], async (i) => {
+    if (i <= 2) throw refused(i);
+    return i * 10;
+  });
+  assert.deepEqual(
+    results.map((r) => (r instanceof BatchItemError ? r.error.message : r)),
+    ['trigger refused 1', 'trigger refused 2', 30, 40],
+  );
+});
