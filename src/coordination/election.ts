@@ -47,12 +47,16 @@ type State = 'idle' | 'running' | 'stopping' | 'stopped';
  * Campaigns for one etcd key with `create_revision == 0 → put(key, lease)` and, while leader,
  * keeps the lease alive itself (not with the client's automatic keep-alive, which reports a lost
  * lease only ~2×TTL after etcd became unreachable). Leadership ends at once when the monotonic
- * deadline passes, when a keep-alive fails, when etcd says the lease is gone, or on `stepDown()`.
+ * deadline passes, when etcd says the lease is gone, or on `stepDown()`; a failed keep-alive is
+ * tried again until the deadline (see keepAlive).
  *
  * The deadline is measured from when a keep-alive was *sent*: etcd can only have renewed the
  * lease after that instant, so `sentAt + TTL` is never later than the real expiry at etcd, and
  * `− safetyMargin` absorbs clock-rate drift and the time a final write needs to reach PostgreSQL.
  */
+/** Pause before trying a failed keep-alive again (and the time kept in hand before the deadline). */
+const KEEPALIVE_RETRY_MS = 100;
+
 export class LeaderElection {
   private state: State = 'idle';
   private readonly abort = new AbortController();
@@ -64,6 +68,8 @@ export class LeaderElection {
     lease: Lease;
     deadline: number;
     timer?: NodeJS.Timeout;
+    /** The last keep-alive failed: the next is tried at once, not after the usual pause. */
+    retrying?: boolean;
   };
   private wake?: () => void;
   private readonly ttlSeconds: number;
@@ -199,17 +205,27 @@ export class LeaderElection {
     return true;
   }
 
-  /** Renews the lease every third of the TTL; any failure ends the epoch at once. */
+  /**
+   * Renews the lease every third of the TTL. A lease etcd reports gone ends the epoch at once; a
+   * keep-alive that fails (a member down or cut off, a timeout) is tried again at once, on another
+   * member (the client passes over a member that just failed), for as long as the epoch's own
+   * deadline has not passed: the deadline, counted from the last renewal that succeeded, is what
+   * keeps two leaders apart, not the failed call. Ending the epoch at the first failure made one
+   * partitioned etcd follower depose the leader again and again.
+   */
   private async keepAlive(everyMs: number): Promise<void> {
     const epoch = this.epoch;
     if (!epoch) return;
-    await sleep(everyMs, undefined, { signal: epoch.controller.signal }).catch(() => undefined);
+    const pauseMs = epoch.retrying ? KEEPALIVE_RETRY_MS : everyMs;
+    await sleep(pauseMs, undefined, { signal: epoch.controller.signal }).catch(() => undefined);
     if (this.epoch !== epoch || epoch.controller.signal.aborted) return;
     const sentAt = performance.now();
+    // A try must end before the deadline, so that a failure still leaves time to step down cleanly.
+    const tryMs = Math.max(100, Math.min(everyMs, epoch.deadline - sentAt - KEEPALIVE_RETRY_MS));
     try {
       const response = await withTimeout(
-        epoch.lease.keepaliveOnce({ deadline: Date.now() + everyMs }),
-        everyMs,
+        epoch.lease.keepaliveOnce({ deadline: Date.now() + tryMs }),
+        tryMs,
         'etcd keep-alive',
       );
       if (this.epoch !== epoch) return;
@@ -219,9 +235,18 @@ export class LeaderElection {
         return;
       }
       epoch.deadline = sentAt + this.ttlSeconds * 1000 - this.options.safetyMarginMs;
+      epoch.retrying = false;
       this.armDeadline();
     } catch (err) {
       if (this.epoch !== epoch) return;
+      if (performance.now() + KEEPALIVE_RETRY_MS < epoch.deadline) {
+        this.options.logger.warn(
+          { err: toError(err), leftMs: Math.round(epoch.deadline - performance.now()) },
+          'leader keep-alive failed; trying again before the deadline',
+        );
+        epoch.retrying = true;
+        return;
+      }
       this.options.logger.warn({ err: toError(err) }, 'leader keep-alive failed; stepping down');
       this.endEpoch('keepalive-failed');
       void this.release(epoch.lease);

@@ -2,7 +2,10 @@ import assert from 'node:assert/strict';
 import { createServer, type Server, type Socket } from 'node:net';
 import type { AddressInfo } from 'node:net';
 import { after, before, test } from 'node:test';
+import { setTimeout as sleep } from 'node:timers/promises';
+import { LeaderElection } from '../../src/coordination/election.js';
 import { createEtcdClient } from '../../src/coordination/etcd.js';
+import { silentLogger } from '../../src/observability/logger.js';
 import { serverEnv, uniqueId } from '../support/env.js';
 
 // With several etcd members configured, a member that is down or cut off must not fail the calls
@@ -54,6 +57,45 @@ test(
       );
       await client.delete().key(key);
     } finally {
+      client.close();
+    }
+  },
+);
+
+test(
+  'a leader keeps its epoch while one etcd member does not answer: failed keep-alives are tried again on another',
+  { timeout: 60_000 },
+  async () => {
+    const dead = `http://127.0.0.1:${(blackHole.address() as AddressInfo).port}`;
+    const real = serverEnv().etcdEndpoints.split(',')[0]!;
+    const client = createEtcdClient([dead, real]);
+    const prefix = `/helios-test/${uniqueId()}`;
+    let elections = 0;
+    let demotions = 0;
+    const election = new LeaderElection({
+      client,
+      key: `${prefix}/leader`,
+      nodeId: 'keepalive-retry',
+      ttlMs: 3000,
+      safetyMarginMs: 500,
+      logger: silentLogger,
+      onElected: () => void (elections += 1),
+      onDemoted: () => void (demotions += 1),
+    });
+    election.start();
+    try {
+      const deadline = Date.now() + 20_000;
+      while (elections === 0 && Date.now() < deadline) await sleep(100);
+      assert.equal(elections, 1, 'elected');
+      await sleep(10_000); // ten keep-alives, a third of them or so sent to the dead member first
+      assert.equal(demotions, 0, `stepped down ${demotions} times for a member it did not need`);
+      assert.equal(elections, 1);
+    } finally {
+      await election.stop();
+      await client
+        .delete()
+        .prefix(prefix)
+        .catch(() => undefined);
       client.close();
     }
   },
