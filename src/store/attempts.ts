@@ -198,13 +198,29 @@ export async function releaseClaim(
   report: AttemptReport,
   runsTopic: string,
 ): Promise<boolean> {
+  return requeueUncharged(client, RELEASE, [run.id, nodeId, run.attempt], run, report, runsTopic);
+}
+
+/**
+ * Runs `sql` (an UPDATE that puts a running run back to `queued` without using up an attempt and
+ * RETURNS the run), then records the attempt's outcome and announces the next attempt. False
+ * when the UPDATE matched nothing (the claim was lost meanwhile).
+ */
+async function requeueUncharged(
+  client: pg.PoolClient,
+  sql: string,
+  params: unknown[],
+  run: { id: string; attempt: number },
+  report: AttemptReport,
+  runsTopic: string,
+): Promise<boolean> {
   const { rows } = await client.query<{
     id: string;
     jobId: string;
     attempt: number;
     scheduledFor: Date;
     notBefore: Date;
-  }>(RELEASE, [run.id, nodeId, run.attempt]);
+  }>(sql, params);
   const row = rows[0];
   if (!row) return false;
   await recordAttempt(client, run.id, run.attempt, report);
@@ -239,18 +255,8 @@ export async function forgiveExpiredClaim(
   bound: number,
   runsTopic: string,
 ): Promise<boolean> {
-  const { rows } = await client.query<{
-    id: string;
-    jobId: string;
-    attempt: number;
-    scheduledFor: Date;
-    notBefore: Date;
-  }>(FORGIVE_EXPIRED, [run.id, run.attempt, clean(report.error, 2000), bound]);
-  const row = rows[0];
-  if (!row) return false;
-  await recordAttempt(client, run.id, run.attempt, report);
-  await enqueueAttempt(client, row, row.attempt + 1, runsTopic);
-  return true;
+  const params = [run.id, run.attempt, clean(report.error, 2000), bound];
+  return requeueUncharged(client, FORGIVE_EXPIRED, params, run, report, runsTopic);
 }
 
 /** A run whose claim expired, locked for the reaper. */

@@ -4,7 +4,8 @@ import { createEtcdClient } from '../../src/coordination/etcd.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
 import { serverEnv, uniqueId } from '../support/env.js';
 import { TargetServer, waitFor } from '../support/execution.js';
-import { spawnNode, stopAll, type ManagedProcess } from '../support/processes.js';
+import { apiCall, startNode } from '../support/node-api.js';
+import { stopAll, type ManagedProcess } from '../support/processes.js';
 
 // `forbid` skips a fresh occurrence while another run of the job is active. A retry or a replay is
 // not a fresh occurrence: skipping it would lose a run without a dead letter. It waits its turn.
@@ -23,16 +24,7 @@ const nodes: ManagedProcess[] = [];
 let db: TestDatabase;
 let api: string;
 
-async function call<T>(method: string, path: string, body?: unknown): Promise<T> {
-  const response = await fetch(`${api}/api/v1${path}`, {
-    method,
-    headers: { 'content-type': 'application/json' },
-    body: method === 'GET' ? undefined : JSON.stringify(body ?? {}),
-  });
-  const text = await response.text();
-  assert.ok(response.status < 300, `${method} ${path}: ${response.status} ${text}`);
-  return JSON.parse(text) as T;
-}
+const call = <T>(method: string, path: string, body?: unknown) => apiCall<T>(api, method, path, body);
 
 async function run(id: string) {
   const { rows } = await db.pool.query<{ state: string; reason: string | null; attempt: number }>(
@@ -45,10 +37,9 @@ async function run(id: string) {
 before(async () => {
   db = await createTestDatabase();
   await target.start();
-  nodes.push(spawnNode('forbid-1', { databaseUrl: db.url, etcdPrefix: prefix, topic }));
-  api = (await nodes[0]!.waitForLog((l) => l.msg === 'node started', 30_000)).apiUrl as string;
-  await nodes[0]!.waitForLog((l) => l.msg === 'became leader', 30_000);
-  await nodes[0]!.waitForLog((l) => l.msg === 'joined consumer group', 30_000);
+  const started = await startNode('forbid-1', { databaseUrl: db.url, etcdPrefix: prefix, topic });
+  nodes.push(started.node);
+  api = started.apiUrl;
 });
 after(async () => {
   await stopAll(nodes);

@@ -14,7 +14,8 @@ import {
   TargetServer,
   waitFor,
 } from '../support/execution.js';
-import { spawnNode, stopAll, type ManagedProcess } from '../support/processes.js';
+import { startNode } from '../support/node-api.js';
+import { stopAll, type ManagedProcess } from '../support/processes.js';
 
 // A call that finished is recorded even when the first write of its outcome fails (contract
 // item 10): the worker retries the conditional completion while its claim holds, and a batch of
@@ -58,17 +59,14 @@ before(async () => {
     CREATE TRIGGER inject_completion_failure BEFORE UPDATE ON runs
       FOR EACH ROW EXECUTE FUNCTION inject_completion_failure();`);
   await target.start();
-  nodes.push(
-    spawnNode('settle-1', {
-      databaseUrl: db.url,
-      etcdPrefix: prefix,
-      topic,
-      // A short claim, so that before the fix the reaper re-ran the call within the test.
-      extra: { HELIOS_CLAIM_GRACE_MS: '1000', HELIOS_REAPER_INTERVAL_MS: '200' },
-    }),
-  );
-  await nodes[0]!.waitForLog((l) => l.msg === 'became leader', 30_000);
-  await nodes[0]!.waitForLog((l) => l.msg === 'joined consumer group', 30_000);
+  const started = await startNode('settle-1', {
+    databaseUrl: db.url,
+    etcdPrefix: prefix,
+    topic,
+    // A short claim, so that before the fix the reaper re-ran the call within the test.
+    extra: { HELIOS_CLAIM_GRACE_MS: '1000', HELIOS_REAPER_INTERVAL_MS: '200' },
+  });
+  nodes.push(started.node);
 });
 after(async () => {
   await stopAll(nodes);

@@ -5,7 +5,8 @@ import { createEtcdClient } from '../../src/coordination/etcd.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
 import { serverEnv, uniqueId } from '../support/env.js';
 import { TargetServer, waitFor } from '../support/execution.js';
-import { spawnNode, stopAll, type ManagedProcess } from '../support/processes.js';
+import { apiCall, startNode } from '../support/node-api.js';
+import { stopAll, type ManagedProcess } from '../support/processes.js';
 
 // What users do to a job while it runs (pause, resume, PATCH) must leave every occurrence that
 // fell due while the job was enabled with exactly one run that executes (contract item 10).
@@ -27,28 +28,18 @@ interface JobAnswer {
   nextRunAt: string | null;
 }
 
-async function call(api: string, method: string, path: string, body?: unknown): Promise<JobAnswer> {
-  const response = await fetch(`${api}/api/v1${path}`, {
-    method,
-    headers: { 'content-type': 'application/json' },
-    body: JSON.stringify(body ?? {}),
-  });
-  const text = await response.text();
-  assert.ok(response.status < 300, `${method} ${path}: ${response.status} ${text}`);
-  return JSON.parse(text) as JobAnswer;
-}
+const call = (api: string, method: string, path: string, body?: unknown) =>
+  apiCall<JobAnswer>(api, method, path, body);
 
 before(async () => {
   db = await createTestDatabase();
   await target.start();
   const env = { databaseUrl: db.url, etcdPrefix: prefix, topic };
-  // A leader with every role, and a worker/api node without the scheduler role: a job created on
-  // a database that no leader dispatches stands for a dispatcher that lags (a failover).
-  nodes.push(spawnNode('ops-leader', env));
-  const started = await nodes[0]!.waitForLog((l) => l.msg === 'node started', 30_000);
-  leaderApi = started.apiUrl as string;
-  await nodes[0]!.waitForLog((l) => l.msg === 'became leader', 30_000);
-  await nodes[0]!.waitForLog((l) => l.msg === 'joined consumer group', 30_000);
+  // A leader with every role; the last test adds a worker/api node without the scheduler role: a
+  // job created on a database that no leader dispatches stands for a dispatcher that lags.
+  const leader = await startNode('ops-leader', env);
+  nodes.push(leader.node);
+  leaderApi = leader.apiUrl;
 });
 after(async () => {
   await db.pool.query('UPDATE jobs SET enabled = false').catch(() => undefined);
@@ -182,15 +173,19 @@ test(
   async () => {
     // A second database that no scheduler serves: the dispatcher "lags" for as long as we like.
     const lagging = await createTestDatabase();
-    const node = spawnNode('ops-worker', {
-      databaseUrl: lagging.url,
-      etcdPrefix: `${prefix}-lag`,
-      topic: `${topic}.lag`,
-      extra: { HELIOS_ROLES: 'worker,api' },
-    });
+    const { node, apiUrl } = await startNode(
+      'ops-worker',
+      {
+        databaseUrl: lagging.url,
+        etcdPrefix: `${prefix}-lag`,
+        topic: `${topic}.lag`,
+        extra: { HELIOS_ROLES: 'worker,api' },
+      },
+      {},
+    );
     nodes.push(node);
     try {
-      workerApi = (await node.waitForLog((l) => l.msg === 'node started', 30_000)).apiUrl as string;
+      workerApi = apiUrl;
       const created = await fetch(`${workerApi}/api/v1/jobs`, {
         method: 'POST',
         headers: { 'content-type': 'application/json' },
