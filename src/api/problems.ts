@@ -104,6 +104,16 @@ export function toProblem(error: unknown): ProblemError {
   if (typeof e.code === 'string' && /^22[0-9A-Z]{3}$/.test(e.code)) {
     return badRequest([{ field: 'body', message: 'a value is not acceptable to the database' }]);
   }
+  // Two writes met in opposite lock order (deadlock) or a serialization failure: PostgreSQL rolled
+  // this one back whole, so nothing is half-written and the caller may simply try again.
+  if (e.code === '40P01' || e.code === '40001') {
+    return new ProblemError(
+      409,
+      'concurrent-change',
+      'Conflict',
+      'a concurrent change got in the way; nothing was written, try again',
+    );
+  }
   return new ProblemError(500, 'internal', 'Internal server error', 'the server failed; see its log');
 }
 

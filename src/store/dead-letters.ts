@@ -56,6 +56,15 @@ export async function buryRun(
   return letter.id;
 }
 
+/**
+ * Locks the job of dead letter $1 first. A DELETE of the job locks the job, then (cascading) its
+ * runs, then their dead letters; a replay that locked the dead letter and then the run took them
+ * in the opposite order and the two could deadlock. Taking the job first serialises them: a replay
+ * after the delete finds nothing to replay.
+ */
+const LOCK_JOB_OF_LETTER = `
+  SELECT 1 FROM jobs WHERE id = (SELECT job_id FROM dead_letters WHERE id = $1) FOR KEY SHARE`;
+
 /** Marks an open dead letter replayed. $1 = dead letter id. */
 const MARK_REPLAYED = `
   UPDATE dead_letters SET replayed_at = now(), replay_count = replay_count + 1
@@ -101,6 +110,7 @@ export async function replayDeadLetter(
 ): Promise<ReplayResult | null> {
   if (!UUID.test(deadLetterId)) return null;
   return inTransaction(pool, async (client) => {
+    await client.query(LOCK_JOB_OF_LETTER, [deadLetterId]);
     const marked = await client.query<{ runId: string }>(MARK_REPLAYED, [deadLetterId]);
     const runId = marked.rows[0]?.runId;
     if (!runId) return null;
