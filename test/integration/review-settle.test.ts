@@ -1,0 +1,104 @@
+import assert from 'node:assert/strict';
+import { setTimeout as sleep } from 'node:timers/promises';
+import { after, before, test } from 'node:test';
+import { createEtcdClient } from '../../src/coordination/etcd.js';
+import { createTestDatabase, type TestDatabase } from '../support/database.js';
+import { serverEnv, uniqueId } from '../support/env.js';
+import { insertJob, nextWholeSecond, oncePerMinuteAt, stopJobs, TargetServer, waitFor } from '../support/execution.js';
+import { spawnNode, stopAll, type ManagedProcess } from '../support/processes.js';
+
+// Review of the completion batcher's per-item fallback (execution/batching.ts oneByOne): when the
+// first OUTAGE_AFTER (2) items of a failed batch fail on their own, the rest of the batch is failed
+// without being tried, on the theory that PostgreSQL is away. Two completions the database refuses
+// (PostgreSQL's own error, raised by a trigger, as in execution-settle.test.ts) that happen to head
+// a batch therefore fail every healthy completion behind them; the retries re-form the same batch
+// in the same order (their pauses are equal), until the claims expire and the reaper re-queues the
+// healthy runs: calls that finished are made again (contract item 10).
+//
+// The order is forced: two "slow" completions (a trigger sleeps in them) occupy both batches a
+// worker runs at once, so the poisoned completions (answered first) and then the healthy ones queue
+// up behind them and go out as one batch, poisoned first.
+
+const etcd = createEtcdClient(serverEnv().etcdEndpoints.split(','));
+const prefix = `/helios-test/${uniqueId()}`;
+const topic = `helios.test.${uniqueId()}`;
+const target = new TargetServer((request) => {
+  if (request.path.startsWith('/slow/1')) return { status: 200 };
+  if (request.path.startsWith('/slow/2')) return { status: 200, delayMs: 40 };
+  if (request.path.startsWith('/poison')) return { status: 200, delayMs: 150 };
+  return { status: 200, delayMs: 500 };
+});
+const nodes: ManagedProcess[] = [];
+let db: TestDatabase;
+
+before(async () => {
+  db = await createTestDatabase();
+  await db.pool.query(`
+    CREATE FUNCTION review_completion_faults() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN
+      IF NEW.state = 'succeeded' AND OLD.state = 'running' THEN
+        IF NEW.target->>'url' LIKE '%/slow/%' THEN
+          PERFORM pg_sleep(1.5);
+        END IF;
+        IF NEW.target->>'url' LIKE '%/poison%' THEN
+          RAISE EXCEPTION 'injected: this completion always fails';
+        END IF;
+      END IF;
+      RETURN NEW;
+    END $$;
+    CREATE TRIGGER review_completion_faults BEFORE UPDATE ON runs
+      FOR EACH ROW EXECUTE FUNCTION review_completion_faults();`);
+  await target.start();
+  nodes.push(
+    spawnNode('review-settle-1', {
+      databaseUrl: db.url,
+      etcdPrefix: prefix,
+      topic,
+      extra: { HELIOS_CLAIM_GRACE_MS: '1500', HELIOS_REAPER_INTERVAL_MS: '200' },
+    }),
+  );
+  await nodes[0]!.waitForLog((l) => l.msg === 'became leader', 30_000);
+  await nodes[0]!.waitForLog((l) => l.msg === 'joined consumer group', 30_000);
+});
+after(async () => {
+  await stopAll(nodes);
+  await target.close();
+  await db.drop();
+  await etcd.delete().prefix(prefix);
+  etcd.close();
+});
+
+test('two poisoned completions heading a batch cost no healthy run its completion', { timeout: 90_000 }, async () => {
+  const at = await nextWholeSecond(db.pool, 2000);
+  const job = (name: string, maxAttempts = 3) =>
+    insertJob(db.pool, {
+      name: `${name.replaceAll('/', '-')}-${uniqueId()}`,
+      schedule: oncePerMinuteAt(at),
+      target: { url: `${target.url}/${name}` },
+      nextRunAt: at,
+      timeoutMs: 1000,
+      maxAttempts,
+    });
+  const slow = [await job('slow/1'), await job('slow/2')];
+  const poisoned = [await job('poison/1', 1), await job('poison/2', 1)];
+  const healthy: string[] = [];
+  for (let i = 0; i < 30; i++) healthy.push(await job(`healthy/${i}`));
+  await waitFor(
+    'every healthy run to finish',
+    async () => {
+      const { rows } = await db.pool.query<{ n: number }>(
+        `SELECT count(*)::int AS n FROM runs WHERE job_id = ANY($1::uuid[]) AND state NOT IN ('queued', 'running')`,
+        [healthy],
+      );
+      return rows[0]!.n === healthy.length;
+    },
+    40_000,
+  );
+  await stopJobs(db.pool, [...slow, ...poisoned, ...healthy]);
+  await sleep(1000);
+  assert.ok(target.forJob(poisoned[0]!).length >= 1, 'the poisoned runs were called');
+  const repeated = healthy
+    .map((id) => target.forJob(id).length)
+    .filter((calls) => calls !== 1);
+  assert.deepEqual(repeated, [], 'every healthy run reached the target exactly once');
+});
