@@ -4,7 +4,14 @@ import { after, before, test } from 'node:test';
 import { createEtcdClient } from '../../src/coordination/etcd.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
 import { serverEnv, uniqueId } from '../support/env.js';
-import { insertJob, nextWholeSecond, oncePerMinuteAt, stopJobs, TargetServer, waitFor } from '../support/execution.js';
+import {
+  insertJob,
+  nextWholeSecond,
+  oncePerMinuteAt,
+  stopJobs,
+  TargetServer,
+  waitFor,
+} from '../support/execution.js';
 import { spawnNode, stopAll, type ManagedProcess } from '../support/processes.js';
 
 // Review of the completion batcher's per-item fallback (execution/batching.ts oneByOne): when the
@@ -15,7 +22,8 @@ import { spawnNode, stopAll, type ManagedProcess } from '../support/processes.js
 // in the same order (their pauses are equal), until the claims expire and the reaper re-queues the
 // healthy runs: calls that finished are made again (contract item 10).
 //
-// The order is forced: two "slow" completions (a trigger sleeps in them) occupy both batches a
+// The test fails either way the fault shows: healthy runs called twice, or their completions
+// recorded only as their claims were about to expire. The order is forced: two "slow" completions (a trigger sleeps in them) occupy both batches a
 // worker runs at once, so the poisoned completions (answered first) and then the healthy ones queue
 // up behind them and go out as one batch, poisoned first.
 
@@ -24,9 +32,9 @@ const prefix = `/helios-test/${uniqueId()}`;
 const topic = `helios.test.${uniqueId()}`;
 const target = new TargetServer((request) => {
   if (request.path.startsWith('/slow/1')) return { status: 200 };
-  if (request.path.startsWith('/slow/2')) return { status: 200, delayMs: 40 };
-  if (request.path.startsWith('/poison')) return { status: 200, delayMs: 150 };
-  return { status: 200, delayMs: 500 };
+  if (request.path.startsWith('/slow/2')) return { status: 200, delayMs: 300 };
+  if (request.path.startsWith('/poison')) return { status: 200, delayMs: 600 };
+  return { status: 200, delayMs: 1000 };
 });
 const nodes: ManagedProcess[] = [];
 let db: TestDatabase;
@@ -38,7 +46,7 @@ before(async () => {
     BEGIN
       IF NEW.state = 'succeeded' AND OLD.state = 'running' THEN
         IF NEW.target->>'url' LIKE '%/slow/%' THEN
-          PERFORM pg_sleep(1.5);
+          PERFORM pg_sleep(2.5);
         END IF;
         IF NEW.target->>'url' LIKE '%/poison%' THEN
           RAISE EXCEPTION 'injected: this completion always fails';
@@ -54,7 +62,7 @@ before(async () => {
       databaseUrl: db.url,
       etcdPrefix: prefix,
       topic,
-      extra: { HELIOS_CLAIM_GRACE_MS: '1500', HELIOS_REAPER_INTERVAL_MS: '200' },
+      extra: { HELIOS_CLAIM_GRACE_MS: '8000', HELIOS_REAPER_INTERVAL_MS: '200' },
     }),
   );
   await nodes[0]!.waitForLog((l) => l.msg === 'became leader', 30_000);
@@ -68,37 +76,58 @@ after(async () => {
   etcd.close();
 });
 
-test('two poisoned completions heading a batch cost no healthy run its completion', { timeout: 90_000 }, async () => {
-  const at = await nextWholeSecond(db.pool, 2000);
-  const job = (name: string, maxAttempts = 3) =>
-    insertJob(db.pool, {
-      name: `${name.replaceAll('/', '-')}-${uniqueId()}`,
-      schedule: oncePerMinuteAt(at),
-      target: { url: `${target.url}/${name}` },
-      nextRunAt: at,
-      timeoutMs: 1000,
-      maxAttempts,
-    });
-  const slow = [await job('slow/1'), await job('slow/2')];
-  const poisoned = [await job('poison/1', 1), await job('poison/2', 1)];
-  const healthy: string[] = [];
-  for (let i = 0; i < 30; i++) healthy.push(await job(`healthy/${i}`));
-  await waitFor(
-    'every healthy run to finish',
-    async () => {
-      const { rows } = await db.pool.query<{ n: number }>(
-        `SELECT count(*)::int AS n FROM runs WHERE job_id = ANY($1::uuid[]) AND state NOT IN ('queued', 'running')`,
-        [healthy],
-      );
-      return rows[0]!.n === healthy.length;
-    },
-    40_000,
-  );
-  await stopJobs(db.pool, [...slow, ...poisoned, ...healthy]);
-  await sleep(1000);
-  assert.ok(target.forJob(poisoned[0]!).length >= 1, 'the poisoned runs were called');
-  const repeated = healthy
-    .map((id) => target.forJob(id).length)
-    .filter((calls) => calls !== 1);
-  assert.deepEqual(repeated, [], 'every healthy run reached the target exactly once');
-});
+test(
+  'two poisoned completions heading a batch cost no healthy run its completion',
+  { timeout: 90_000 },
+  async () => {
+    const at = await nextWholeSecond(db.pool, 2000);
+    const job = (name: string, maxAttempts = 3) =>
+      insertJob(db.pool, {
+        name: `${name.replaceAll('/', '-')}-${uniqueId()}`,
+        schedule: oncePerMinuteAt(at),
+        target: { url: `${target.url}/${name}` },
+        nextRunAt: at,
+        timeoutMs: 3000,
+        maxAttempts,
+      });
+    const slow = [await job('slow/1'), await job('slow/2')];
+    const poisoned = [await job('poison/1', 1), await job('poison/2', 1)];
+    const healthy: string[] = [];
+    for (let i = 0; i < 30; i++) healthy.push(await job(`healthy/${i}`));
+    await waitFor(
+      'every healthy run to finish',
+      async () => {
+        const { rows } = await db.pool.query<{ n: number }>(
+          `SELECT count(*)::int AS n FROM runs WHERE job_id = ANY($1::uuid[]) AND state NOT IN ('queued', 'running')`,
+          [healthy],
+        );
+        return rows[0]!.n === healthy.length;
+      },
+      40_000,
+    );
+    await stopJobs(db.pool, [...slow, ...poisoned, ...healthy]);
+    await sleep(1000);
+    assert.ok(target.forJob(poisoned[0]!).length >= 1, 'the poisoned runs were called');
+    const repeated = healthy.filter((id) => target.forJob(id).length !== 1);
+    // The claims last 11 s (timeout 3 s + grace 8 s). Once the slow completions are out of the way
+    // (2.5 s), a healthy completion goes through at its first try; one that is held back by the
+    // poisoned ones is retried until its claim is about to expire, and then only the jitter of the
+    // last retries decides whether it is recorded or the reaper re-queues the run and it is called
+    // again. Both are checked: the second directly, the first by when the completion was recorded.
+    const { rows: late } = await db.pool.query<{ ms: number }>(
+      `SELECT (extract(epoch FROM finished_at - scheduled_for) * 1000)::float8 AS ms
+     FROM runs WHERE job_id = ANY($1::uuid[]) AND finished_at - scheduled_for > interval '6 seconds'`,
+      [healthy],
+    );
+    assert.equal(
+      repeated.length,
+      0,
+      `${repeated.length} of ${healthy.length} healthy runs reached the target more than once`,
+    );
+    assert.deepEqual(
+      late.map((r) => Math.round(r.ms)),
+      [],
+      'healthy completions recorded more than 6 s after they were due (held back until their claim nearly expired)',
+    );
+  },
+);
