@@ -76,3 +76,63 @@ test('two refused rows at the head of the outbox do not hold back the rows behin
     await running;
   }
 });
+
+test('two refused rows anywhere in one batch do not stall the relay once they are due again', async () => {
+  // The first batch is isolated (healthy rows go out between the two refused ones), so both are
+  // put off by the same back-off and come due again together: then they are the whole batch (or
+  // its head), the isolation gives up, and every row inserted afterwards waits behind them.
+  await db.pool.query(`DELETE FROM outbox`);
+  const insert = (keys: string) =>
+    db.pool.query(
+      `INSERT INTO outbox (topic, key, payload)
+       SELECT $1, k, CASE WHEN k LIKE 'poison%' THEN jsonb_build_object('pad', repeat('x', 2000000))
+                          ELSE jsonb_build_object('k', k) END
+       FROM unnest($2::text[]) WITH ORDINALITY AS u (k, n) ORDER BY n`,
+      [topic, keys.split(' ')],
+    );
+  await insert('poison-a a1 a2 a3 a4 a5 poison-b a6 a7 a8 a9 a10');
+  const abort = new AbortController();
+  const relay = new OutboxRelay({
+    pool: db.pool,
+    publisher,
+    notifications,
+    signal: abort.signal,
+    logger: silentLogger,
+    metrics: createMetrics('review-relay-test-2'),
+  });
+  const running = relay.run();
+  const published = async (prefix: string) => {
+    const { rows } = await db.pool.query<{ n: number }>(
+      `SELECT count(*)::int AS n FROM outbox WHERE key LIKE $1 AND published_at IS NOT NULL`,
+      [`${prefix}%`],
+    );
+    return rows[0]!.n;
+  };
+  try {
+    await waitFor(
+      'the first healthy rows to be published',
+      async () => (await published('a')) === 10,
+      30_000,
+    );
+    // Both refused rows were put off by 1 s; wait until they have been tried again.
+    await waitFor(
+      'the refused rows to be tried again',
+      async () => {
+        const { rows } = await db.pool.query<{ n: number }>(
+          `SELECT count(*)::int AS n FROM outbox WHERE key LIKE 'poison%' AND publish_tries >= 2`,
+        );
+        return rows[0]!.n === 2;
+      },
+      30_000,
+    );
+    await insert('b1 b2 b3 b4 b5 b6 b7 b8 b9 b10');
+    await waitFor(
+      'the rows inserted later to be published',
+      async () => (await published('b')) === 10,
+      30_000,
+    );
+  } finally {
+    abort.abort();
+    await running;
+  }
+});
