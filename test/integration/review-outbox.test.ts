@@ -1,4 +1,3 @@
-import assert from 'node:assert/strict';
 import { after, before, test } from 'node:test';
 import { createKafka, deleteTopics, ensureTopics, RunPublisher } from '../../src/broker/index.js';
 import { OutboxRelay } from '../../src/outbox/relay.js';
