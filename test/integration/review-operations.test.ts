@@ -63,3 +63,53 @@ test('a PATCH racing a delete of its job answers 404', async () => {
   );
   assert.equal(answer.status, 404, answer.text);
 });
+
+test('a replay racing a delete of its job: neither call fails with 500', async () => {
+  const jobId = await createJob();
+  const { rows } = await api.db.pool.query<{ runId: string; letterId: string }>(
+    `WITH run AS (
+       INSERT INTO runs (job_id, scheduled_for, trigger, state, attempt, max_attempts, target, timeout_ms,
+                         backoff_ms, backoff_multiplier, concurrency, not_before, finished_at)
+       SELECT id, now() - interval '1 minute', 'manual', 'dead', 1, 1, target, timeout_ms, backoff_ms,
+              backoff_multiplier, concurrency, now() - interval '1 minute', now()
+       FROM jobs WHERE id = $1
+       RETURNING id, job_id)
+     INSERT INTO dead_letters (run_id, job_id, attempt, error)
+     SELECT id, job_id, 1, 'review' FROM run
+     RETURNING run_id AS "runId", id AS "letterId"`,
+    [jobId],
+  );
+  const { runId, letterId } = rows[0]!;
+  // The test holds the run row, so that the DELETE (job row, then its runs by cascade) waits on it
+  // first and the replay (dead letter row, then the run) queues behind it: once the run is let go,
+  // the DELETE takes it and cascades on to the dead letter the replay holds, while the replay waits
+  // for the run the DELETE now holds.
+  const holder = await api.db.pool.connect();
+  const waiting = async (n: number) =>
+    waitFor(`${n} sessions to wait for a lock`, async () => {
+      const { rows: w } = await api.db.pool.query<{ n: number }>(
+        `SELECT count(*)::int AS n FROM pg_stat_activity
+         WHERE datname = current_database() AND wait_event_type = 'Lock'`,
+      );
+      return w[0]!.n >= n;
+    });
+  let deleted: Promise<{ status: number; text: string }>;
+  let replayed: Promise<{ status: number; text: string }>;
+  try {
+    await holder.query('BEGIN');
+    await holder.query('SELECT 1 FROM runs WHERE id = $1 FOR UPDATE', [runId]);
+    deleted = api.call('DELETE', `/api/v1/jobs/${jobId}`);
+    await waiting(1);
+    replayed = api.call('POST', `/api/v1/dead-letters/${letterId}/replay`);
+    await waiting(2);
+    await holder.query('COMMIT');
+  } finally {
+    holder.release();
+  }
+  const [d, r] = await Promise.all([deleted, replayed]);
+  const deadlocks = api.logs.filter((l) => l.includes('deadlock detected')).length;
+  assert.ok(
+    d.status !== 500 && r.status !== 500,
+    `DELETE ${d.status} ${d.text}; replay ${r.status} ${r.text}; deadlocks logged: ${deadlocks}`,
+  );
+});
