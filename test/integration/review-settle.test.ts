@@ -18,17 +18,16 @@ import { spawnNode, stopAll, type ManagedProcess } from '../support/processes.js
 // first OUTAGE_AFTER (2) items of a failed batch fail on their own, the rest of the batch is failed
 // without being tried, on the theory that PostgreSQL is away. Two completions the database refuses
 // (PostgreSQL's own error, raised by a trigger, as in execution-settle.test.ts) that happen to head
-// a batch therefore fail every healthy completion behind them; the retries re-form the same batch
-// in the same order (their pauses are equal), until the claims expire and the reaper re-queues the
-// healthy runs: calls that finished are made again (contract item 10).
+// a batch therefore fail every healthy completion behind them. Their retries (equal pauses) mostly
+// re-form the same batch in the same order, until the claims are about to expire; then the jitter
+// of the last retries decides, per run, whether its completion is recorded or the reaper re-queues
+// it and a call that finished is made again (contract item 10). In runs of this test 0 to 30 of
+// the 30 healthy runs were called twice, so the test checks the cause, which is deterministic (no
+// healthy run's first completion write may fail), and then the consequences.
 //
-// What happens after the first failed batch depends on the jitter of the retries (in runs of this
-// test, 0 to 30 of the 30 healthy runs were called twice; the others were recorded just before
-// their claims expired), so the test checks the cause, which is deterministic: no healthy run's
-// first completion write may fail; and then both consequences. The order is forced: two "slow" completions
-// (a trigger sleeps in them) occupy both batches a worker runs at once, so the poisoned
-// completions (answered first) and then the healthy ones queue up behind them and go out as one
-// batch, poisoned first.
+// The order is forced: two "slow" completions (a trigger sleeps in them) occupy both batches a
+// worker runs at once, so the poisoned completions (answered first) and then the healthy ones queue
+// up behind them and go out as one batch, poisoned first.
 
 const etcd = createEtcdClient(serverEnv().etcdEndpoints.split(','));
 const prefix = `/helios-test/${uniqueId()}`;
