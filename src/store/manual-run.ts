@@ -24,6 +24,13 @@ const CREATE_MANUAL_RUN = `
 
 /** The new run's id; null when the job does not exist or a run for this instant already exists. */
 export async function createManualRun(db: Queryable, jobId: string, topic: string): Promise<string | null> {
-  const { rows } = await db.query<{ id: string }>(CREATE_MANUAL_RUN, [jobId, topic]);
-  return rows[0]?.id ?? null;
+  try {
+    const { rows } = await db.query<{ id: string }>(CREATE_MANUAL_RUN, [jobId, topic]);
+    return rows[0]?.id ?? null;
+  } catch (err) {
+    // The job was read from the statement's snapshot but deleted before the insert's foreign key
+    // check could lock it (a DELETE committed meanwhile): the job does not exist, as above.
+    if ((err as { code?: unknown } | null)?.code === '23503') return null;
+    throw err;
+  }
 }

@@ -1,0 +1,137 @@
+import { after, before, test } from 'node:test';
+import { createKafka, deleteTopics, ensureTopics, RunPublisher } from '../../src/broker/index.js';
+import { OutboxRelay } from '../../src/outbox/relay.js';
+import { silentLogger } from '../../src/observability/logger.js';
+import { createMetrics } from '../../src/observability/metrics.js';
+import { Notifications } from '../../src/store/notifications.js';
+import { createTestDatabase, type TestDatabase } from '../support/database.js';
+import { serverEnv, uniqueId } from '../support/env.js';
+import { waitFor } from '../support/execution.js';
+
+// Review of the relay's isolation of refused rows (outbox/relay.ts isolate): it gives up, changing
+// nothing, when the first ISOLATION_GIVES_UP_AFTER (2) rows of a failed batch fail one by one, on
+// the theory that the broker is away. But two refused rows can simply be next to each other at the
+// head of the batch (two dead letters of one poison job, say); the batch then fails as a whole, is
+// not put off, and the same two rows head every later batch: the relay is stuck for good.
+
+const topic = `helios.test.${uniqueId()}`;
+const kafka = createKafka({
+  brokers: serverEnv().kafkaBrokers.split(','),
+  clientId: 'review-relay-test',
+  logger: silentLogger,
+});
+let db: TestDatabase;
+let notifications: Notifications;
+let publisher: RunPublisher;
+
+before(async () => {
+  db = await createTestDatabase();
+  await ensureTopics(kafka, [{ name: topic, partitions: 1 }]);
+  notifications = new Notifications(db.url, ['helios_outbox'], silentLogger);
+  notifications.start();
+  publisher = new RunPublisher({ kafka, logger: silentLogger });
+});
+after(async () => {
+  await publisher.disconnect();
+  await notifications.stop();
+  await deleteTopics(kafka, [topic]).catch(() => undefined);
+  await db.drop();
+});
+
+test('two refused rows at the head of the outbox do not hold back the rows behind them', async () => {
+  // Each larger than the broker's message.max.bytes (1 MiB by default): refused for good.
+  await db.pool.query(
+    `INSERT INTO outbox (topic, key, payload)
+     SELECT $1, 'poison' || i, jsonb_build_object('pad', repeat('x', 2000000)) FROM generate_series(1, 2) i`,
+    [topic],
+  );
+  await db.pool.query(
+    `INSERT INTO outbox (topic, key, payload) SELECT $1, 'k' || i, jsonb_build_object('i', i) FROM generate_series(1, 20) i`,
+    [topic],
+  );
+  const abort = new AbortController();
+  const relay = new OutboxRelay({
+    pool: db.pool,
+    publisher,
+    notifications,
+    signal: abort.signal,
+    logger: silentLogger,
+    metrics: createMetrics('review-relay-test'),
+  });
+  const running = relay.run();
+  try {
+    await waitFor(
+      'the healthy rows to be published',
+      async () => {
+        const { rows } = await db.pool.query<{ n: number }>(
+          `SELECT count(*)::int AS n FROM outbox WHERE key NOT LIKE 'poison%' AND published_at IS NOT NULL`,
+        );
+        return rows[0]!.n === 20;
+      },
+      30_000,
+    );
+  } finally {
+    abort.abort();
+    await running;
+  }
+});
+
+test('two refused rows anywhere in one batch do not stall the relay once they are due again', async () => {
+  // The first batch is isolated (healthy rows go out between the two refused ones), so both are
+  // put off by the same back-off and come due again together: then they are the whole batch (or
+  // its head), the isolation gives up, and every row inserted afterwards waits behind them.
+  await db.pool.query(`DELETE FROM outbox`);
+  const insert = (keys: string) =>
+    db.pool.query(
+      `INSERT INTO outbox (topic, key, payload)
+       SELECT $1, k, CASE WHEN k LIKE 'poison%' THEN jsonb_build_object('pad', repeat('x', 2000000))
+                          ELSE jsonb_build_object('k', k) END
+       FROM unnest($2::text[]) WITH ORDINALITY AS u (k, n) ORDER BY n`,
+      [topic, keys.split(' ')],
+    );
+  await insert('poison-a a1 a2 a3 a4 a5 poison-b a6 a7 a8 a9 a10');
+  const abort = new AbortController();
+  const relay = new OutboxRelay({
+    pool: db.pool,
+    publisher,
+    notifications,
+    signal: abort.signal,
+    logger: silentLogger,
+    metrics: createMetrics('review-relay-test-2'),
+  });
+  const running = relay.run();
+  const published = async (prefix: string) => {
+    const { rows } = await db.pool.query<{ n: number }>(
+      `SELECT count(*)::int AS n FROM outbox WHERE key LIKE $1 AND published_at IS NOT NULL`,
+      [`${prefix}%`],
+    );
+    return rows[0]!.n;
+  };
+  try {
+    await waitFor(
+      'the first healthy rows to be published',
+      async () => (await published('a')) === 10,
+      30_000,
+    );
+    // Both refused rows were put off by 1 s; wait until they have been tried again.
+    await waitFor(
+      'the refused rows to be tried again',
+      async () => {
+        const { rows } = await db.pool.query<{ n: number }>(
+          `SELECT count(*)::int AS n FROM outbox WHERE key LIKE 'poison%' AND publish_tries >= 2`,
+        );
+        return rows[0]!.n === 2;
+      },
+      30_000,
+    );
+    await insert('b1 b2 b3 b4 b5 b6 b7 b8 b9 b10');
+    await waitFor(
+      'the rows inserted later to be published',
+      async () => (await published('b')) === 10,
+      30_000,
+    );
+  } finally {
+    abort.abort();
+    await running;
+  }
+});
