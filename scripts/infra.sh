@@ -14,6 +14,18 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 STATE="${HELIOS_STATE_DIR:-$ROOT/.helios}"
+# Ports given once stay the ports of this checkout: `up` records them in .helios/env, and any
+# later call (a test or the chaos run restarting one server, a shell without the exports) that
+# does not set a port itself reuses the recorded one instead of falling back to the defaults,
+# which belong to another checkout's servers.
+if [[ -f "$STATE/env" ]]; then
+  for var in HELIOS_PG_PORT HELIOS_ETCD_PORT HELIOS_ETCD_PEER_PORT HELIOS_KAFKA_PORT HELIOS_KAFKA_CONTROLLER_PORT; do
+    if [[ -z "${!var:-}" ]]; then
+      recorded="$(sed -n "s/^export $var=\([0-9]*\)$/\1/p" "$STATE/env" | head -n1)"
+      [[ -n "$recorded" ]] && export "$var=$recorded"
+    fi
+  done
+fi
 PG_BIN="${HELIOS_PG_BIN:-/usr/lib/postgresql/15/bin}"
 PG_PORT="${HELIOS_PG_PORT:-55432}"
 ETCD_PORT="${HELIOS_ETCD_PORT:-52379}"
@@ -131,7 +143,8 @@ log_min_messages = warning
 log_line_prefix = '%m [%p] '
 EOF
     fi
-    as_postgres "'$PG_BIN/pg_ctl' -D '$pg_dir/data' -l '$pg_dir/postgres.log' -w -t 30 start" >/dev/null \
+    # The port is given on the command line too: postgresql.conf has the one of the initdb.
+    as_postgres "'$PG_BIN/pg_ctl' -D '$pg_dir/data' -l '$pg_dir/postgres.log' -o '-p $PG_PORT' -w -t 30 start" >/dev/null \
       || fail_with_log "postgres" "$pg_dir/postgres.log"
     # The pid recorded for `down` is the postmaster's.
     pg_pid >"$pg_dir/pid"
@@ -268,6 +281,11 @@ export HELIOS_ETCD_ENDPOINTS=$etcd_url
 export HELIOS_KAFKA_BROKERS=127.0.0.1:$KAFKA_PORT
 export HELIOS_PG_BIN=$PG_BIN
 export HELIOS_INFRA=$ROOT/scripts/infra.sh
+export HELIOS_PG_PORT=$PG_PORT
+export HELIOS_ETCD_PORT=$ETCD_PORT
+export HELIOS_ETCD_PEER_PORT=$ETCD_PEER_PORT
+export HELIOS_KAFKA_PORT=$KAFKA_PORT
+export HELIOS_KAFKA_CONTROLLER_PORT=$KAFKA_CONTROLLER_PORT
 EOF
 }
 
