@@ -39,7 +39,8 @@ export function checkAnnouncements(
     const count = seen.get(k)?.length ?? 0;
     if (count < published.length) {
       lost += 1;
-      if (lost <= 5) violations.push(`outbox row ${published[0]!.id} (${k}) was marked published but is not on the topic`);
+      if (lost <= 5)
+        violations.push(`outbox row ${published[0]!.id} (${k}) was marked published but is not on the topic`);
     }
     if (count > list.length) {
       duplicated += 1;
@@ -48,13 +49,17 @@ export function checkAnnouncements(
       if (!fault) {
         unexplained += 1;
         if (unexplained <= 5)
-          violations.push(`${k} is on the topic ${count} times for ${list.length} outbox rows (marked ${iso(at)}), with no fault`);
+          violations.push(
+            `${k} is on the topic ${count} times for ${list.length} outbox rows (marked ${iso(at)}), with no fault`,
+          );
       }
     }
   }
   const phantoms = [...seen.keys()].filter((k) => !rows.has(k));
-  for (const k of phantoms.slice(0, 5)) violations.push(`${k} is on the topic but no outbox row announced it`);
-  for (const r of unpublished.slice(0, 5)) violations.push(`outbox row ${r.id} (${key(r)}) was never published`);
+  for (const k of phantoms.slice(0, 5))
+    violations.push(`${k} is on the topic but no outbox row announced it`);
+  for (const r of unpublished.slice(0, 5))
+    violations.push(`outbox row ${r.id} (${key(r)}) was never published`);
   return {
     violations,
     lines: [

@@ -8,7 +8,14 @@
  * - a paused leader's held write is rejected by the fence, in that node's log, after its resume;
  * - no node exited except by a kill of the schedule.
  */
-import { faultNodes, iso, type Fault, type Findings, type Observations, type ProcessView } from './observations.js';
+import {
+  faultNodes,
+  iso,
+  type Fault,
+  type Findings,
+  type Observations,
+  type ProcessView,
+} from './observations.js';
 
 /** A transaction's created_at is its start; a write that began before the newer epoch's fence may commit after it. */
 const COMMIT_SLACK_MS = 500;
@@ -32,7 +39,13 @@ export function leaderEpochs(processes: readonly ProcessView[]): Epoch[] {
     for (const line of process.logs) {
       const at = Date.parse(String(line.time));
       if (line.msg === 'became leader') {
-        open = { node: process.name, pid: process.pid, token: BigInt(String(line.token)), start: at, end: Infinity };
+        open = {
+          node: process.name,
+          pid: process.pid,
+          token: BigInt(String(line.token)),
+          start: at,
+          end: Infinity,
+        };
         epochs.push(open);
       } else if (line.msg === 'stepped down' && open) {
         open.end = at;
@@ -54,7 +67,9 @@ function frozenAt(faults: readonly Fault[], processes: readonly ProcessView[], n
       f.start <= at &&
       at <= f.end &&
       // a kill leaves an exit at the halt; a pause does not
-      !processes.some((p) => p.name === node && p.exitedAt !== undefined && Math.abs(p.exitedAt - f.haltedAt!) < 5000),
+      !processes.some(
+        (p) => p.name === node && p.exitedAt !== undefined && Math.abs(p.exitedAt - f.haltedAt!) < 5000,
+      ),
   );
 }
 
@@ -97,7 +112,9 @@ export function checkLeaders(obs: Observations): Findings {
     const prev = epochs[i - 1]!;
     const next = epochs[i]!;
     if (next.token <= prev.token)
-      violations.push(`${next.node} became leader with token ${next.token} after ${prev.node} had token ${prev.token}`);
+      violations.push(
+        `${next.node} became leader with token ${next.token} after ${prev.node} had token ${prev.token}`,
+      );
     if (prev.end <= next.start + LOG_SLACK_MS) continue;
     const pause = frozenAt(obs.faults, obs.processes, prev.node, next.start);
     if (pause && prev.end <= pause.end + WAKE_SLACK_MS) continue;
@@ -117,18 +134,30 @@ export function checkLeaders(obs: Observations): Findings {
     );
     const rejected = process?.logs.some((l) => {
       const at = Date.parse(String(l.time));
-      return typeof l.msg === 'string' && l.msg.includes('rejected by the fence') && at >= fault.end - LOG_SLACK_MS && at <= fault.end + 10_000;
+      return (
+        typeof l.msg === 'string' &&
+        l.msg.includes('rejected by the fence') &&
+        at >= fault.end - LOG_SLACK_MS &&
+        at <= fault.end + 10_000
+      );
     });
-    lines.push(`pause of ${fault.node} at ${iso(fault.start)} with a write held: rejected by the fence after resume: ${rejected ? 'yes' : 'no'}`);
+    lines.push(
+      `pause of ${fault.node} at ${iso(fault.start)} with a write held: rejected by the fence after resume: ${rejected ? 'yes' : 'no'}`,
+    );
     if (!rejected)
-      violations.push(`${fault.node} was paused with a write held and, after its resume at ${iso(fault.end)}, logged no fence rejection`);
+      violations.push(
+        `${fault.node} was paused with a write held and, after its resume at ${iso(fault.end)}, logged no fence rejection`,
+      );
   }
 
   // 4. No node died on its own.
   for (const process of obs.processes) {
     if (process.exitedAt === undefined) continue;
     const killed = obs.faults.some(
-      (f) => faultNodes(f).includes(process.name) && f.haltedAt !== undefined && Math.abs(f.haltedAt - process.exitedAt!) < 5000,
+      (f) =>
+        faultNodes(f).includes(process.name) &&
+        f.haltedAt !== undefined &&
+        Math.abs(f.haltedAt - process.exitedAt!) < 5000,
     );
     if (!killed) {
       const said = (process.stderr ?? []).filter((line) => line.trim() !== '' && !/^\s+at /.test(line));

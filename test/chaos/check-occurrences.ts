@@ -4,7 +4,14 @@
  * did, no occurrence was delivered by two different runs, and each went to the target in force.
  */
 import { expectations, whyNot, type JobHistory } from './model.js';
-import { groupBy, iso, type Delivery, type Findings, type Observations, type RunRow } from './observations.js';
+import {
+  groupBy,
+  iso,
+  type Delivery,
+  type Findings,
+  type Observations,
+  type RunRow,
+} from './observations.js';
 
 /** Boundary fuzz of "late" (created after the misfire threshold) vs "on time". */
 const LATE_FUZZ_MS = 300;
@@ -21,11 +28,12 @@ function report(violations: string[], label: string, items: string[]): void {
 /**
  * Instants at which the leader created runs: every pass creates some, because every-second
  * steady jobs always have a new occurrence entering the lookahead. A pass in
- * [at − lookahead, at + threshold) would have created an occurrence `at` on time.
+ * [at − lookahead, at + threshold) would have created an occurrence `at` on time, if it came
+ * after the last edit that made (or withdrew and re-made) that occurrence (`since`).
  */
-function dispatcherWasBack(passes: readonly number[], at: number, obs: Observations): boolean {
+function dispatcherWasBack(passes: readonly number[], at: number, since: number, obs: Observations): boolean {
   const { lookaheadMs, misfireThresholdMs } = obs.settings;
-  const from = at - lookaheadMs + LATE_FUZZ_MS;
+  const from = Math.max(at - lookaheadMs, since) + LATE_FUZZ_MS;
   const to = at + misfireThresholdMs - LATE_FUZZ_MS;
   return passes.some((p) => p >= from && p <= to);
 }
@@ -37,9 +45,9 @@ function isLate(run: RunRow, obs: Observations): boolean {
 export function checkOccurrences(obs: Observations): Findings {
   const violations: string[] = [];
   const lines: string[] = [];
-  const passes = [
-    ...new Set(obs.runs.filter((r) => r.createdEpoch !== null).map((r) => r.createdAt)),
-  ].sort((a, b) => a - b);
+  const passes = [...new Set(obs.runs.filter((r) => r.createdEpoch !== null).map((r) => r.createdAt))].sort(
+    (a, b) => a - b,
+  );
   const runsByJob = groupBy(
     obs.runs.filter((r) => r.trigger === 'schedule'),
     (r) => r.jobId,
@@ -65,6 +73,9 @@ export function checkOccurrences(obs: Observations): Findings {
       if (run?.state === 'skipped') return [];
       return arrived;
     };
+    // `forbid` skips an occurrence that finds the job active: accounted for (check-policies.ts
+    // judges whether the skip was allowed).
+    const skippedByPolicy = (at: number) => runs.get(at)?.reason === 'concurrency-forbid';
     const label = (at: number) => `${job.name} (${job.role}, ${job.misfire}) at ${iso(at)}`;
     const excusedMisses: number[] = [];
     for (const e of expectations(job, obs.windowStart, obs.windowEnd, obs.settings.opToleranceMs)) {
@@ -76,17 +87,20 @@ export function checkOccurrences(obs: Observations): Findings {
       if (e.verdict === 'must-not') {
         mustNot += 1;
         if (arrived.length > 0)
-          forbidden.push(`${label(e.at)} ran ${whyNot(e.decidedBy ?? null, e.at)} (run ${arrived[0]!.runId})`);
+          forbidden.push(
+            `${label(e.at)} ran ${whyNot(e.decidedBy ?? null, e.at)} (run ${arrived[0]!.runId})`,
+          );
         continue;
       }
       if (e.targetPath !== undefined) {
         const wrong = arrived.find((d) => d.path !== e.targetPath);
-        if (wrong) wrongTarget.push(`${label(e.at)} called ${wrong.path}, the target in force was ${e.targetPath}`);
+        if (wrong)
+          wrongTarget.push(`${label(e.at)} called ${wrong.path}, the target in force was ${e.targetPath}`);
       }
       if (e.verdict !== 'must') continue;
       must += 1;
-      if (arrived.length > 0) continue;
-      if (!dispatcherWasBack(passes, e.at, obs)) {
+      if (arrived.length > 0 || skippedByPolicy(e.at)) continue;
+      if (!dispatcherWasBack(passes, e.at, e.since, obs)) {
         excused += 1;
         excusedMisses.push(e.at);
         const near = obs.faults.some(
@@ -94,11 +108,14 @@ export function checkOccurrences(obs: Observations): Findings {
             e.at >= f.start - obs.settings.lookaheadMs &&
             e.at <= f.end + obs.settings.misfireThresholdMs + 3000,
         );
-        if (!near) unexplainedGap.push(`${label(e.at)}: no leader created runs around it and no fault was near`);
+        if (!near)
+          unexplainedGap.push(`${label(e.at)}: no leader created runs around it and no fault was near`);
         continue;
       }
       const run = runs.get(e.at);
-      const what = run ? `its run ${run.id} is ${run.state}${run.reason ? ` (${run.reason})` : ''}` : 'no run';
+      const what = run
+        ? `its run ${run.id} is ${run.state}${run.reason ? ` (${run.reason})` : ''}`
+        : 'no run';
       missing.push(`${label(e.at)}: ${what}, though a leader was creating runs within the misfire threshold`);
     }
     misfires.push(...checkMisfirePolicy(job, [...runs.values()], excusedMisses, obs));
@@ -140,7 +157,9 @@ function checkMisfirePolicy(
   if (allowed > 0 && excusedMisses.length > 0) {
     // The occurrences fired late after a gap are those right after the dropped ones.
     const last = Math.max(...excusedMisses);
-    const after = runs.filter((r) => r.scheduledFor > last).sort((a, b) => a.scheduledFor - b.scheduledFor)[0];
+    const after = runs
+      .filter((r) => r.scheduledFor > last)
+      .sort((a, b) => a.scheduledFor - b.scheduledFor)[0];
     if (after && !(after.createdAt - after.scheduledFor > obs.settings.misfireThresholdMs - LATE_FUZZ_MS))
       problems.push(
         `${job.name} (${job.misfire}): occurrences up to ${iso(last)} were dropped but none was fired late ` +

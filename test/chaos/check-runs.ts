@@ -52,7 +52,12 @@ export function explainingFault(
   });
 }
 
-function lateness(obs: Observations, runs: readonly RunRow[], byRun: Map<string, Delivery[]>, roles: Map<string, JobRole>) {
+function lateness(
+  obs: Observations,
+  runs: readonly RunRow[],
+  byRun: Map<string, Delivery[]>,
+  roles: Map<string, JobRole>,
+) {
   const byKind = new Map<string, number[]>();
   const over: string[] = [];
   for (const run of runs) {
@@ -68,7 +73,10 @@ function lateness(obs: Observations, runs: readonly RunRow[], byRun: Map<string,
     if (!list) byKind.set(kind, (list = []));
     list.push(late);
     const bound = obs.settings.latenessBoundMs[kind] ?? obs.settings.latenessBoundMs.default ?? Infinity;
-    if (late > bound) over.push(`run ${run.id} due ${iso(due)} arrived ${late.toFixed(0)} ms late (${kind}, bound ${bound} ms)`);
+    if (late > bound)
+      over.push(
+        `run ${run.id} due ${iso(due)} arrived ${late.toFixed(0)} ms late (${kind}, bound ${bound} ms)`,
+      );
   }
   return { byKind, over };
 }
@@ -109,19 +117,27 @@ export function checkRuns(obs: Observations): Findings {
       continue;
     }
     if (!FINAL_STATES[role].includes(run.state) || (run.state === 'failed' && run.reason !== 'replaced'))
-      badState.push(`run ${run.id} (${role}, due ${iso(run.scheduledFor)}) ended ${run.state} (${run.reason ?? 'no reason'})`);
+      badState.push(
+        `run ${run.id} (${role}, due ${iso(run.scheduledFor)}) ended ${run.state} (${run.reason ?? 'no reason'})`,
+      );
     // A replaced run may be replaced before its call starts; a skipped one never calls.
     if (calls.length === 0 && run.state !== 'skipped' && !(role === 'replace' && run.reason === 'replaced'))
-      neverCalled.push(`run ${run.id} (${role}, due ${iso(run.scheduledFor)}) ended ${run.state} without reaching the target`);
+      neverCalled.push(
+        `run ${run.id} (${role}, due ${iso(run.scheduledFor)}) ended ${run.state} without reaching the target`,
+      );
     const first = calls[0];
     if (first && first.arrivedAt < run.scheduledFor - obs.settings.earlyToleranceMs)
-      early.push(`run ${run.id} due ${iso(run.scheduledFor)} arrived ${(run.scheduledFor - first.arrivedAt).toFixed(0)} ms early`);
+      early.push(
+        `run ${run.id} due ${iso(run.scheduledFor)} arrived ${(run.scheduledFor - first.arrivedAt).toFixed(0)} ms early`,
+      );
     const seen = new Set<number>();
     for (let i = 0; i < calls.length; i++) {
       const call = calls[i]!;
       const claimant = attempts.get(`${run.id}/${call.attempt}`)?.nodeId;
       if (seen.has(call.attempt))
-        sameAttempt.push(`run ${run.id} attempt ${call.attempt} reached the target twice (claimant ${claimant ?? '?'})`);
+        sameAttempt.push(
+          `run ${run.id} attempt ${call.attempt} reached the target twice (claimant ${claimant ?? '?'})`,
+        );
       seen.add(call.attempt);
       const next = calls[i + 1];
       // A call the target answered with a failure is retried by design; any other repeat is a redelivery.
@@ -142,7 +158,10 @@ export function checkRuns(obs: Observations): Findings {
       if (failedCalls < run.maxAttempts) {
         const nodes = obs.attempts.filter((a) => a.runId === run.id).map((a) => a.nodeId);
         const excused = obs.faults.some(
-          (f) => faultNodes(f).some((n) => nodes.includes(n)) && f.start <= (run.finishedAt ?? Infinity) && f.end >= (run.startedAt ?? 0) - 500,
+          (f) =>
+            faultNodes(f).some((n) => nodes.includes(n)) &&
+            f.start <= (run.finishedAt ?? Infinity) &&
+            f.end >= (run.startedAt ?? 0) - 500,
         );
         if (!excused)
           budget.push(

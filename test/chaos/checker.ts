@@ -10,14 +10,7 @@ import { checkLeaders } from './check-leaders.js';
 import { checkOccurrences } from './check-occurrences.js';
 import { checkPolicies } from './check-policies.js';
 import { checkRuns } from './check-runs.js';
-import type {
-  AttemptRow,
-  DeadLetterRow,
-  Delivery,
-  Findings,
-  Observations,
-  RunRow,
-} from './observations.js';
+import type { AttemptRow, DeadLetterRow, Delivery, Findings, Observations, RunRow } from './observations.js';
 
 /** Runs every pure check; the order is the order of the report. */
 export function judge(obs: Observations): Findings {
@@ -71,45 +64,41 @@ export async function loadDatabase(pool: pg.Pool, jobIds: string[]) {
     job_id: string;
     attempt: number;
     replayed_at: Date | null;
-  }>(`SELECT id, run_id, job_id, attempt, replayed_at FROM dead_letters WHERE job_id = ANY($1::uuid[])`, [jobIds]);
+  }>(`SELECT id, run_id, job_id, attempt, replayed_at FROM dead_letters WHERE job_id = ANY($1::uuid[])`, [
+    jobIds,
+  ]);
   return {
-    runs: runs.map(
-      (r): RunRow => ({
-        id: r.id,
-        jobId: r.job_id,
-        scheduledFor: r.scheduled_for.getTime(),
-        trigger: r.trigger,
-        state: r.state,
-        attempt: r.attempt,
-        maxAttempts: r.max_attempts,
-        reason: r.reason,
-        concurrency: r.concurrency,
-        createdEpoch: r.created_epoch === null ? null : BigInt(r.created_epoch),
-        createdAt: r.created_at.getTime(),
-        startedAt: ms(r.started_at),
-        finishedAt: ms(r.finished_at),
-        timeoutMs: r.timeout_ms,
-      }),
-    ),
-    attempts: attempts.map(
-      (a): AttemptRow => ({
-        runId: a.run_id,
-        attempt: a.attempt,
-        nodeId: a.node_id,
-        startedAt: a.started_at.getTime(),
-        finishedAt: ms(a.finished_at),
-        outcome: a.outcome,
-      }),
-    ),
-    deadLetters: letters.map(
-      (d): DeadLetterRow => ({
-        id: d.id,
-        runId: d.run_id,
-        jobId: d.job_id,
-        attempt: d.attempt,
-        replayedAt: ms(d.replayed_at),
-      }),
-    ),
+    runs: runs.map((r): RunRow => ({
+      id: r.id,
+      jobId: r.job_id,
+      scheduledFor: r.scheduled_for.getTime(),
+      trigger: r.trigger,
+      state: r.state,
+      attempt: r.attempt,
+      maxAttempts: r.max_attempts,
+      reason: r.reason,
+      concurrency: r.concurrency,
+      createdEpoch: r.created_epoch === null ? null : BigInt(r.created_epoch),
+      createdAt: r.created_at.getTime(),
+      startedAt: ms(r.started_at),
+      finishedAt: ms(r.finished_at),
+      timeoutMs: r.timeout_ms,
+    })),
+    attempts: attempts.map((a): AttemptRow => ({
+      runId: a.run_id,
+      attempt: a.attempt,
+      nodeId: a.node_id,
+      startedAt: a.started_at.getTime(),
+      finishedAt: ms(a.finished_at),
+      outcome: a.outcome,
+    })),
+    deadLetters: letters.map((d): DeadLetterRow => ({
+      id: d.id,
+      runId: d.run_id,
+      jobId: d.job_id,
+      attempt: d.attempt,
+      replayedAt: ms(d.replayed_at),
+    })),
   };
 }
 
@@ -137,7 +126,12 @@ export async function checkRunTopic(
   faults: Observations['faults'],
   waitMs = 20_000,
 ): Promise<Findings> {
-  const { rows } = await pool.query<{ id: string; run_id: string; attempt: number; published_at: Date | null }>(
+  const { rows } = await pool.query<{
+    id: string;
+    run_id: string;
+    attempt: number;
+    published_at: Date | null;
+  }>(
     `SELECT id::text, payload->>'runId' AS run_id, (payload->>'attempt')::int AS attempt, published_at
      FROM outbox WHERE topic = $1`,
     [topic],

@@ -76,7 +76,8 @@ export function whyNot(version: JobVersion | null, at: number): string {
   if (version === null) return 'before the job was created';
   if (!version.exists) return `after the job was deleted (${version.cause})`;
   if (!version.enabled) return `while the job was paused (${version.cause})`;
-  if (!isOccurrence(version.schedule, at)) return `not an occurrence of the schedule in force (${version.schedule})`;
+  if (!isOccurrence(version.schedule, at))
+    return `not an occurrence of the schedule in force (${version.schedule})`;
   return 'no reason';
 }
 
@@ -89,6 +90,11 @@ export interface Expectation {
   readonly targetPath?: string;
   /** The version whose rule decided a 'must-not' (for the message). */
   readonly decidedBy?: JobVersion | null;
+  /**
+   * When the latest change that may govern this occurrence was answered: its run can only have
+   * been created (or created again, after an edit withdrew it) by a dispatch pass after that.
+   */
+  readonly since: number;
 }
 
 /** Every whole second of [from, to] (ms) that some version of the job may run or must not run. */
@@ -101,14 +107,15 @@ export function expectations(job: JobHistory, from: number, to: number, toleranc
     if (!schedules.some((s) => isOccurrence(s, at))) continue;
     const possible = possibleVersions(job, at, toleranceMs);
     const runs = possible.map((v) => shouldRun(v, at));
+    const since = Math.max(...possible.map((v) => v?.from1 ?? -Infinity));
     if (runs.every(Boolean)) {
       const paths = new Set(possible.map((v) => v!.targetPath));
-      result.push({ at, verdict: 'must', targetPath: paths.size === 1 ? [...paths][0] : undefined });
+      result.push({ at, since, verdict: 'must', targetPath: paths.size === 1 ? [...paths][0] : undefined });
     } else if (runs.every((r) => !r)) {
-      result.push({ at, verdict: 'must-not', decidedBy: possible[possible.length - 1] ?? null });
+      result.push({ at, since, verdict: 'must-not', decidedBy: possible[possible.length - 1] ?? null });
     } else {
       const paths = new Set(possible.filter((v) => shouldRun(v, at)).map((v) => v!.targetPath));
-      result.push({ at, verdict: 'either', targetPath: paths.size === 1 ? [...paths][0] : undefined });
+      result.push({ at, since, verdict: 'either', targetPath: paths.size === 1 ? [...paths][0] : undefined });
     }
   }
   return result;

@@ -97,7 +97,9 @@ export class Nemesis {
   }
 
   private opsJobs(): JobHistory[] {
-    return this.jobs.filter((j) => j.role === 'ops' && j.versions.at(-1)!.exists && j.uncertainFrom === undefined);
+    return this.jobs.filter(
+      (j) => j.role === 'ops' && j.versions.at(-1)!.exists && j.uncertainFrom === undefined,
+    );
   }
 
   private async feasibleKinds(): Promise<OpKind[]> {
@@ -111,7 +113,9 @@ export class Nemesis {
 
   private async openDeadLetters(): Promise<{ id: string; runId: string; jobId: string; attempt: number }[]> {
     const call = await this.api.call('GET', '/dead-letters?open=true&limit=100');
-    const items = (call.answer?.body as { items?: { id: string; runId: string; jobId: string; attempt: number }[] })?.items;
+    const items = (
+      call.answer?.body as { items?: { id: string; runId: string; jobId: string; attempt: number }[] }
+    )?.items;
     const failing = new Set(this.jobs.filter((j) => j.role === 'failing').map((j) => j.id));
     return (items ?? []).filter((d) => failing.has(d.jobId));
   }
@@ -120,9 +124,19 @@ export class Nemesis {
     return items[Math.floor(this.random() * items.length)]!;
   }
 
-  private record(kind: OpKind, job: JobHistory | undefined, call: CallRecord, extra: Partial<OpRecord> = {}): OpRecord {
+  private record(
+    kind: OpKind,
+    job: JobHistory | undefined,
+    call: CallRecord,
+    extra: Partial<OpRecord> = {},
+  ): OpRecord {
     const status = call.answer?.status;
-    const outcome = status !== undefined && status < 300 ? 'ok' : status !== undefined && !call.lostTry ? 'refused' : 'unknown';
+    const outcome =
+      status !== undefined && status < 300
+        ? 'ok'
+        : status !== undefined && !call.lostTry
+          ? 'refused'
+          : 'unknown';
     return {
       kind,
       jobId: job?.id,
@@ -137,9 +151,20 @@ export class Nemesis {
   }
 
   /** Folds an answered change into the job's history, or marks the job unjudged from the call on. */
-  private apply(job: JobHistory, record: OpRecord, change: Parameters<typeof addVersion>[1], from0 = record.sentAt) {
-    if (record.outcome === 'ok') addVersion(job, change, { from0, from1: record.answeredAt, cause: `${record.kind} at ${new Date(record.sentAt).toISOString()}` });
-    else if (record.outcome === 'unknown') job.uncertainFrom = Math.min(job.uncertainFrom ?? Infinity, record.sentAt);
+  private apply(
+    job: JobHistory,
+    record: OpRecord,
+    change: Parameters<typeof addVersion>[1],
+    from0 = record.sentAt,
+  ) {
+    if (record.outcome === 'ok')
+      addVersion(job, change, {
+        from0,
+        from1: record.answeredAt,
+        cause: `${record.kind} at ${new Date(record.sentAt).toISOString()}`,
+      });
+    else if (record.outcome === 'unknown')
+      job.uncertainFrom = Math.min(job.uncertainFrom ?? Infinity, record.sentAt);
   }
 
   private async perform(kind: OpKind): Promise<OpRecord | undefined> {
@@ -149,9 +174,26 @@ export class Nemesis {
         const plan = opsJob(`ops-new-${this.created++}`, this.created);
         const call = { sentAt: Date.now() };
         const job = await this.create(plan).catch(() => undefined);
-        if (!job) return { kind, sentAt: call.sentAt, answeredAt: Date.now(), outcome: 'unknown', tries: 1, jobName: plan.name };
+        if (!job)
+          return {
+            kind,
+            sentAt: call.sentAt,
+            answeredAt: Date.now(),
+            outcome: 'unknown',
+            tries: 1,
+            jobName: plan.name,
+          };
         const v = job.versions[0]!;
-        return { kind, jobId: job.id, jobName: job.name, sentAt: v.from0, answeredAt: v.from1, outcome: 'ok', status: 201, tries: 1 };
+        return {
+          kind,
+          jobId: job.id,
+          jobName: job.name,
+          sentAt: v.from0,
+          answeredAt: v.from1,
+          outcome: 'ok',
+          status: 201,
+          tries: 1,
+        };
       }
       case 'pause':
       case 'resume':
@@ -213,10 +255,15 @@ export class Nemesis {
         const call = await this.api.call('POST', `/dead-letters/${letter.id}/replay`);
         // A retried replay whose first try took effect answers 409.
         const done = call.answer?.status === 409 && call.lostTry;
-        const record = this.record(kind, job, done ? { ...call, answer: { status: 202, body: null } } : call, {
-          runId: letter.runId,
-          deadAttempt: letter.attempt,
-        });
+        const record = this.record(
+          kind,
+          job,
+          done ? { ...call, answer: { status: 202, body: null } } : call,
+          {
+            runId: letter.runId,
+            deadAttempt: letter.attempt,
+          },
+        );
         return record;
       }
     }

@@ -195,7 +195,14 @@ try {
       ].join('\n') + '\n',
     ),
   );
-  writeFileSync(`${logDir}/operations.json`, JSON.stringify({ ops: nemesis.ops, jobs: nemesis.jobs, faults }, null, 1));
+  writeFileSync(
+    `${logDir}/operations.json`,
+    JSON.stringify({ ops: nemesis.ops, jobs: nemesis.jobs, faults }, null, 1),
+  );
+  writeFileSync(
+    `${logDir}/database.json`,
+    JSON.stringify(loaded, (_key, value: unknown) => (typeof value === 'bigint' ? value.toString() : value)),
+  );
   writeFileSync(
     `${logDir}/deliveries.jsonl`,
     deliveriesOf(target.requests)

@@ -38,7 +38,14 @@ export function initialJobs(steady: number, ops: number): JobPlan[] {
   const plans: JobPlan[] = [];
   const base = { timeoutMs: 5000, maxAttempts: 5, backoffMs: 200, concurrency: 'allow' as const };
   for (let i = 0; i < steady; i++)
-    plans.push({ ...base, ...MISFIRES[i % 3]!, name: `steady-${i}`, role: 'steady', schedule: '* * * * * *', path: `/ok/steady-${i}/v0` });
+    plans.push({
+      ...base,
+      ...MISFIRES[i % 3]!,
+      name: `steady-${i}`,
+      role: 'steady',
+      schedule: '* * * * * *',
+      path: `/ok/steady-${i}/v0`,
+    });
   for (let i = 0; i < ops; i++) plans.push(opsJob(`ops-${i}`, i));
   for (let i = 0; i < 2; i++)
     plans.push({
@@ -122,7 +129,10 @@ export function targetBehaviour(healed: ReadonlySet<string>): Behaviour {
         return { status: healed.has(name ?? '') ? 200 : 500, delayMs: 20 };
       case 'forbid':
         // About one period (2 s); a third of the first attempts fail, so retries meet new occurrences.
-        return { status: request.attempt === 1 && unit(request.runId) < 1 / 3 ? 500 : 200, delayMs: 1700 + r * 600 };
+        return {
+          status: request.attempt === 1 && unit(request.runId) < 1 / 3 ? 500 : 200,
+          delayMs: 1700 + r * 600,
+        };
       case 'replace':
         return { status: 200, delayMs: 2600 + r * 600 };
       default:
