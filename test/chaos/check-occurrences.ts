@@ -73,9 +73,12 @@ export function checkOccurrences(obs: Observations): Findings {
       if (run?.state === 'skipped') return [];
       return arrived;
     };
-    // `forbid` skips an occurrence that finds the job active: accounted for (check-policies.ts
-    // judges whether the skip was allowed).
-    const skippedByPolicy = (at: number) => runs.get(at)?.reason === 'concurrency-forbid';
+    // `forbid` skips an occurrence that finds the job active, `replace` may fail a run before
+    // its call started: accounted for (check-policies.ts judges whether that was allowed).
+    const skippedByPolicy = (at: number) => {
+      const reason = runs.get(at)?.reason;
+      return reason === 'concurrency-forbid' || reason === 'replaced';
+    };
     const label = (at: number) => `${job.name} (${job.role}, ${job.misfire}) at ${iso(at)}`;
     const excusedMisses: number[] = [];
     for (const e of expectations(job, obs.windowStart, obs.windowEnd, obs.settings.opToleranceMs)) {

@@ -63,6 +63,7 @@ function lateness(
   for (const run of runs) {
     const role = roles.get(run.jobId);
     if (run.trigger !== 'schedule' || (role !== 'steady' && role !== 'ops')) continue;
+    if (run.scheduledFor < obs.windowStart || run.scheduledFor > obs.windowEnd) continue;
     const first = byRun.get(run.id)?.[0];
     if (!first || first.attempt !== 1) continue;
     const due = run.scheduledFor;

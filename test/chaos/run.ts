@@ -47,8 +47,10 @@ const CLAIM_GRACE_MS = 3000;
 const log = (message: string) => console.log(`[chaos ${new Date().toISOString().slice(11, 23)}] ${message}`);
 
 /**
- * What the checker accepts. Lateness bounds are what we measured on this 2-core machine plus a
- * margin (README, "Guarantees and how we test them"); Helios promises no lateness bound.
+ * What the checker accepts. Lateness bounds are what we measured on the shared 2-core machine
+ * (load average up to 24: worst first delivery 1.7 s without a fault, 8.6 s after a kill of the
+ * leader) plus a margin; Helios promises no lateness bound (README), so these only catch a run
+ * that waited far longer than any recovery takes.
  */
 const SETTINGS: Settings = {
   misfireThresholdMs: 5000,
@@ -59,8 +61,8 @@ const SETTINGS: Settings = {
   earlyToleranceMs: 25,
   settleMs,
   latenessBoundMs: {
-    'no fault': 1500,
-    default: 8000,
+    'no fault': 2500,
+    default: 10_000,
   },
 };
 
