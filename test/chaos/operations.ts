@@ -28,8 +28,17 @@ export interface OpRecord extends OpView {
   readonly jobName?: string;
   readonly status?: number;
   readonly tries: number;
+  /** Some try got no answer: it may still land (a frozen node serves it when it runs again). */
+  readonly lostTry?: boolean;
   readonly note?: string;
 }
+
+/**
+ * How long a try that got no answer may still take effect: a request sent to a node frozen for
+ * 2×TTL is served when the node runs again. The model stretches such a change over this long,
+ * and the nemesis leaves the job alone meanwhile, so a late landing cannot undo a later change.
+ */
+const LOST_TRY_MS = 10_000;
 
 /** Schedules a PATCH moves the ops jobs between. */
 const SCHEDULES = ['* * * * * *', '*/2 * * * * *'];
@@ -38,6 +47,8 @@ export class Nemesis {
   readonly ops: OpRecord[] = [];
   readonly jobs: JobHistory[] = [];
   private created = 0;
+  /** Jobs the nemesis leaves alone until then (a try that got no answer may still land). */
+  private readonly busyUntil = new Map<string, number>();
 
   constructor(
     private readonly api: ChaosApi,
@@ -98,7 +109,11 @@ export class Nemesis {
 
   private opsJobs(): JobHistory[] {
     return this.jobs.filter(
-      (j) => j.role === 'ops' && j.versions.at(-1)!.exists && j.uncertainFrom === undefined,
+      (j) =>
+        j.role === 'ops' &&
+        j.versions.at(-1)!.exists &&
+        j.uncertainFrom === undefined &&
+        (this.busyUntil.get(j.id) ?? 0) < Date.now(),
     );
   }
 
@@ -146,6 +161,7 @@ export class Nemesis {
       outcome,
       status,
       tries: call.tries,
+      lostTry: call.lostTry,
       ...extra,
     };
   }
@@ -157,10 +173,12 @@ export class Nemesis {
     change: Parameters<typeof addVersion>[1],
     from0 = record.sentAt,
   ) {
+    const lateAsMs = record.lostTry ? LOST_TRY_MS : 0;
+    if (lateAsMs > 0) this.busyUntil.set(job.id, record.answeredAt + lateAsMs);
     if (record.outcome === 'ok')
       addVersion(job, change, {
         from0,
-        from1: record.answeredAt,
+        from1: record.answeredAt + lateAsMs,
         cause: `${record.kind} at ${new Date(record.sentAt).toISOString()}`,
       });
     else if (record.outcome === 'unknown')
