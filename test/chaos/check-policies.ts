@@ -99,6 +99,7 @@ export function checkPolicies(obs: Observations): Findings {
       if (run.attempt > 0)
         forbid.push(`${name}: run ${run.id} was skipped after ${run.attempt} attempts: a retry was dropped`);
       if (replayed.has(run.id)) forbid.push(`${name}: run ${run.id} was replayed and then skipped`);
+      // The skip was decided at a claim attempt between its due time and the skip's write.
       const at = run.finishedAt ?? run.scheduledFor;
       const sibling = runs.find(
         (o) =>
@@ -107,7 +108,7 @@ export function checkPolicies(obs: Observations): Findings {
           (o.state !== 'skipped' || o.attempt > 0) &&
           o.startedAt !== null &&
           o.startedAt <= at + SLACK_MS &&
-          (o.finishedAt === null || o.finishedAt >= at - SLACK_MS),
+          (o.finishedAt === null || o.finishedAt >= run.scheduledFor - SLACK_MS),
       );
       if (!sibling)
         forbid.push(
