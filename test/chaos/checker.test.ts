@@ -236,3 +236,21 @@ test('the checker reports a leader that was not frozen and believed it led after
   obs.processes[0] = leaderLog('chaos-a', 1, 1, sec(0), sec(12));
   assert.match(violations(obs), /chaos-a \(token 1\) believed it led until .* and it was not frozen/);
 });
+
+test('a frozen leader may believe it leads until just after its resume, not longer', () => {
+  const obs = history();
+  obs.faults.push({
+    kind: 'pause-leader',
+    node: 'chaos-a',
+    start: sec(10),
+    end: sec(11) + 800,
+    haltedAt: sec(10),
+  });
+  obs.processes[0] = leaderLog('chaos-a', 1, 1, sec(0), sec(12));
+  assert.doesNotMatch(violations(obs), /believed it led/);
+  obs.processes[0] = leaderLog('chaos-a', 1, 1, sec(0), sec(14));
+  assert.match(
+    violations(obs),
+    /chaos-a \(token 1\) believed it led until .*; it was resumed at 2026-12-01T12:00:11\.800Z/,
+  );
+});
