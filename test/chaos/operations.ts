@@ -90,7 +90,7 @@ export class Nemesis {
     return history;
   }
 
-  /** Runs operations until `until` (ms), one every 1–2 s; every kind at least once if time allows. */
+  /** Runs operations until `until` (ms) or `signal`, one every 1–2 s; every kind at least once if time allows. */
   async run(until: number, signal: AbortSignal): Promise<void> {
     const pending = new Set<OpKind>(OP_KINDS);
     while (Date.now() < until && !signal.aborted) {
@@ -103,7 +103,7 @@ export class Nemesis {
         this.ops.push(record);
         if (record.outcome === 'ok') pending.delete(kind);
       }
-      await sleep(1000 + this.random() * 1000);
+      await sleep(1000 + this.random() * 1000, undefined, { signal }).catch(() => undefined);
     }
   }
 

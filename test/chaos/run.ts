@@ -126,7 +126,8 @@ try {
 
   const phaseEnd = Date.now() + durationMs;
   const stopOps = new AbortController();
-  const operations = nemesis.run(phaseEnd, stopOps.signal);
+  // Operations go on until the last fault has recovered, so every fault meets some.
+  const operations = nemesis.run(Infinity, stopOps.signal);
   for (let i = 0; Date.now() < phaseEnd || i < schedule.length; i++) {
     const kind = schedule[i] ?? FAULT_KINDS[Math.floor(random() * FAULT_KINDS.length)]!;
     log(`fault ${i + 1}: ${kind}`);
