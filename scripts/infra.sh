@@ -156,14 +156,15 @@ log_min_messages = warning
 log_line_prefix = '%m [%p] '
 EOF
     fi
-    local listen_opt=""
+    # The port is given on the command line too: postgresql.conf has the one of the initdb.
+    local pg_opts="-p $PG_PORT"
     if [[ -n "$NETNS_HOST" ]]; then
       # Trust only the chaos bridge's /24 (it exists only on this machine), idempotently.
       local hba_line="host all all ${NETNS_HOST%.*}.0/24 trust"
       grep -qxF "$hba_line" "$pg_dir/data/pg_hba.conf" || echo "$hba_line" >>"$pg_dir/data/pg_hba.conf"
-      listen_opt="-o '-c listen_addresses=127.0.0.1,$NETNS_HOST'"
+      pg_opts="$pg_opts -c listen_addresses=127.0.0.1,$NETNS_HOST"
     fi
-    as_postgres "'$PG_BIN/pg_ctl' -D '$pg_dir/data' -l '$pg_dir/postgres.log' $listen_opt -w -t 30 start" >/dev/null \
+    as_postgres "'$PG_BIN/pg_ctl' -D '$pg_dir/data' -l '$pg_dir/postgres.log' -o '$pg_opts' -w -t 30 start" >/dev/null \
       || fail_with_log "postgres" "$pg_dir/postgres.log"
     # The pid recorded for `down` is the postmaster's.
     pg_pid >"$pg_dir/pid"
@@ -309,6 +310,11 @@ export HELIOS_ETCD_ENDPOINTS=$etcd_url
 export HELIOS_KAFKA_BROKERS=127.0.0.1:$KAFKA_PORT
 export HELIOS_PG_BIN=$PG_BIN
 export HELIOS_INFRA=$ROOT/scripts/infra.sh
+export HELIOS_PG_PORT=$PG_PORT
+export HELIOS_ETCD_PORT=$ETCD_PORT
+export HELIOS_ETCD_PEER_PORT=$ETCD_PEER_PORT
+export HELIOS_KAFKA_PORT=$KAFKA_PORT
+export HELIOS_KAFKA_CONTROLLER_PORT=$KAFKA_CONTROLLER_PORT
 EOF
 }
 

@@ -1,234 +1,166 @@
+/**
+ * The chaos checker: loads what happened (PostgreSQL, the target's requests, the run topic, the
+ * nodes' logs) into plain arrays and runs the pure checks over them against the reference model.
+ */
 import type pg from 'pg';
 import type { TargetRequest } from '../support/execution.js';
-import type { ManagedProcess } from '../support/processes.js';
-import { FAULTS_EXPLAINING_REDELIVERY, type FaultKind, type FaultRecord } from './faults.js';
+import { TopicRecorder } from '../support/kafka.js';
+import { checkAnnouncements, type Announcement, type OutboxRow } from './check-announcements.js';
+import { checkLeaders } from './check-leaders.js';
+import { checkOccurrences } from './check-occurrences.js';
+import { checkPolicies } from './check-policies.js';
+import { checkRuns } from './check-runs.js';
+import type { AttemptRow, DeadLetterRow, Delivery, Findings, Observations, RunRow } from './observations.js';
 
-export interface CheckInput {
-  readonly pool: pg.Pool;
-  readonly jobIds: string[];
-  /** Every second in [windowStart, windowEnd] of every job must have exactly one run. */
-  readonly windowStart: Date;
-  readonly windowEnd: Date;
-  readonly requests: readonly TargetRequest[];
-  readonly faults: readonly FaultRecord[];
-  readonly processes: readonly ManagedProcess[];
-  /** How long after a fault its effects count towards that fault's lateness. */
-  readonly settleMs: number;
+/** Runs every pure check; the order is the order of the report. */
+export function judge(obs: Observations): Findings {
+  const parts = [checkOccurrences(obs), checkRuns(obs), checkPolicies(obs), checkLeaders(obs)];
+  return {
+    violations: parts.flatMap((p) => p.violations),
+    lines: parts.flatMap((p) => p.lines),
+  };
 }
 
-export interface CheckResult {
-  readonly violations: string[];
-  readonly lines: string[];
+const ms = (d: Date | null) => (d === null ? null : d.getTime());
+
+/** Runs, attempts and dead letters of every job the chaos run made (deleted jobs' rows are gone). */
+export async function loadDatabase(pool: pg.Pool, jobIds: string[]) {
+  const { rows: runs } = await pool.query<{
+    id: string;
+    job_id: string;
+    scheduled_for: Date;
+    trigger: 'schedule' | 'manual';
+    state: string;
+    attempt: number;
+    max_attempts: number;
+    reason: string | null;
+    concurrency: string;
+    created_epoch: string | null;
+    created_at: Date;
+    started_at: Date | null;
+    finished_at: Date | null;
+    timeout_ms: number;
+  }>(
+    `SELECT id, job_id, scheduled_for, trigger, state, attempt, max_attempts, reason, concurrency,
+            created_epoch, created_at, started_at, finished_at, timeout_ms
+     FROM runs WHERE job_id = ANY($1::uuid[])`,
+    [jobIds],
+  );
+  const { rows: attempts } = await pool.query<{
+    run_id: string;
+    attempt: number;
+    node_id: string;
+    started_at: Date;
+    finished_at: Date | null;
+    outcome: string | null;
+  }>(
+    `SELECT a.run_id, a.attempt, a.node_id, a.started_at, a.finished_at, a.outcome
+     FROM run_attempts a JOIN runs r ON r.id = a.run_id WHERE r.job_id = ANY($1::uuid[])`,
+    [jobIds],
+  );
+  const { rows: letters } = await pool.query<{
+    id: string;
+    run_id: string;
+    job_id: string;
+    attempt: number;
+    replayed_at: Date | null;
+  }>(`SELECT id, run_id, job_id, attempt, replayed_at FROM dead_letters WHERE job_id = ANY($1::uuid[])`, [
+    jobIds,
+  ]);
+  return {
+    runs: runs.map((r): RunRow => ({
+      id: r.id,
+      jobId: r.job_id,
+      scheduledFor: r.scheduled_for.getTime(),
+      trigger: r.trigger,
+      state: r.state,
+      attempt: r.attempt,
+      maxAttempts: r.max_attempts,
+      reason: r.reason,
+      concurrency: r.concurrency,
+      createdEpoch: r.created_epoch === null ? null : BigInt(r.created_epoch),
+      createdAt: r.created_at.getTime(),
+      startedAt: ms(r.started_at),
+      finishedAt: ms(r.finished_at),
+      timeoutMs: r.timeout_ms,
+    })),
+    attempts: attempts.map((a): AttemptRow => ({
+      runId: a.run_id,
+      attempt: a.attempt,
+      nodeId: a.node_id,
+      startedAt: a.started_at.getTime(),
+      finishedAt: ms(a.finished_at),
+      outcome: a.outcome,
+    })),
+    deadLetters: letters.map((d): DeadLetterRow => ({
+      id: d.id,
+      runId: d.run_id,
+      jobId: d.job_id,
+      attempt: d.attempt,
+      replayedAt: ms(d.replayed_at),
+    })),
+  };
 }
 
-/** Faults that can explain a second delivery: the worker died, froze, or could not record completion. */
-const EXPLAINS_REDELIVERY: readonly FaultKind[] = FAULTS_EXPLAINING_REDELIVERY;
-
-function percentile(values: number[], p: number): number {
-  if (values.length === 0) return NaN;
-  const sorted = [...values].sort((a, b) => a - b);
-  return sorted[Math.min(sorted.length - 1, Math.ceil((p / 100) * sorted.length) - 1)]!;
-}
-
-/** Compares what should have happened with what did. */
-export async function check(input: CheckInput): Promise<CheckResult> {
-  const violations: string[] = [];
-  const lines: string[] = [];
-  const { pool } = input;
-
-  // 1. Every occurrence in the window has exactly one run row.
-  const { rows: occurrence } = await pool.query<{ missing: number; duplicated: number; expected: number }>(
-    `WITH expected AS (
-       SELECT j, s FROM unnest($1::uuid[]) AS j, generate_series($2::timestamptz, $3::timestamptz, interval '1 second') AS s),
-     counted AS (
-       SELECT e.j, e.s, count(r.id)::int AS n FROM expected e
-       LEFT JOIN runs r ON r.job_id = e.j AND r.scheduled_for = e.s GROUP BY e.j, e.s)
-     SELECT count(*)::int AS expected, count(*) FILTER (WHERE n = 0)::int AS missing,
-            count(*) FILTER (WHERE n > 1)::int AS duplicated FROM counted`,
-    [input.jobIds, input.windowStart, input.windowEnd],
-  );
-  const { expected, missing, duplicated } = occurrence[0]!;
-  lines.push(`occurrences expected ${expected}, missing ${missing}, with two or more runs ${duplicated}`);
-  if (missing > 0) violations.push(`${missing} occurrences have no run`);
-  if (duplicated > 0) violations.push(`${duplicated} occurrences have more than one run`);
-
-  // 2. Every run of the window succeeded and reached the target; repeats only when explained.
-  const { rows: runs } = await pool.query<{ id: string; state: string; scheduled_for: Date }>(
-    `SELECT id, state, scheduled_for FROM runs WHERE job_id = ANY($1::uuid[]) AND scheduled_for BETWEEN $2 AND $3`,
-    [input.jobIds, input.windowStart, input.windowEnd],
-  );
-  const byRun = new Map<string, TargetRequest[]>();
-  for (const request of input.requests) {
-    let list = byRun.get(request.runId);
-    if (!list) byRun.set(request.runId, (list = []));
-    list.push(request);
-  }
-  const notSucceeded = runs.filter((r) => r.state !== 'succeeded');
-  const neverArrived = runs.filter((r) => !byRun.has(r.id));
-  let repeated = 0;
-  let unexplained = 0;
-  for (const run of runs) {
-    const deliveries = byRun.get(run.id) ?? [];
-    if (deliveries.length < 2) continue;
-    repeated += 1;
-    const first = deliveries[0]!.arrivedAt;
-    const last = deliveries.at(-1)!.arrivedAt;
-    const explained = input.faults.some(
-      (f) => EXPLAINS_REDELIVERY.includes(f.kind) && f.start <= last && f.end >= first - 1000,
-    );
-    if (!explained) {
-      unexplained += 1;
-      if (unexplained <= 5)
-        violations.push(
-          `run ${run.id} reached the target ${deliveries.length} times with no fault to explain it`,
-        );
-    }
-  }
-  lines.push(
-    `runs ${runs.length}: not succeeded ${notSucceeded.length}, never reached the target ${neverArrived.length}, ` +
-      `reached it more than once ${repeated} (unexplained ${unexplained})`,
-  );
-  if (notSucceeded.length > 0) {
-    const states = new Map<string, number>();
-    for (const r of notSucceeded) states.set(r.state, (states.get(r.state) ?? 0) + 1);
-    violations.push(`runs not succeeded: ${[...states].map(([s, n]) => `${s} ${n}`).join(', ')}`);
-  }
-  if (neverArrived.length > 0) violations.push(`${neverArrived.length} runs never reached the target`);
-
-  // 3. Nothing is left queued or running.
-  const { rows: active } = await pool.query<{ n: number }>(
-    `SELECT count(*)::int AS n FROM runs WHERE job_id = ANY($1::uuid[]) AND state IN ('queued', 'running')`,
-    [input.jobIds],
-  );
-  lines.push(`runs still queued or running after settling: ${active[0]!.n}`);
-  if (active[0]!.n > 0) violations.push(`${active[0]!.n} runs still queued or running after settling`);
-
-  // 4. Writes of fenced-off leaders were rejected.
-  const rejections = input.processes.reduce(
-    (n, p) =>
-      n + p.logs.filter((l) => typeof l.msg === 'string' && l.msg.includes('rejected by the fence')).length,
-    0,
-  );
-  const heldPauses = input.faults.filter((f) => f.kind === 'pause-leader' && f.heldWrite).length;
-  lines.push(`fence rejections ${rejections} (pauses with a write held at the freeze: ${heldPauses})`);
-  if (heldPauses > 0 && rejections === 0)
-    violations.push('a paused leader woke up and no write was rejected by the fence');
-
-  // 4b. In the data itself: no run created by an epoch after a newer epoch had created runs.
-  const { rows: stale } = await pool.query<{ n: number }>(
-    `WITH epochs AS (
-       SELECT created_epoch AS token, min(created_at) AS first_write, max(created_at) AS last_write
-       FROM runs WHERE job_id = ANY($1::uuid[]) AND created_epoch IS NOT NULL GROUP BY created_epoch)
-     SELECT count(*)::int AS n FROM epochs old
-     WHERE EXISTS (SELECT 1 FROM epochs newer WHERE newer.token > old.token AND newer.first_write < old.last_write)`,
-    [input.jobIds],
-  );
-  lines.push(`epochs that wrote runs after a newer epoch had written: ${stale[0]!.n}`);
-  if (stale[0]!.n > 0)
-    violations.push(`${stale[0]!.n} fenced-off leader epochs had runs accepted after a newer leader wrote`);
-
-  // 4c. No node died on its own: every exit was a kill the chaos schedule made.
-  for (const process of input.processes) {
-    if (process.exitedAt === undefined) continue;
-    const killed = input.faults.some(
-      (f) =>
-        f.node === process.name &&
-        f.haltedAt !== undefined &&
-        Math.abs(f.haltedAt - process.exitedAt!) < 5000,
-    );
-    if (!killed) {
-      violations.push(
-        `node ${process.name} (pid ${process.pid}) exited on its own at ${new Date(process.exitedAt).toISOString()}; ` +
-          `stderr (stack frames left out): ${withoutStackFrames(process.stderr).slice(-8).join(' | ')}`,
-      );
-    }
-  }
-
-  // 5. Never two leaders: each node's own view of its epochs, in token order, must not overlap.
-  const epochs = leaderEpochs(input.processes, input.faults);
-  for (let i = 1; i < epochs.length; i++) {
-    const prev = epochs[i - 1]!;
-    const next = epochs[i]!;
-    if (prev.end > next.start) {
-      const until = Number.isFinite(prev.end) ? new Date(prev.end).toISOString() : 'the end of the run';
-      violations.push(
-        `${prev.node} (token ${prev.token}) believed it led until ${until}, ` +
-          `after ${next.node} (token ${next.token}) became leader at ${new Date(next.start).toISOString()}`,
-      );
-    }
-  }
-  lines.push(
-    `leader epochs ${epochs.length}, overlapping ${violations.filter((v) => v.includes('believed')).length}`,
-  );
-
-  // 6. Lateness of first deliveries, per fault kind (runs due during a fault or its settling time).
-  const firstArrival = new Map<string, TargetRequest>();
-  for (const [runId, list] of byRun) firstArrival.set(runId, list[0]!);
-  const lateness = new Map<string, number[]>();
-  for (const run of runs) {
-    const request = firstArrival.get(run.id);
-    if (!request) continue;
-    const due = run.scheduled_for.getTime();
-    const fault = input.faults.find((f) => due >= f.start && due <= f.end + input.settleMs);
-    const kind = fault?.kind ?? 'no fault';
-    let list = lateness.get(kind);
-    if (!list) lateness.set(kind, (list = []));
-    list.push(request.arrivedAt - due);
-  }
-  lines.push('', 'lateness of the first delivery (HTTP arrival − scheduled_for), ms:');
-  lines.push(
-    `${'window'.padEnd(24)} ${'runs'.padStart(6)} ${'p50'.padStart(8)} ${'p99'.padStart(8)} ${'max'.padStart(8)}`,
-  );
-  for (const [kind, values] of [...lateness].sort()) {
-    const fmt = (v: number) => v.toFixed(0).padStart(8);
-    lines.push(
-      `${kind.padEnd(24)} ${String(values.length).padStart(6)} ${fmt(percentile(values, 50))} ${fmt(percentile(values, 99))} ${fmt(Math.max(...values))}`,
-    );
-  }
-  return { violations, lines };
-}
-
-interface Epoch {
-  node: string;
-  token: bigint;
-  start: number;
-  end: number;
+export function deliveriesOf(requests: readonly TargetRequest[]): Delivery[] {
+  return requests.map((r) => ({
+    runId: r.runId,
+    jobId: r.jobId,
+    attempt: r.attempt,
+    scheduledFor: Date.parse(r.scheduledFor),
+    path: r.path,
+    arrivedAt: r.arrivedAt,
+    endedAt: r.endedAt,
+    status: r.status,
+    aborted: r.aborted,
+  }));
 }
 
 /**
- * Leadership as each node saw it, from its logs: from 'became leader' to 'stepped down'. A node
- * killed or frozen stops believing anything at that instant (it cannot act; after SIGCONT its own
- * deadline check has already failed, and any write already past it meets the fence).
+ * The outbox rows of the run topic, and the run topic itself read from the beginning by a fresh
+ * consumer group, waiting (up to `waitMs`) until it holds at least as many messages as rows.
  */
-function leaderEpochs(processes: readonly ManagedProcess[], faults: readonly FaultRecord[]): Epoch[] {
-  const epochs: Epoch[] = [];
-  for (const process of processes) {
-    const halts = faults
-      .filter((f) => f.haltedAt !== undefined && f.node === process.name)
-      .map((f) => f.haltedAt!);
-    let open: Epoch | undefined;
-    for (const line of process.logs) {
-      const at = Date.parse(String(line.time));
-      if (line.msg === 'became leader') {
-        open = { node: process.name, token: BigInt(String(line.token)), start: at, end: Infinity };
-        epochs.push(open);
-      } else if (line.msg === 'stepped down' && open) {
-        open.end = at;
-        open = undefined;
+export async function checkRunTopic(
+  pool: pg.Pool,
+  topic: string,
+  faults: Observations['faults'],
+  waitMs = 20_000,
+): Promise<Findings> {
+  const { rows } = await pool.query<{
+    id: string;
+    run_id: string;
+    attempt: number;
+    published_at: Date | null;
+  }>(
+    `SELECT id::text, payload->>'runId' AS run_id, (payload->>'attempt')::int AS attempt, published_at
+     FROM outbox WHERE topic = $1`,
+    [topic],
+  );
+  const outbox: OutboxRow[] = rows.map((r) => ({
+    id: r.id,
+    runId: r.run_id,
+    attempt: r.attempt,
+    publishedAt: ms(r.published_at),
+  }));
+  const recorder = new TopicRecorder(topic);
+  await recorder.start();
+  try {
+    const deadline = Date.now() + waitMs;
+    let last = -1;
+    let stableSince = Date.now();
+    // Enough messages and no new one for 2 s: the topic is read to its end.
+    while (Date.now() < deadline) {
+      const n = recorder.messages.length;
+      if (n !== last) {
+        last = n;
+        stableSince = Date.now();
       }
+      if (n >= outbox.length && Date.now() - stableSince > 2000) break;
+      await new Promise((r) => setTimeout(r, 200));
     }
-    for (const epoch of epochs.filter((e) => e.node === process.name)) {
-      const halt = halts.find((h) => h >= epoch.start && h < epoch.end);
-      if (halt !== undefined) epoch.end = halt;
-    }
-    // A process that died by itself believes nothing after its exit (reported as a violation above).
-    if (open && process.exitedAt !== undefined && open.end > process.exitedAt) open.end = process.exitedAt;
+  } finally {
+    await recorder.stop();
   }
-  // A process that is still running and leading at the end has an open epoch: fine if last.
-  return epochs.sort((a, b) => (a.token < b.token ? -1 : a.token > b.token ? 1 : 0));
-}
-
-/** The lines of a crash report that say what happened, without its `at …` frames. */
-function withoutStackFrames(lines: readonly string[]): string[] {
-  return lines.filter((line) => line.trim() !== '' && !/^\s+at /.test(line));
+  const messages = recorder.payloads<Announcement>().filter((m) => m && typeof m.runId === 'string');
+  return checkAnnouncements(outbox, messages, faults);
 }

@@ -22,6 +22,8 @@ export interface TargetRequest {
   endedAt?: number;
   /** True when the client went away before we answered (an aborted call). */
   aborted?: boolean;
+  /** The status the target chose to answer with (absent when it hung). */
+  status?: number;
 }
 
 /** How the target answers one request; `nth` counts requests of the same run id from 1. */
@@ -67,6 +69,7 @@ export class TargetServer {
         const nth = (this.perRun.get(record.runId) ?? 0) + 1;
         this.perRun.set(record.runId, nth);
         const answer = this.behaviour(record, nth);
+        if (!answer.hang) record.status = answer.status ?? 200;
         res.on('close', () => {
           record.endedAt ??= now();
           if (!res.writableFinished) record.aborted = true;

@@ -1,0 +1,211 @@
+/**
+ * Runs and their deliveries: final states per kind of job, a second delivery only when a fault
+ * hit the node that held that run's claim during that call, nothing early, lateness within the
+ * bound of the fault it was due in, triggers and replays executed, dead runs used every attempt.
+ */
+import type { JobRole } from './model.js';
+import {
+  faultNodes,
+  groupBy,
+  iso,
+  type Delivery,
+  type Fault,
+  type Findings,
+  type Observations,
+  type RunRow,
+} from './observations.js';
+
+const SHOWN = 5;
+
+function report(violations: string[], label: string, items: string[]): void {
+  if (items.length === 0) return;
+  violations.push(`${items.length} ${label}:`);
+  for (const item of items.slice(0, SHOWN)) violations.push(`    ${item}`);
+  if (items.length > SHOWN) violations.push(`    … and ${items.length - SHOWN} more`);
+}
+
+/** Final states a run of each kind of job may end in (the target answers as the role says). */
+const FINAL_STATES: Record<JobRole, readonly string[]> = {
+  steady: ['succeeded'],
+  ops: ['succeeded', 'skipped'],
+  failing: ['dead', 'succeeded'],
+  forbid: ['succeeded', 'skipped'],
+  replace: ['succeeded', 'failed'],
+};
+
+/**
+ * A fault explains a second call of one run when it hit the node that held the claim of the
+ * first call while that call was open, or when it was server-wide and outlasted the claim.
+ */
+export function explainingFault(
+  faults: readonly Fault[],
+  claimant: string | undefined,
+  first: Delivery,
+  second: Delivery,
+  claimHoldMs: number,
+): Fault | undefined {
+  return faults.find((f) => {
+    if (f.start > second.arrivedAt || f.end < first.arrivedAt - 500) return false;
+    const nodes = faultNodes(f);
+    if (nodes.length === 0) return f.end - f.start > claimHoldMs;
+    return claimant !== undefined && nodes.includes(claimant);
+  });
+}
+
+function lateness(
+  obs: Observations,
+  runs: readonly RunRow[],
+  byRun: Map<string, Delivery[]>,
+  roles: Map<string, JobRole>,
+) {
+  const byKind = new Map<string, number[]>();
+  const over: string[] = [];
+  for (const run of runs) {
+    const role = roles.get(run.jobId);
+    if (run.trigger !== 'schedule' || (role !== 'steady' && role !== 'ops')) continue;
+    if (run.scheduledFor < obs.windowStart || run.scheduledFor > obs.windowEnd) continue;
+    const first = byRun.get(run.id)?.[0];
+    if (!first || first.attempt !== 1) continue;
+    const due = run.scheduledFor;
+    const fault = obs.faults.find((f) => due >= f.start - 1000 && due <= f.end + obs.settings.settleMs);
+    const kind = fault?.kind ?? 'no fault';
+    const late = first.arrivedAt - due;
+    let list = byKind.get(kind);
+    if (!list) byKind.set(kind, (list = []));
+    list.push(late);
+    const bound = obs.settings.latenessBoundMs[kind] ?? obs.settings.latenessBoundMs.default ?? Infinity;
+    if (late > bound)
+      over.push(
+        `run ${run.id} due ${iso(due)} arrived ${late.toFixed(0)} ms late (${kind}, bound ${bound} ms)`,
+      );
+  }
+  return { byKind, over };
+}
+
+function percentile(values: number[], p: number): number {
+  const sorted = [...values].sort((a, b) => a - b);
+  return sorted[Math.min(sorted.length - 1, Math.max(0, Math.ceil((p / 100) * sorted.length) - 1))] ?? NaN;
+}
+
+export function checkRuns(obs: Observations): Findings {
+  const violations: string[] = [];
+  const lines: string[] = [];
+  const roles = new Map(obs.jobs.map((j) => [j.id, j.role]));
+  const runById = new Map(obs.runs.map((r) => [r.id, r]));
+  const byRun = groupBy(
+    [...obs.deliveries].sort((a, b) => a.arrivedAt - b.arrivedAt),
+    (d) => d.runId,
+  );
+  const attempts = new Map(obs.attempts.map((a) => [`${a.runId}/${a.attempt}`, a]));
+  const existingJobs = new Set(obs.runs.map((r) => r.jobId));
+
+  const active: string[] = [];
+  const badState: string[] = [];
+  const neverCalled: string[] = [];
+  const sameAttempt: string[] = [];
+  const unexplained: string[] = [];
+  const early: string[] = [];
+  const vanished: string[] = [];
+  const budget: string[] = [];
+  let repeated = 0;
+
+  for (const run of obs.runs) {
+    const role = roles.get(run.jobId);
+    if (!role) continue;
+    const calls = byRun.get(run.id) ?? [];
+    if (run.state === 'queued' || run.state === 'running') {
+      active.push(`run ${run.id} of ${role} job is still ${run.state} after settling`);
+      continue;
+    }
+    if (!FINAL_STATES[role].includes(run.state) || (run.state === 'failed' && run.reason !== 'replaced'))
+      badState.push(
+        `run ${run.id} (${role}, due ${iso(run.scheduledFor)}) ended ${run.state} (${run.reason ?? 'no reason'})`,
+      );
+    // A replaced run may be replaced before its call starts; a skipped one never calls.
+    if (calls.length === 0 && run.state !== 'skipped' && !(role === 'replace' && run.reason === 'replaced'))
+      neverCalled.push(
+        `run ${run.id} (${role}, due ${iso(run.scheduledFor)}) ended ${run.state} without reaching the target`,
+      );
+    const first = calls[0];
+    if (first && first.arrivedAt < run.scheduledFor - obs.settings.earlyToleranceMs)
+      early.push(
+        `run ${run.id} due ${iso(run.scheduledFor)} arrived ${(run.scheduledFor - first.arrivedAt).toFixed(0)} ms early`,
+      );
+    const seen = new Set<number>();
+    for (let i = 0; i < calls.length; i++) {
+      const call = calls[i]!;
+      const claimant = attempts.get(`${run.id}/${call.attempt}`)?.nodeId;
+      if (seen.has(call.attempt))
+        sameAttempt.push(
+          `run ${run.id} attempt ${call.attempt} reached the target twice (claimant ${claimant ?? '?'})`,
+        );
+      seen.add(call.attempt);
+      const next = calls[i + 1];
+      // A call the target answered with a failure is retried by design; any other repeat is a redelivery.
+      if (!next || (call.status !== undefined && call.status >= 300 && !call.aborted)) continue;
+      repeated += 1;
+      const hold = run.timeoutMs + obs.settings.claimGraceMs;
+      if (!explainingFault(obs.faults, claimant, call, next, hold))
+        unexplained.push(
+          `run ${run.id} (${role}) attempt ${call.attempt} on ${claimant ?? '?'} at ${iso(call.arrivedAt)} ` +
+            `${call.aborted ? 'aborted' : `answered ${call.status}`}, called again as attempt ${next.attempt} at ` +
+            `${iso(next.arrivedAt)}, with no fault on ${claimant ?? 'its claimant'}`,
+        );
+    }
+    if (run.state === 'dead') {
+      // Each attempt of the budget is a call answered 500 (the failing target); fewer means an
+      // attempt was used up without a call, which only a fault on its claimant may excuse.
+      const failedCalls = new Set(calls.filter((c) => c.status === 500).map((c) => c.attempt)).size;
+      if (failedCalls < run.maxAttempts) {
+        const nodes = obs.attempts.filter((a) => a.runId === run.id).map((a) => a.nodeId);
+        const excused = obs.faults.some(
+          (f) =>
+            faultNodes(f).some((n) => nodes.includes(n)) &&
+            f.start <= (run.finishedAt ?? Infinity) &&
+            f.end >= (run.startedAt ?? 0) - 500,
+        );
+        if (!excused)
+          budget.push(
+            `run ${run.id} is dead after ${run.attempt} attempts of ${run.maxAttempts} but only ${failedCalls} calls failed at the target`,
+          );
+      }
+    }
+  }
+  // Deliveries of runs that are not in the database: only jobs deleted meanwhile lose their runs.
+  for (const [runId, calls] of byRun) {
+    if (runById.has(runId)) continue;
+    const job = obs.jobs.find((j) => j.id === calls[0]!.jobId);
+    const deleted = job?.versions.some((v) => !v.exists);
+    if (!deleted || existingJobs.has(calls[0]!.jobId))
+      vanished.push(`run ${runId} of ${job?.name ?? calls[0]!.jobId} reached the target but has no row`);
+  }
+
+  const { byKind, over } = lateness(obs, obs.runs, byRun, roles);
+  lines.push(
+    `runs ${obs.runs.length}: still active ${active.length}, unexpected final state ${badState.length}, ` +
+      `never reached the target ${neverCalled.length}, called again after a call that did not fail ${repeated} ` +
+      `(unexplained ${unexplained.length}), an attempt called twice ${sameAttempt.length}, early ${early.length}`,
+  );
+  report(violations, 'runs still queued or running after settling', active);
+  report(violations, 'runs ended in a state their job cannot explain', badState);
+  report(violations, 'runs ended without reaching the target', neverCalled);
+  report(violations, 'redeliveries with no fault on the node that held the claim', unexplained);
+  report(violations, 'attempts that reached the target twice', sameAttempt);
+  report(violations, 'calls that arrived before their scheduled_for', early);
+  report(violations, 'deliveries of runs missing from the database', vanished);
+  report(violations, 'dead runs that used attempts without calling', budget);
+  report(violations, 'first deliveries later than the bound of their fault kind', over);
+
+  lines.push('', 'lateness of the first delivery (HTTP arrival − scheduled_for), steady and ops jobs, ms:');
+  lines.push(
+    `${'window'.padEnd(24)} ${'runs'.padStart(6)} ${'p50'.padStart(8)} ${'p99'.padStart(8)} ${'max'.padStart(8)} ${'bound'.padStart(8)}`,
+  );
+  for (const [kind, values] of [...byKind].sort()) {
+    const fmt = (v: number) => v.toFixed(0).padStart(8);
+    const bound = obs.settings.latenessBoundMs[kind] ?? obs.settings.latenessBoundMs.default ?? Infinity;
+    lines.push(
+      `${kind.padEnd(24)} ${String(values.length).padStart(6)} ${fmt(percentile(values, 50))} ${fmt(percentile(values, 99))} ${fmt(Math.max(...values))} ${fmt(bound)}`,
+    );
+  }
+  return { violations, lines };
+}

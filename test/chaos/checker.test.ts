@@ -1,0 +1,256 @@
+/**
+ * The chaos checker can fail: a clean crafted history passes, and each crafted fault in it — a
+ * missing occurrence, a second delivery with no fault on the claimant, an occurrence run while
+ * paused, a retry skipped under forbid, a write of a stale epoch — is reported. Pure data: the
+ * checks are functions over arrays (observations.ts), the same ones the chaos run feeds.
+ */
+import assert from 'node:assert/strict';
+import { test } from 'node:test';
+import { judge } from './checker.js';
+import type { JobHistory } from './model.js';
+import type { Delivery, Observations, RunRow, ProcessView } from './observations.js';
+
+const T0 = Date.UTC(2026, 11, 1, 12, 0, 0);
+const sec = (n: number) => T0 + n * 1000;
+
+function job(id: string, role: JobHistory['role'], schedule = '* * * * * *'): JobHistory {
+  return {
+    id,
+    name: id,
+    role,
+    misfire: 'fire-once',
+    maxCatchUp: 100,
+    versions: [
+      {
+        from0: sec(0),
+        from1: sec(0) + 20,
+        exists: true,
+        enabled: true,
+        schedule,
+        targetPath: `/ok/${id}/v0`,
+        cause: 'create',
+      },
+    ],
+  };
+}
+
+/** A run of `jobId` at second `s`, created on time by `epoch`, succeeded after one call on node a. */
+function run(jobId: string, s: number, epoch: bigint, extra: Partial<RunRow> = {}): RunRow {
+  return {
+    id: `${jobId}-${s}`,
+    jobId,
+    scheduledFor: sec(s),
+    trigger: 'schedule',
+    state: 'succeeded',
+    attempt: 1,
+    maxAttempts: 3,
+    reason: null,
+    concurrency: 'allow',
+    createdEpoch: epoch,
+    createdAt: sec(s) - 4000,
+    startedAt: sec(s),
+    finishedAt: sec(s) + 100,
+    timeoutMs: 5000,
+    ...extra,
+  };
+}
+
+function delivery(r: RunRow, attempt = 1, at = r.scheduledFor + 5): Delivery {
+  return {
+    runId: r.id,
+    jobId: r.jobId,
+    attempt,
+    scheduledFor: r.scheduledFor,
+    path: `/ok/${r.jobId}/v0`,
+    arrivedAt: at,
+    endedAt: at + 100,
+    status: 200,
+  };
+}
+
+function leaderLog(name: string, pid: number, token: number, from: number, to?: number): ProcessView {
+  const logs: Record<string, unknown>[] = [
+    { time: new Date(from).toISOString(), msg: 'became leader', token: String(token) },
+  ];
+  if (to !== undefined)
+    logs.push({ time: new Date(to).toISOString(), msg: 'stepped down', token: String(token) });
+  return { name, pid, logs };
+}
+
+/** Observations whose arrays a test may change. */
+type Crafted = {
+  [K in keyof Observations]: Observations[K] extends readonly (infer U)[] ? U[] : Observations[K];
+};
+
+/** A clean history: job s1 every second from 10 to 20 s, epoch 1 until 10.5 s, then epoch 2. */
+function history(): Crafted {
+  const runs: RunRow[] = [];
+  for (let s = 10; s <= 20; s++) runs.push(run('s1', s, s <= 14 ? 1n : 2n));
+  return {
+    windowStart: sec(10),
+    windowEnd: sec(20),
+    jobs: [job('s1', 'steady')],
+    runs,
+    attempts: runs.map((r) => ({
+      runId: r.id,
+      attempt: 1,
+      nodeId: 'chaos-a',
+      startedAt: r.scheduledFor,
+      finishedAt: r.scheduledFor + 100,
+      outcome: 'succeeded',
+    })),
+    deadLetters: [],
+    deliveries: runs.map((r) => delivery(r)),
+    faults: [],
+    processes: [leaderLog('chaos-a', 1, 1, sec(0), sec(10) + 500), leaderLog('chaos-b', 2, 2, sec(10) + 600)],
+    ops: [],
+    settings: {
+      misfireThresholdMs: 5000,
+      lookaheadMs: 5000,
+      claimGraceMs: 3000,
+      leaseTtlMs: 3000,
+      opToleranceMs: 500,
+      earlyToleranceMs: 25,
+      settleMs: 4000,
+      latenessBoundMs: { 'no fault': 1500, default: 8000 },
+    },
+  };
+}
+
+function violations(obs: Observations): string {
+  return judge(obs).violations.join('\n');
+}
+
+test('a clean crafted history has no violation', () => {
+  assert.equal(violations(history()), '');
+});
+
+test('the checker reports a missing occurrence', () => {
+  const obs = history();
+  obs.runs.splice(5, 1); // 15 s
+  obs.deliveries.splice(5, 1);
+  assert.match(
+    violations(obs),
+    /1 occurrences that must have run did not:\n.*s1 \(steady, fire-once\) at 2026-12-01T12:00:15\.000Z: no run/,
+  );
+});
+
+test('the checker reports a second delivery when the fault hit another node than the claimant', () => {
+  const obs = history();
+  const again = obs.runs[2]!; // 12 s, claimed by chaos-a, answered 200
+  obs.deliveries.push(delivery(again, 2, again.scheduledFor + 3000));
+  obs.attempts.push({
+    runId: again.id,
+    attempt: 2,
+    nodeId: 'chaos-b',
+    startedAt: again.scheduledFor + 3000,
+    finishedAt: null,
+    outcome: 'succeeded',
+  });
+  obs.faults.push({
+    kind: 'kill-worker-mid-call',
+    node: 'chaos-c',
+    start: sec(12),
+    end: sec(14),
+    haltedAt: sec(12),
+  });
+  assert.match(
+    violations(obs),
+    /1 redeliveries with no fault on the node that held the claim:\n.*s1-12.*attempt 1 on chaos-a/,
+  );
+  // The same second call is explained when the fault hit the claimant.
+  obs.faults[0] = { ...obs.faults[0]!, node: 'chaos-a' };
+  obs.processes.push({ name: 'chaos-a', pid: 3, logs: [], exitedAt: sec(12) });
+  assert.doesNotMatch(violations(obs), /redeliveries/);
+});
+
+test('the checker reports an occurrence run while its job was paused', () => {
+  const obs = history();
+  const ops = job('o1', 'ops');
+  ops.versions.push({
+    ...ops.versions[0]!,
+    enabled: false,
+    from0: sec(13) + 200,
+    from1: sec(13) + 300,
+    cause: 'pause',
+  });
+  obs.jobs.push(ops);
+  for (let s = 10; s <= 15; s++) {
+    const r = run('o1', s, s <= 14 ? 1n : 2n);
+    obs.runs.push(r);
+    obs.deliveries.push({ ...delivery(r), path: '/ok/o1/v0' });
+    obs.attempts.push({
+      runId: r.id,
+      attempt: 1,
+      nodeId: 'chaos-a',
+      startedAt: r.scheduledFor,
+      finishedAt: null,
+      outcome: 'succeeded',
+    });
+  }
+  // 14 and 15 s are clearly after the pause's answer; 13 s is within the tolerance: either way.
+  assert.match(
+    violations(obs),
+    /2 occurrences that must not have run did:\n.*o1 \(ops, fire-once\) at 2026-12-01T12:00:14\.000Z ran while the job was paused/,
+  );
+  assert.doesNotMatch(violations(obs), /12:00:13\.000Z ran/);
+});
+
+test('the checker reports a retry skipped under forbid', () => {
+  const obs = history();
+  obs.jobs.push(job('f1', 'forbid', '*/2 * * * * *'));
+  const first = run('f1', 10, 1n, { concurrency: 'forbid', state: 'succeeded', finishedAt: sec(12) - 100 });
+  // Its first attempt failed; while it waited to retry, it was skipped as if it were a fresh occurrence.
+  const dropped = run('f1', 12, 1n, {
+    concurrency: 'forbid',
+    state: 'skipped',
+    reason: 'concurrency-forbid',
+    attempt: 1,
+    finishedAt: sec(14) + 200,
+  });
+  const blocker = run('f1', 14, 2n, { concurrency: 'forbid', startedAt: sec(14), finishedAt: sec(15) + 900 });
+  obs.runs.push(first, dropped, blocker);
+  obs.deliveries.push(
+    { ...delivery(first), path: '/ok/f1/v0', endedAt: sec(12) - 100 },
+    { ...delivery(dropped), path: '/ok/f1/v0', status: 500, endedAt: sec(13) + 900 },
+    { ...delivery(blocker), path: '/ok/f1/v0', endedAt: sec(15) + 900 },
+  );
+  assert.match(
+    violations(obs),
+    /forbid violations:\n.*f1: run f1-12 was skipped after 1 attempts: a retry was dropped/,
+  );
+});
+
+test('the checker reports a run written by a stale epoch after a newer epoch wrote', () => {
+  const obs = history();
+  // Epoch 1 (fenced off at 10.5 s) creates the run of 19 s at 17 s; epoch 2 had written at 11 s.
+  obs.runs[9] = { ...obs.runs[9]!, createdEpoch: 1n, createdAt: sec(17) };
+  assert.match(
+    violations(obs),
+    /epoch 1 created a run at 2026-12-01T12:00:17\.000Z, after epoch 2 had created one at 2026-12-01T12:00:11\.000Z/,
+  );
+});
+
+test('the checker reports a leader that was not frozen and believed it led after the next one began', () => {
+  const obs = history();
+  obs.processes[0] = leaderLog('chaos-a', 1, 1, sec(0), sec(12));
+  assert.match(violations(obs), /chaos-a \(token 1\) believed it led until .* and it was not frozen/);
+});
+
+test('a frozen leader may believe it leads until just after its resume, not longer', () => {
+  const obs = history();
+  obs.faults.push({
+    kind: 'pause-leader',
+    node: 'chaos-a',
+    start: sec(10),
+    end: sec(11) + 800,
+    haltedAt: sec(10),
+  });
+  obs.processes[0] = leaderLog('chaos-a', 1, 1, sec(0), sec(12));
+  assert.doesNotMatch(violations(obs), /believed it led/);
+  obs.processes[0] = leaderLog('chaos-a', 1, 1, sec(0), sec(14));
+  assert.match(
+    violations(obs),
+    /chaos-a \(token 1\) believed it led until .*; it was resumed at 2026-12-01T12:00:11\.800Z/,
+  );
+});

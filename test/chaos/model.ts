@@ -1,0 +1,133 @@
+/**
+ * The reference model of the chaos run: what each job looked like over time, built only from the
+ * answers of the REST API (what each call returned and when it was sent and answered), and from
+ * it which occurrences must run, which must not, and which may go either way.
+ *
+ * Time is wall-clock ms. An operation takes effect at one instant inside [sentAt, answeredAt]
+ * (the database's now() of its transaction; database and chaos run share one host clock), so an
+ * occurrence within `toleranceMs` of that interval may see the job before or after the change.
+ */
+
+export type JobRole = 'steady' | 'ops' | 'failing' | 'forbid' | 'replace';
+export type Misfire = 'fire-once' | 'fire-all' | 'skip';
+
+/** The job as one API answer left it, valid from some instant in [from0, from1]. */
+export interface JobVersion {
+  readonly from0: number;
+  readonly from1: number;
+  readonly exists: boolean;
+  readonly enabled: boolean;
+  /** A 6-field cron whose only non-`*` field is the seconds: `*` or `*\/n` (n divides 60). */
+  readonly schedule: string;
+  /** The path of the target URL (the target server tells versions apart by it). */
+  readonly targetPath: string;
+  /** What made this version, for messages: create, pause, resume, patch-schedule, … */
+  readonly cause: string;
+}
+
+export interface JobHistory {
+  readonly id: string;
+  readonly name: string;
+  readonly role: JobRole;
+  readonly misfire: Misfire;
+  readonly maxCatchUp: number;
+  /** In time order; the first is the creation. */
+  readonly versions: JobVersion[];
+  /** An operation whose outcome is unknown (no answer) was sent at this instant: not judged after it. */
+  uncertainFrom?: number;
+}
+
+/** Period in seconds of one of the schedules the chaos jobs use. */
+export function periodSeconds(schedule: string): number {
+  const [seconds, ...rest] = schedule.trim().split(/\s+/);
+  if (rest.length !== 5 || rest.some((f) => f !== '*')) throw new Error(`unsupported schedule ${schedule}`);
+  if (seconds === '*') return 1;
+  const match = /^\*\/(\d+)$/.exec(seconds ?? '');
+  if (!match || 60 % Number(match[1]) !== 0) throw new Error(`unsupported schedule ${schedule}`);
+  return Number(match[1]);
+}
+
+/** True when `at` (ms) is an occurrence of `schedule` (UTC; whole seconds only). */
+export function isOccurrence(schedule: string, at: number): boolean {
+  if (at % 1000 !== 0) return false;
+  return new Date(at).getUTCSeconds() % periodSeconds(schedule) === 0;
+}
+
+/** The versions that may be in force at `at`: `null` stands for "before the job existed". */
+export function possibleVersions(job: JobHistory, at: number, toleranceMs: number): (JobVersion | null)[] {
+  const { versions } = job;
+  const possible: (JobVersion | null)[] = [];
+  if (versions.length === 0 || at <= versions[0]!.from1 + toleranceMs) possible.push(null);
+  versions.forEach((version, i) => {
+    const next = versions[i + 1];
+    const couldHaveStarted = version.from0 - toleranceMs <= at;
+    const couldStillHold = next === undefined || at <= next.from1 + toleranceMs;
+    if (couldHaveStarted && couldStillHold) possible.push(version);
+  });
+  return possible;
+}
+
+function shouldRun(version: JobVersion | null, at: number): boolean {
+  return version !== null && version.exists && version.enabled && isOccurrence(version.schedule, at);
+}
+
+/** Why a version does not run an occurrence, for violation messages. */
+export function whyNot(version: JobVersion | null, at: number): string {
+  if (version === null) return 'before the job was created';
+  if (!version.exists) return `after the job was deleted (${version.cause})`;
+  if (!version.enabled) return `while the job was paused (${version.cause})`;
+  if (!isOccurrence(version.schedule, at))
+    return `not an occurrence of the schedule in force (${version.schedule})`;
+  return 'no reason';
+}
+
+/** What the model says about one occurrence of one job. */
+export interface Expectation {
+  readonly at: number;
+  /** 'must': clearly due while enabled; 'must-not': clearly not due; 'either': an operation was too close. */
+  readonly verdict: 'must' | 'must-not' | 'either';
+  /** The target path the run must call, when every version that runs it agrees. */
+  readonly targetPath?: string;
+  /** The version whose rule decided a 'must-not' (for the message). */
+  readonly decidedBy?: JobVersion | null;
+  /**
+   * When the latest change that may govern this occurrence was answered: its run can only have
+   * been created (or created again, after an edit withdrew it) by a dispatch pass after that.
+   */
+  readonly since: number;
+}
+
+/** Every whole second of [from, to] (ms) that some version of the job may run or must not run. */
+export function expectations(job: JobHistory, from: number, to: number, toleranceMs: number): Expectation[] {
+  const result: Expectation[] = [];
+  const first = Math.ceil(from / 1000) * 1000;
+  const schedules = [...new Set(job.versions.map((v) => v.schedule))];
+  for (let at = first; at <= to; at += 1000) {
+    if (job.uncertainFrom !== undefined && at >= job.uncertainFrom - toleranceMs) break;
+    if (!schedules.some((s) => isOccurrence(s, at))) continue;
+    const possible = possibleVersions(job, at, toleranceMs);
+    const runs = possible.map((v) => shouldRun(v, at));
+    const since = Math.max(...possible.map((v) => v?.from1 ?? -Infinity));
+    if (runs.every(Boolean)) {
+      const paths = new Set(possible.map((v) => v!.targetPath));
+      result.push({ at, since, verdict: 'must', targetPath: paths.size === 1 ? [...paths][0] : undefined });
+    } else if (runs.every((r) => !r)) {
+      result.push({ at, since, verdict: 'must-not', decidedBy: possible[possible.length - 1] ?? null });
+    } else {
+      const paths = new Set(possible.filter((v) => shouldRun(v, at)).map((v) => v!.targetPath));
+      result.push({ at, since, verdict: 'either', targetPath: paths.size === 1 ? [...paths][0] : undefined });
+    }
+  }
+  return result;
+}
+
+/** The job after one more API answer: a copy of the latest version with `change` applied. */
+export function addVersion(
+  job: JobHistory,
+  change: Partial<Omit<JobVersion, 'from0' | 'from1' | 'cause'>>,
+  at: { from0: number; from1: number; cause: string },
+): void {
+  const last = job.versions.at(-1);
+  if (!last) throw new Error(`job ${job.name} has no version to change`);
+  job.versions.push({ ...last, ...change, ...at });
+}
