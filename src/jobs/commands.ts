@@ -50,12 +50,14 @@ export async function pauseJob(
 
 /**
  * Enables a job: its next run is the first occurrence after now, so occurrences that fell due
- * while it was paused do not fire. Null when the job does not exist.
+ * while it was paused do not fire. On an enabled job the dispatcher parked, tries the schedule
+ * again. Null when the job does not exist.
  */
 export async function resumeJob(db: Database, ref: JobRef): Promise<JobRecord | null> {
   return inTransaction(db, async (client) => {
     const current = await findJob(client, ref, true);
-    if (!current || current.enabled) return current;
+    // An enabled job with no next run may be parked (scheduleError): a resume tries its schedule again.
+    if (!current || (current.enabled && current.nextRunAt !== null)) return current;
     const now = await databaseClock(client);
     let nextRunAt: Date | null = null;
     try {
