@@ -1,8 +1,15 @@
 import assert from 'node:assert/strict';
-import { setTimeout as sleep } from 'node:timers/promises';
 import { test } from 'node:test';
 import { oneByOne } from '../../src/execution/batching.js';
 import { BatchItemError, MicroBatcher } from '../../src/execution/micro-batcher.js';
+
+/**
+ * Lets the batcher's setImmediate callbacks run: a few turns of the event loop. (A fixed 5 ms
+ * sleep raced them on a loaded machine: the timer can be due before the check phase comes.)
+ */
+async function turns(n = 3): Promise<void> {
+  for (let i = 0; i < n; i++) await new Promise((resolve) => setImmediate(resolve));
+}
 
 /** A batch function whose batches finish only when the test releases them. */
 function gatedBatches() {
@@ -18,8 +25,7 @@ test('calls made in one turn go in one batch, and each gets its own result', asy
   const { batches, run } = gatedBatches();
   const batcher = new MicroBatcher(run, 100);
   const results = Promise.all([1, 2, 3].map((i) => batcher.add(i)));
-  // After this turn's setImmediate callbacks (a fixed sleep raced them on a loaded machine).
-  await new Promise((resolve) => setImmediate(resolve));
+  await turns();
   assert.deepEqual(
     batches.map((b) => b.items),
     [[1, 2, 3]],
@@ -32,7 +38,7 @@ test('a turn with more than maxBatch calls is split', async () => {
   const { batches, run } = gatedBatches();
   const batcher = new MicroBatcher(run, 2);
   const results = Promise.all([1, 2, 3, 4, 5].map((i) => batcher.add(i)));
-  await sleep(5);
+  await turns();
   assert.deepEqual(
     batches.map((b) => b.items),
     [[1, 2], [3, 4], [5]],
@@ -45,10 +51,10 @@ test('with maxInFlight reached, later calls wait and then go together in one bat
   const { batches, run } = gatedBatches();
   const batcher = new MicroBatcher(run, 100, 1);
   const first = batcher.add(1);
-  await sleep(5);
+  await turns();
   const later = [2, 3, 4].map((i) => batcher.add(i));
-  await sleep(5);
-  await sleep(5);
+  await turns();
+  await turns();
   assert.deepEqual(
     batches.map((b) => b.items),
     [[1]],
@@ -56,7 +62,7 @@ test('with maxInFlight reached, later calls wait and then go together in one bat
   );
   batches[0]!.release();
   assert.equal(await first, 10);
-  await sleep(5);
+  await turns();
   assert.deepEqual(
     batches.map((b) => b.items),
     [[1], [2, 3, 4]],
