@@ -37,10 +37,11 @@ export class TokenVerifier {
 
   /**
    * Throws a 401 problem without a valid token, a 403 one when a viewer asks for a write.
-   * Reads (GET, HEAD) need any role; everything else needs admin.
+   * Reads (GET, HEAD) need any role; everything else needs admin. Returns the caller's role
+   * (admin when the API is open).
    */
-  authorize(request: FastifyRequest, need: ApiRole = isRead(request.method) ? 'viewer' : 'admin'): void {
-    if (this.open) return;
+  authorize(request: FastifyRequest, need: ApiRole = isRead(request.method) ? 'viewer' : 'admin'): ApiRole {
+    if (this.open) return 'admin';
     const role = this.roleOf(request.headers.authorization);
     if (role === null) {
       throw new ProblemError(
@@ -55,6 +56,7 @@ export class TokenVerifier {
     if (need === 'admin' && role !== 'admin') {
       throw new ProblemError(403, 'forbidden', 'Forbidden', 'this token may only read (role viewer)');
     }
+    return role;
   }
 }
 

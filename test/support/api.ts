@@ -87,7 +87,8 @@ export async function startTestApi(
     runsTopic,
     logs,
     async call(method, path, callOptions = {}) {
-      const headers: Record<string, string> = { ...callOptions.headers };
+      // As the CLI does: an open API takes bodiless writes only with this header.
+      const headers: Record<string, string> = { 'x-helios-client': 'test', ...callOptions.headers };
       if (callOptions.token) headers.authorization = `Bearer ${callOptions.token}`;
       let body: string | undefined = callOptions.raw;
       if (callOptions.body !== undefined) body = JSON.stringify(callOptions.body);

@@ -231,13 +231,14 @@ test('many calls at once all complete on pooled connections', async () => {
 });
 
 test('a request HTTP cannot carry fails once, not retryable, and nothing is sent', async () => {
-  for (const headers of [
+  const cases: Record<string, string>[] = [
     { 'X-Price': '5 €' },
     { 'X-Bell': 'a\u0007b' },
     { 'X-Del': 'a\u007fb' },
     { Expect: '100-continue' },
     { 'Transfer-Encoding': 'chunked' },
-  ]) {
+  ];
+  for (const headers of cases) {
     const before = seen.length;
     const report = await executor.execute(call('/ok', { headers }), never);
     assert.equal(report.outcome, 'failed', JSON.stringify(headers));
