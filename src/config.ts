@@ -121,6 +121,12 @@ export interface HeliosConfig {
   readonly targetPolicyMode: 'strict' | 'permissive';
   /** HELIOS_SENSITIVE_HEADERS: header names added to authorization, cookie, proxy-authorization, x-api-key, whose values show as `***`. */
   readonly sensitiveHeaders: ReadonlySet<string>;
+  /**
+   * HELIOS_API_RATE_LIMIT requests per HELIOS_API_RATE_WINDOW_MS per token (per client address
+   * without a valid token), on each node; then 429 with Retry-After. Defaults 6000 per 60000 ms;
+   * HELIOS_API_RATE_LIMIT=0 turns the limit off. Null when off.
+   */
+  readonly apiRateLimit: { readonly max: number; readonly windowMs: number } | null;
   /** HELIOS_API_BODY_LIMIT: largest accepted API request body in bytes; default 262144 (256 KiB). */
   readonly apiBodyLimit: number;
   /** HELIOS_LOG_LEVEL: pino level; default info. */
@@ -241,6 +247,12 @@ function parseSensitiveHeaders(env: Env): ReadonlySet<string> {
   const bad = extra.find((h) => !/^[!#$%&'*+.^_`|~0-9A-Za-z-]+$/.test(h));
   if (bad !== undefined) throw new ConfigError('HELIOS_SENSITIVE_HEADERS', `"${bad}" is not a header name`);
   return sensitiveHeaderSet(extra);
+}
+
+function rateLimitOf(env: Env): { max: number; windowMs: number } | null {
+  const max = int(env, 'HELIOS_API_RATE_LIMIT', 6000, 0, 10_000_000);
+  const windowMs = int(env, 'HELIOS_API_RATE_WINDOW_MS', 60_000, 100, 3_600_000);
+  return max === 0 ? null : Object.freeze({ max, windowMs });
 }
 
 function parsePolicyMode(env: Env): 'strict' | 'permissive' {
@@ -365,6 +377,7 @@ export function loadConfig(env: Env = process.env): HeliosConfig {
     }),
     targetPolicyMode,
     sensitiveHeaders: parseSensitiveHeaders(env),
+    apiRateLimit: rateLimitOf(env),
     apiBodyLimit: int(env, 'HELIOS_API_BODY_LIMIT', 256 * 1024, 1024, 64 * 1024 * 1024),
     logLevel,
   };

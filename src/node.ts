@@ -161,6 +161,7 @@ export class HeliosNode {
           targetPolicy: config.targetPolicy,
           sensitiveHeaders: config.sensitiveHeaders,
           metricsPublic: config.metricsPublic,
+          ...(config.apiRateLimit ? { rateLimit: config.apiRateLimit } : {}),
           routes: config.roles.has('api'),
           logger,
         }),

@@ -23,6 +23,16 @@ export class TokenVerifier {
     return this.entries.length === 0;
   }
 
+  /**
+   * A stable, non-secret name of the request's valid token (its digest's start), for counting
+   * requests per token; null without a valid token.
+   */
+  callerKey(request: FastifyRequest): string | null {
+    const match = /^Bearer[ \t]+(\S+)[ \t]*$/i.exec(request.headers.authorization ?? '');
+    if (!match || this.roleOf(request.headers.authorization) === null) return null;
+    return `token:${digest(match[1]!).subarray(0, 12).toString('hex')}`;
+  }
+
   /** The role of the request's `Authorization: Bearer <token>`; null when absent or unknown. */
   roleOf(authorization: string | undefined): ApiRole | null {
     const match = /^Bearer[ \t]+(\S+)[ \t]*$/i.exec(authorization ?? '');

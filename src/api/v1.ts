@@ -7,6 +7,7 @@ import type { Api, ApiOptions } from './context.js';
 import { registerOpenApi } from './openapi.js';
 import { checkOpenModeRequest } from './open-mode.js';
 import { checkTargetName } from './target-name.js';
+import { registerRateLimit } from './rate-limit.js';
 import { notFound, sendProblem } from './problems.js';
 import { validatorCompiler } from './validation.js';
 import { clusterRoutes } from './routes/cluster.js';
@@ -51,6 +52,7 @@ export async function registerApi(app: FastifyInstance, options: ApiOptions): Pr
   await registerOpenApi(app);
   await app.register(
     async (scope) => {
+      if (options.rateLimit) await registerRateLimit(scope, verifier, options.rateLimit);
       const v1: Api = scope.withTypeProvider<TypeBoxTypeProvider>();
       v1.setValidatorCompiler(validatorCompiler);
       // JSON only: anything else is a 415, not a string that fails validation.

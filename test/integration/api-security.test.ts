@@ -8,7 +8,7 @@ import { createEtcdClient } from '../../src/coordination/etcd.js';
 import { ADMIN, jobBody, VIEWER } from '../support/api.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
 import { REPO_ROOT, serverEnv, uniqueId } from '../support/env.js';
-import { attemptsOf, runsOf, TargetServer, waitFor } from '../support/execution.js';
+import { attemptsOf, insertJob, runsOf, TargetServer, waitFor } from '../support/execution.js';
 import { ManagedProcess, nodeEnvironment, stopAll } from '../support/processes.js';
 
 // A real node (dist/main.js node, with tokens) on the real servers, in its own mount namespace so
@@ -229,6 +229,24 @@ test('header values HTTP cannot carry and reserved headers are a 400 naming the 
     assert.deepEqual(fields(refused.body), [`target.headers.${name}`], name);
   }
   assert.equal(await snapshot(), before, 'no job was stored');
+});
+
+test('a stored job whose request HTTP cannot carry fails once and is dead, not retried', async () => {
+  // Stored directly, as by a version of Helios before the save-time check.
+  const jobId = await insertJob(db.pool, {
+    name: `legacy-${uniqueId()}`,
+    schedule: '0 0 1 1 *',
+    target: { url: `${target.url}/ok`, headers: { 'X-Price': '5 €' } },
+    nextRunAt: new Date('2099-01-01T00:00:00Z'),
+    maxAttempts: 5,
+    backoffMs: 100,
+  });
+  const runId = String((await call('POST', `/jobs/${jobId}/trigger`)).body.runId);
+  assert.equal(await finishedRun(runId), 'dead');
+  const attempts = await attemptsOf(db.pool, runId);
+  assert.equal(attempts.length, 1, 'the same request would fail every attempt');
+  assert.match(attempts[0]!.error ?? '', /target\.headers\.X-Price/);
+  assert.equal(target.forJob(jobId).length, 0);
 });
 
 test('with HELIOS_TARGET_DENY set, metadata addresses and their IPv6 transition forms stay denied', async () => {

@@ -40,6 +40,7 @@ export async function startTestApi(
     sensitiveHeaders?: string[];
     bodyLimit?: number;
     metricsPublic?: boolean;
+    rateLimit?: { max: number; windowMs: number };
     db?: TestDatabase;
     /** Default: the real etcd of `.helios/env`. */
     etcdEndpoints?: string[];
@@ -72,6 +73,7 @@ export async function startTestApi(
         targetPolicy: options.targetPolicy ?? compileTargetPolicy(),
         sensitiveHeaders: sensitiveHeaderSet(options.sensitiveHeaders),
         metricsPublic: options.metricsPublic,
+        rateLimit: options.rateLimit,
         logger,
       }),
   });

@@ -124,6 +124,14 @@ test("the configured etcd, Kafka and PostgreSQL endpoints and the node's API are
   assert.equal(deniedReason('10.0.0.7', policy, 80), null);
 });
 
+test('the API rate limit defaults to 6000 per minute per token; 0 turns it off', () => {
+  assert.deepEqual(loadConfig(BASE).apiRateLimit, { max: 6000, windowMs: 60_000 });
+  const set = loadConfig({ ...BASE, HELIOS_API_RATE_LIMIT: '50', HELIOS_API_RATE_WINDOW_MS: '1000' });
+  assert.deepEqual(set.apiRateLimit, { max: 50, windowMs: 1000 });
+  assert.equal(loadConfig({ ...BASE, HELIOS_API_RATE_LIMIT: '0' }).apiRateLimit, null);
+  failsOn({ HELIOS_API_RATE_LIMIT: 'lots' }, 'HELIOS_API_RATE_LIMIT');
+});
+
 test('bad API settings name their variable', () => {
   failsOn({ HELIOS_TARGET_DENY: '10.0.0.0/99' }, 'HELIOS_TARGET_DENY');
   failsOn({ HELIOS_TARGET_ALLOW: 'example.com' }, 'HELIOS_TARGET_ALLOW');
