@@ -149,7 +149,9 @@ export function compileJob(
   if (errors.length > 0 || !schedule) throw badRequest(errors);
 
   const target: StoredTarget = {
-    url: input.target.url,
+    // Stored as parsed (lower-case host, default port dropped, path and query percent-encoded):
+    // what is shown and what the worker connects to are then the same string.
+    url: new URL(input.target.url).href,
     method,
     headers,
     ...(body !== undefined ? { body } : {}),

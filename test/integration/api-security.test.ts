@@ -313,3 +313,18 @@ test('a viewer’s writes are 403 and a request without a valid token is 401; ne
   }
   assert.equal(await snapshot(), before, 'nothing changed');
 });
+
+test('a target URL is stored and shown in its parsed, normalised form', async () => {
+  const port = new URL(target.url).port;
+  const created = await call('POST', '/jobs', {
+    body: quiet('normalised', { url: `HTTP://LocalHost:${port}/a b/../c?q=1 2` }),
+  });
+  assert.equal(created.status, 201, created.text);
+  const expected = `http://localhost:${port}/c?q=1%202`;
+  assert.equal((created.body.target as { url: string }).url, expected);
+  const { rows } = await db.pool.query<{ url: string }>(
+    `SELECT target->>'url' AS url FROM jobs WHERE id = $1`,
+    [created.body.id],
+  );
+  assert.equal(rows[0]?.url, expected);
+});
