@@ -11,8 +11,8 @@ export interface Output {
  * shown. Values printed by the CLI come from job definitions and targets' responses: a target
  * must not be able to rewrite an operator's screen.
  */
-// eslint-disable-next-line no-control-regex -- matching control characters is the point
 const TERMINAL_UNSAFE =
+  // eslint-disable-next-line no-control-regex -- matching control characters is the point
   /[\u0000-\u0008\u000b-\u001f\u007f-\u009f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]/g;
 
 /**
