@@ -6,13 +6,7 @@ import {
   InvalidCidrError,
   type TargetPolicy,
 } from './security/target-policy.js';
-import {
-  ClusterEndpoints,
-  endpointOfHostPort,
-  endpointOfUrl,
-  endpointsOfDatabaseUrl,
-  type Endpoint,
-} from './security/cluster-endpoints.js';
+import { ClusterEndpoints, configuredEndpoints } from './security/cluster-endpoints.js';
 import { sensitiveHeaderSet } from './security/sensitive-headers.js';
 
 /** What a node does; every node may have any subset. */
@@ -263,24 +257,6 @@ function parsePolicyMode(env: Env): 'strict' | 'permissive' {
   return raw;
 }
 
-/** The cluster's own servers as configured: never valid job targets. */
-function clusterEndpointsOf(
-  etcdEndpoints: readonly string[],
-  kafkaBrokers: readonly string[],
-  databaseUrl: string,
-  api: { host: string; port: number; publicUrl: string | undefined },
-): Endpoint[] {
-  const endpoints: (Endpoint | null)[] = [
-    ...etcdEndpoints.map((url) => endpointOfUrl(url, 'etcd', 2379)),
-    ...kafkaBrokers.map((broker) => endpointOfHostPort(broker, 'Kafka broker')),
-    ...endpointsOfDatabaseUrl(databaseUrl),
-    // Port 0 is only known once bound: the node adds its address then.
-    api.port === 0 ? null : { host: api.host, port: api.port, what: 'node API' },
-    api.publicUrl ? endpointOfUrl(api.publicUrl, 'node API') : null,
-  ];
-  return endpoints.filter((e): e is Endpoint => e !== null);
-}
-
 /** True for addresses only this host can reach. */
 export function isLoopbackHost(host: string): boolean {
   const bare = host.replace(/^\[(.*)\]$/, '$1').toLowerCase();
@@ -328,7 +304,7 @@ export function loadConfig(env: Env = process.env): HeliosConfig {
   const kafkaBrokers = list(env, 'HELIOS_KAFKA_BROKERS', checkHostPort);
   const targetPolicyMode = parsePolicyMode(env);
   const cluster = new ClusterEndpoints(
-    clusterEndpointsOf(etcdEndpoints, kafkaBrokers, databaseUrl, {
+    configuredEndpoints(etcdEndpoints, kafkaBrokers, databaseUrl, {
       host: httpHost,
       port: httpPort,
       publicUrl,

@@ -67,6 +67,24 @@ export function endpointOfHostPort(hostPort: string, what: string): Endpoint | n
   return match ? { host: bare(match[1]!), port: Number(match[2]), what } : null;
 }
 
+/** The cluster's own servers as configured: never valid job targets. */
+export function configuredEndpoints(
+  etcdEndpoints: readonly string[],
+  kafkaBrokers: readonly string[],
+  databaseUrl: string,
+  api: { host: string; port: number; publicUrl: string | undefined },
+): Endpoint[] {
+  const endpoints: (Endpoint | null)[] = [
+    ...etcdEndpoints.map((url) => endpointOfUrl(url, 'etcd', 2379)),
+    ...kafkaBrokers.map((broker) => endpointOfHostPort(broker, 'Kafka broker')),
+    ...endpointsOfDatabaseUrl(databaseUrl),
+    // Port 0 is only known once bound: the node adds its address then.
+    api.port === 0 ? null : { host: api.host, port: api.port, what: 'node API' },
+    api.publicUrl ? endpointOfUrl(api.publicUrl, 'node API') : null,
+  ];
+  return endpoints.filter((e): e is Endpoint => e !== null);
+}
+
 interface ResolvedEndpoint {
   readonly addresses: readonly Address[];
   /** True when the server is on this host: every address of this host reaches it then. */

@@ -14,6 +14,7 @@ import {
   TargetDeniedError,
 } from '../../src/security/target-policy.js';
 import { HttpExecutor } from '../../src/execution/http-executor.js';
+import { ClusterEndpoints } from '../../src/security/cluster-endpoints.js';
 
 const defaults = compileTargetPolicy();
 // Loopback denied too: a name that resolves to 127.0.0.1 / ::1 (localhost, from /etc/hosts, no
@@ -183,4 +184,21 @@ test('IPv6 transition forms of a denied IPv4 address are denied (NAT64, 6to4, Te
   const strict = compileTargetPolicy({ strict: true });
   assert.ok(deniedReason('64:ff9b::7f00:1', strict), 'NAT64 of 127.0.0.1 in strict mode');
   assert.ok(deniedReason('2002:0a00:0001::1', strict), '6to4 of 10.0.0.1 in strict mode');
+});
+
+test('a cluster endpoint given by name is refused once resolved, and stays refused when DNS fails', async () => {
+  let answer: () => Promise<string[]> = async () => ['10.9.8.7'];
+  const cluster = new ClusterEndpoints([{ host: 'etcd.internal', port: 2379, what: 'etcd' }], () => answer());
+  const policy = compileTargetPolicy({ cluster });
+  assert.equal(deniedReason('10.9.8.7', policy, 2379), null, 'not resolved yet');
+  await cluster.refresh();
+  assert.match(deniedReason('10.9.8.7', policy, 2379) ?? '', /cluster's own etcd/);
+  assert.equal(deniedReason('10.9.8.7', policy, 80), null, 'only its port');
+  answer = async () => {
+    throw new Error('SERVFAIL');
+  };
+  await cluster.refresh();
+  assert.ok(deniedReason('10.9.8.7', policy, 2379), 'a DNS failure must not open the port');
+  cluster.setNodes([{ host: '10.1.1.1', port: 8080, what: 'node API' }]);
+  assert.match(deniedReason('10.1.1.1', policy, 8080) ?? '', /node API/);
 });
