@@ -6,6 +6,7 @@ import {
   InvalidCidrError,
   type TargetPolicy,
 } from './security/target-policy.js';
+import { ClusterEndpoints, configuredEndpoints } from './security/cluster-endpoints.js';
 import { sensitiveHeaderSet } from './security/sensitive-headers.js';
 
 /** What a node does; every node may have any subset. */
@@ -97,13 +98,29 @@ export interface HeliosConfig {
   /** HELIOS_METRICS_PUBLIC: `true` serves /metrics without a token even when tokens are configured; default false. */
   readonly metricsPublic: boolean;
   /**
-   * HELIOS_TARGET_DENY and HELIOS_TARGET_ALLOW: comma lists of CIDR ranges job targets are checked
-   * against when saved and when executed. Deny default: link-local and cloud metadata ranges
-   * (`none` denies nothing); allow default: empty, i.e. every address not denied. Deny wins.
+   * Where job targets may point, checked when a job is saved and again, after DNS, when it is
+   * executed. Deny wins over allow. Settings:
+   * - HELIOS_TARGET_DENY: CIDR ranges refused in addition to the defaults (link-local, cloud
+   *   metadata addresses, "this host"); default none.
+   * - HELIOS_TARGET_DENY_DEFAULTS: `false` drops those defaults (only for a network without a
+   *   metadata service); default true.
+   * - HELIOS_TARGET_POLICY: `strict` also refuses loopback and private ranges (recommended in
+   *   production); default `permissive`.
+   * - HELIOS_TARGET_ALLOW: CIDR ranges allowed exclusively; default empty (all not denied).
+   * The configured etcd, Kafka and PostgreSQL endpoints and every node's API are always refused
+   * (`targetPolicy.cluster`; the node adds its own API address and the registry's once started).
    */
   readonly targetPolicy: TargetPolicy;
+  /** HELIOS_TARGET_POLICY: `strict` or `permissive` (see targetPolicy). */
+  readonly targetPolicyMode: 'strict' | 'permissive';
   /** HELIOS_SENSITIVE_HEADERS: header names added to authorization, cookie, proxy-authorization, x-api-key, whose values show as `***`. */
   readonly sensitiveHeaders: ReadonlySet<string>;
+  /**
+   * HELIOS_API_RATE_LIMIT requests per HELIOS_API_RATE_WINDOW_MS per token (per client address
+   * without a valid token), on each node; then 429 with Retry-After. Defaults 6000 per 60000 ms;
+   * HELIOS_API_RATE_LIMIT=0 turns the limit off. Null when off.
+   */
+  readonly apiRateLimit: { readonly max: number; readonly windowMs: number } | null;
   /** HELIOS_API_BODY_LIMIT: largest accepted API request body in bytes; default 262144 (256 KiB). */
   readonly apiBodyLimit: number;
   /** HELIOS_LOG_LEVEL: pino level; default info. */
@@ -221,11 +238,10 @@ function bool(env: Env, name: string, fallback: boolean): boolean {
   throw new ConfigError(name, `must be true or false, got "${raw}"`);
 }
 
-/** A comma list of CIDR ranges; undefined when unset (use the default), [] for `none`. */
-function cidrs(env: Env, name: string): string[] | undefined {
+/** A comma list of CIDR ranges; [] when unset or `none`. */
+function cidrs(env: Env, name: string): string[] {
   const raw = env[name]?.trim();
-  if (!raw) return undefined;
-  if (raw.toLowerCase() === 'none') return [];
+  if (!raw || raw.toLowerCase() === 'none') return [];
   const items = raw
     .split(',')
     .map((s) => s.trim())
@@ -249,6 +265,20 @@ function parseSensitiveHeaders(env: Env): ReadonlySet<string> {
   const bad = extra.find((h) => !/^[!#$%&'*+.^_`|~0-9A-Za-z-]+$/.test(h));
   if (bad !== undefined) throw new ConfigError('HELIOS_SENSITIVE_HEADERS', `"${bad}" is not a header name`);
   return sensitiveHeaderSet(extra);
+}
+
+function rateLimitOf(env: Env): { max: number; windowMs: number } | null {
+  const max = int(env, 'HELIOS_API_RATE_LIMIT', 6000, 0, 10_000_000);
+  const windowMs = int(env, 'HELIOS_API_RATE_WINDOW_MS', 60_000, 100, 3_600_000);
+  return max === 0 ? null : Object.freeze({ max, windowMs });
+}
+
+function parsePolicyMode(env: Env): 'strict' | 'permissive' {
+  const raw = (env.HELIOS_TARGET_POLICY?.trim() || 'permissive').toLowerCase();
+  if (raw !== 'strict' && raw !== 'permissive') {
+    throw new ConfigError('HELIOS_TARGET_POLICY', `must be strict or permissive, got "${raw}"`);
+  }
+  return raw;
 }
 
 /** True for addresses only this host can reach. */
@@ -293,17 +323,29 @@ export function loadConfig(env: Env = process.env): HeliosConfig {
     );
   }
 
+  const httpPort = int(env, 'HELIOS_HTTP_PORT', 8080, 0, 65535);
+  const etcdEndpoints = list(env, 'HELIOS_ETCD_ENDPOINTS', checkUrl(['http:', 'https:']));
+  const kafkaBrokers = list(env, 'HELIOS_KAFKA_BROKERS', checkHostPort);
+  const targetPolicyMode = parsePolicyMode(env);
+  const cluster = new ClusterEndpoints(
+    configuredEndpoints(etcdEndpoints, kafkaBrokers, databaseUrl, {
+      host: httpHost,
+      port: httpPort,
+      publicUrl,
+    }),
+  );
+
   const config: HeliosConfig = {
     nodeId,
     roles: parseRoles(env),
     httpHost,
-    httpPort: int(env, 'HELIOS_HTTP_PORT', 8080, 0, 65535),
+    httpPort,
     publicUrl,
     databaseUrl,
     databasePoolSize: int(env, 'HELIOS_DATABASE_POOL_SIZE', 20, 2, 500),
-    etcdEndpoints: list(env, 'HELIOS_ETCD_ENDPOINTS', checkUrl(['http:', 'https:'])),
+    etcdEndpoints,
     etcdPrefix,
-    kafkaBrokers: list(env, 'HELIOS_KAFKA_BROKERS', checkHostPort),
+    kafkaBrokers,
     runsTopic: str(env, 'HELIOS_KAFKA_TOPIC', 'helios.runs'),
     deadLetterTopic: str(env, 'HELIOS_KAFKA_DLQ_TOPIC', 'helios.runs.dlq'),
     topicPartitions: int(env, 'HELIOS_KAFKA_PARTITIONS', 6, 1, 1000),
@@ -329,8 +371,13 @@ export function loadConfig(env: Env = process.env): HeliosConfig {
     targetPolicy: compileTargetPolicy({
       deny: cidrs(env, 'HELIOS_TARGET_DENY'),
       allow: cidrs(env, 'HELIOS_TARGET_ALLOW'),
+      defaults: bool(env, 'HELIOS_TARGET_DENY_DEFAULTS', true),
+      strict: targetPolicyMode === 'strict',
+      cluster,
     }),
+    targetPolicyMode,
     sensitiveHeaders: parseSensitiveHeaders(env),
+    apiRateLimit: rateLimitOf(env),
     apiBodyLimit: int(env, 'HELIOS_API_BODY_LIMIT', 256 * 1024, 1024, 64 * 1024 * 1024),
     logLevel,
     retention: Object.freeze({

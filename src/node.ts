@@ -1,4 +1,5 @@
 import { hostname } from 'node:os';
+import { setTimeout as sleep } from 'node:timers/promises';
 import type { FastifyInstance } from 'fastify';
 import type { Etcd3 } from 'etcd3';
 import type pg from 'pg';
@@ -10,7 +11,8 @@ import { createPool } from './store/db.js';
 import { migrate } from './store/migrate.js';
 import { Notifications } from './store/notifications.js';
 import { createEtcdClient } from './coordination/etcd.js';
-import { NodeRegistry } from './coordination/registry.js';
+import { listNodes, NodeRegistry } from './coordination/registry.js';
+import { endpointOfUrl } from './security/cluster-endpoints.js';
 import { LeaderElection, type Leadership } from './coordination/election.js';
 import { createKafka, RunPublisher, TopicProvisioner, type BrokerClient } from './broker/index.js';
 import { KafkaProbe } from './broker/health.js';
@@ -23,6 +25,9 @@ import { buildApiServer } from './api/server.js';
 import { registerApi } from './api/v1.js';
 
 type State = 'idle' | 'starting' | 'running' | 'stopping' | 'stopped';
+
+/** How often the node re-reads the registry and re-resolves the cluster's endpoint names. */
+const CLUSTER_ENDPOINTS_REFRESH_MS = 10_000;
 
 export interface HeliosNodeOptions {
   readonly config: HeliosConfig;
@@ -178,6 +183,7 @@ export class HeliosNode {
           targetPolicy: config.targetPolicy,
           sensitiveHeaders: config.sensitiveHeaders,
           metricsPublic: config.metricsPublic,
+          ...(config.apiRateLimit ? { rateLimit: config.apiRateLimit } : {}),
           routes: config.roles.has('api'),
           logger,
         }),
@@ -194,6 +200,7 @@ export class HeliosNode {
     const address = app.server.address();
     const port = typeof address === 'object' && address ? address.port : config.httpPort;
     this._apiUrl = apiUrlOf(config, port);
+    await this.watchClusterEndpoints(etcd, { host: config.httpHost, port, what: 'node API' });
 
     const registry = new NodeRegistry({
       client: etcd,
@@ -264,6 +271,47 @@ export class HeliosNode {
       this.onStop('election', () => election.stop());
     }
     logger.info({ apiUrl: this._apiUrl }, 'node started');
+  }
+
+  /**
+   * Keeps the target policy's list of the cluster's own servers current: this node's API once its
+   * port is bound, and every registered node's apiUrl, with names resolved again each pass.
+   */
+  private async watchClusterEndpoints(
+    etcd: Etcd3,
+    ownApi: { host: string; port: number; what: string },
+  ): Promise<void> {
+    const { config, logger } = this;
+    const cluster = config.targetPolicy.cluster;
+    if (!cluster) return;
+    const own = endpointOfUrl(this._apiUrl ?? '', 'node API');
+    cluster.add(own ? [ownApi, own] : [ownApi]);
+    const pass = async () => {
+      try {
+        const nodes = await withTimeout(
+          listNodes(etcd, config.etcdPrefix),
+          3000,
+          'reading the node registry',
+        );
+        cluster.setNodes(nodes.flatMap((n) => (n.apiUrl ? (endpointOfUrl(n.apiUrl, 'node API') ?? []) : [])));
+      } catch (err) {
+        logger.debug({ err: toError(err) }, 'node registry not read; keeping the known API addresses');
+      }
+      await cluster.refresh();
+    };
+    // The first pass completes before any job can execute here: names are resolved by then.
+    await pass();
+    const abort = new AbortController();
+    const loop = (async () => {
+      while (!abort.signal.aborted) {
+        await sleep(CLUSTER_ENDPOINTS_REFRESH_MS, undefined, { signal: abort.signal }).catch(() => undefined);
+        if (!abort.signal.aborted) await pass();
+      }
+    })();
+    this.onStop('cluster endpoint watch', async () => {
+      abort.abort();
+      await loop;
+    });
   }
 
   /** Starts the leader's loops for one epoch; they end when the epoch's signal aborts. */

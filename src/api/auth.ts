@@ -23,6 +23,16 @@ export class TokenVerifier {
     return this.entries.length === 0;
   }
 
+  /**
+   * A stable, non-secret name of the request's valid token (its digest's start), for counting
+   * requests per token; null without a valid token.
+   */
+  callerKey(request: FastifyRequest): string | null {
+    const match = /^Bearer[ \t]+(\S+)[ \t]*$/i.exec(request.headers.authorization ?? '');
+    if (!match || this.roleOf(request.headers.authorization) === null) return null;
+    return `token:${digest(match[1]!).subarray(0, 12).toString('hex')}`;
+  }
+
   /** The role of the request's `Authorization: Bearer <token>`; null when absent or unknown. */
   roleOf(authorization: string | undefined): ApiRole | null {
     const match = /^Bearer[ \t]+(\S+)[ \t]*$/i.exec(authorization ?? '');
@@ -37,10 +47,11 @@ export class TokenVerifier {
 
   /**
    * Throws a 401 problem without a valid token, a 403 one when a viewer asks for a write.
-   * Reads (GET, HEAD) need any role; everything else needs admin.
+   * Reads (GET, HEAD) need any role; everything else needs admin. Returns the caller's role
+   * (admin when the API is open).
    */
-  authorize(request: FastifyRequest, need: ApiRole = isRead(request.method) ? 'viewer' : 'admin'): void {
-    if (this.open) return;
+  authorize(request: FastifyRequest, need: ApiRole = isRead(request.method) ? 'viewer' : 'admin'): ApiRole {
+    if (this.open) return 'admin';
     const role = this.roleOf(request.headers.authorization);
     if (role === null) {
       throw new ProblemError(
@@ -55,6 +66,7 @@ export class TokenVerifier {
     if (need === 'admin' && role !== 'admin') {
       throw new ProblemError(403, 'forbidden', 'Forbidden', 'this token may only read (role viewer)');
     }
+    return role;
   }
 }
 

@@ -28,6 +28,11 @@ export interface ApiOptions {
   readonly sensitiveHeaders: ReadonlySet<string>;
   /** HELIOS_MISFIRE_THRESHOLD_MS: job commands judge due occurrences as the dispatcher does; default 5000. */
   readonly misfireThresholdMs?: number;
+  /**
+   * Per-token (per client address without a valid token) limit on /api/v1 requests: at most
+   * `max` per `windowMs`, then 429 with Retry-After. Default none (the node passes its config's).
+   */
+  readonly rateLimit?: { readonly max: number; readonly windowMs: number };
   /** Serve /metrics without a token even when tokens are configured; default false. */
   readonly metricsPublic?: boolean;
   /** Serve /api/v1, /openapi.json and /docs; false keeps only the /metrics token check. Default true. */
@@ -54,5 +59,5 @@ export function problems(...statuses: number[]): Record<number, typeof PROBLEM_R
   return Object.fromEntries(statuses.map((status) => [status, PROBLEM_RESPONSE]));
 }
 
-/** Statuses every /api/v1 route can answer with (auth, server failure). */
-export const COMMON_PROBLEMS = [401, 403, 500] as const;
+/** Statuses every /api/v1 route can answer with (auth, rate limit, server failure). */
+export const COMMON_PROBLEMS = [401, 403, 429, 500] as const;

@@ -44,18 +44,34 @@ export function decodeCursor(text: string | undefined): CursorPosition | null {
 }
 
 /**
+ * Largest page body, as JSON: a page ends early (with a cursor) rather than grow past it. Jobs
+ * may carry 64 KiB bodies each, so 500 of them would otherwise be a 32 MiB response held in
+ * memory at once.
+ */
+export const MAX_PAGE_BYTES = 1024 * 1024;
+
+/**
  * Cuts a list fetched with `limit + 1` rows into a page: the extra row only proves there is a
- * next page, whose cursor is the last row shown.
+ * next page, whose cursor is the last row shown. A page also ends once its items reach
+ * `maxBytes` as JSON (it always has at least one item), so its size is bounded by bytes too.
  */
 export function toPage<R extends { cursorTs: string; id: string }, V>(
   rows: R[],
   limit: number,
   view: (row: R) => V,
+  maxBytes = MAX_PAGE_BYTES,
 ): { items: V[]; nextCursor: string | null } {
-  const shown = rows.slice(0, limit);
-  const last = shown.at(-1);
+  const items: V[] = [];
+  let bytes = 0;
+  for (const row of rows.slice(0, limit)) {
+    const item = view(row);
+    bytes += Buffer.byteLength(JSON.stringify(item) ?? '');
+    if (items.length > 0 && bytes > maxBytes) break;
+    items.push(item);
+  }
+  const last = rows[items.length - 1];
   return {
-    items: shown.map(view),
-    nextCursor: rows.length > limit && last ? encodeCursor({ ts: last.cursorTs, id: last.id }) : null,
+    items,
+    nextCursor: rows.length > items.length && last ? encodeCursor({ ts: last.cursorTs, id: last.id }) : null,
   };
 }

@@ -1,3 +1,4 @@
+import { performance } from 'node:perf_hooks';
 import type { FastifyInstance } from 'fastify';
 import { toError, withTimeout } from '../errors.js';
 
@@ -25,6 +26,9 @@ export interface Readiness {
   readonly checks: Record<string, { ok: boolean; required: boolean; error?: string }>;
 }
 
+/** A /readyz answer is reused this long: at most one round trip per server per second. */
+export const READINESS_CACHE_MS = 1000;
+
 /**
  * `/healthz`: the process is up. `/readyz`: each dependency answered a real request within 2 s.
  * It answers 503 only when a *required* dependency failed, and names every failing one either way
@@ -36,6 +40,10 @@ export interface Readiness {
  * leadership waits. Failing readiness for those would make a Kubernetes Service drop every API
  * node at once during a Kafka or etcd outage, which helps nobody; the body still says what is
  * missing, for dashboards and alerts.
+ *
+ * `/readyz` is open to anyone who reaches the port, so its probes are shared: requests within
+ * READINESS_CACHE_MS of a probe round (or during one) get that round's answer instead of starting
+ * their own.
  */
 export function registerHealthRoutes(app: FastifyInstance, probes: Record<string, Probe | Dependency>): void {
   const dependencies = Object.entries(probes).map(([name, probe]) => {
@@ -43,25 +51,36 @@ export function registerHealthRoutes(app: FastifyInstance, probes: Record<string
     return [name, dependency] as const;
   });
   app.get('/healthz', async () => ({ status: 'ok' }));
+  let cached: { startedAt: number; answer: Promise<Readiness> } | undefined;
   app.get('/readyz', async (_request, reply): Promise<Readiness> => {
-    const results = await Promise.all(
-      dependencies.map(async ([name, { check, required }]) => {
-        try {
-          await withTimeout(Promise.resolve().then(check), 2000, name);
-          return [name, { ok: true, required }] as const;
-        } catch (err) {
-          return [name, { ok: false, required, error: toError(err).name }] as const;
-        }
-      }),
-    );
-    const failing = results.filter(([, r]) => !r.ok);
-    const unavailable = failing.some(([, r]) => r.required);
-    reply.code(unavailable ? 503 : 200);
-    return {
-      status: unavailable ? 'unavailable' : failing.length > 0 ? 'degraded' : 'ready',
-      failing: failing.map(([name]) => name),
-      degraded: failing.filter(([, r]) => !r.required).map(([name]) => name),
-      checks: Object.fromEntries(results),
-    };
+    const now = performance.now();
+    if (!cached || now - cached.startedAt >= READINESS_CACHE_MS) {
+      cached = { startedAt: now, answer: probeAll(dependencies) };
+    }
+    const readiness = await cached.answer;
+    reply.code(readiness.status === 'unavailable' ? 503 : 200);
+    return readiness;
   });
+}
+
+/** One round of every probe, each bounded by 2 s. */
+async function probeAll(dependencies: readonly (readonly [string, Dependency])[]): Promise<Readiness> {
+  const results = await Promise.all(
+    dependencies.map(async ([name, { check, required }]) => {
+      try {
+        await withTimeout(Promise.resolve().then(check), 2000, name);
+        return [name, { ok: true, required }] as const;
+      } catch (err) {
+        return [name, { ok: false, required, error: toError(err).name }] as const;
+      }
+    }),
+  );
+  const failing = results.filter(([, r]) => !r.ok);
+  const unavailable = failing.some(([, r]) => r.required);
+  return {
+    status: unavailable ? 'unavailable' : failing.length > 0 ? 'degraded' : 'ready',
+    failing: failing.map(([name]) => name),
+    degraded: failing.filter(([, r]) => !r.required).map(([name]) => name),
+    checks: Object.fromEntries(results),
+  };
 }

@@ -1,6 +1,7 @@
 import { InvalidCronError, parseCron, type CronSchedule } from '../scheduling/cron.js';
 import { checkTargetUrl, type TargetPolicy } from '../security/target-policy.js';
 import { REDACTED } from '../security/sensitive-headers.js';
+import { headerProblem, isReservedHeader } from '../security/http-headers.js';
 import type { JobFields, JobRecord, StoredTarget } from '../store/jobs.js';
 import { badRequest, type FieldError } from './problems.js';
 import { JOB_DEFAULTS, type JobInput } from './schemas.js';
@@ -14,19 +15,6 @@ export interface JobRules {
 
 const UUID = /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/i;
 export const isUuid = (text: string): boolean => UUID.test(text);
-
-/** Headers Helios or the HTTP client sets itself; a job may not override them. */
-const RESERVED_HEADERS = new Set([
-  'host',
-  'content-length',
-  'transfer-encoding',
-  'connection',
-  'keep-alive',
-  'upgrade',
-  'te',
-  'trailer',
-  'idempotency-key',
-]);
 
 const LONE_SURROGATE = /[\uD800-\uDBFF](?![\uDC00-\uDFFF])|(?<![\uD800-\uDBFF])[\uDC00-\uDFFF]/;
 const unstorable = (text: string) => text.includes('\u0000') || LONE_SURROGATE.test(text);
@@ -78,27 +66,48 @@ function checkBody(body: unknown, method: string, errors: FieldError[]): void {
   }
 }
 
+/** The origin (scheme, host, port) of a URL, or null when it does not parse. */
+function originOf(url: string | undefined): string | null {
+  if (url === undefined) return null;
+  try {
+    return new URL(url).origin;
+  } catch {
+    return null;
+  }
+}
+
 function checkHeaders(
   headers: Readonly<Record<string, string>>,
+  url: string,
   rules: JobRules,
   stored: StoredTarget | undefined,
   errors: FieldError[],
 ): Record<string, string> {
   const out: Record<string, string> = {};
   const seen = new Set<string>();
+  // A stored secret was given for one origin; "***" must not carry it to another one.
+  const sameOrigin = stored !== undefined && originOf(url) !== null && originOf(url) === originOf(stored.url);
   for (const [name, value] of Object.entries(headers)) {
     const field = `target.headers.${name}`;
     const lower = name.toLowerCase();
     if (seen.has(lower)) errors.push({ field, message: 'is given twice (header names ignore case)' });
     seen.add(lower);
-    if (RESERVED_HEADERS.has(lower) || lower.startsWith('x-helios-')) {
-      errors.push({ field, message: 'is set by Helios and cannot be configured' });
+    if (isReservedHeader(name)) {
+      errors.push({ field, message: 'is set by Helios or the HTTP client and cannot be configured' });
     }
+    const problem = headerProblem(name, value);
+    if (problem) errors.push({ field, message: problem });
     if (rules.sensitiveHeaders.has(lower) && value === REDACTED) {
       // "***" is what reads return: sending it back means "keep the stored secret".
       const kept = Object.entries(stored?.headers ?? {}).find(([n]) => n.toLowerCase() === lower)?.[1];
-      if (kept === undefined)
+      if (kept === undefined) {
         errors.push({ field, message: `"${REDACTED}" keeps a stored value, and none is stored` });
+      } else if (!sameOrigin) {
+        errors.push({
+          field,
+          message: `"${REDACTED}" keeps the value stored for ${originOf(stored?.url) ?? 'another origin'}; a new origin needs the value sent again`,
+        });
+      }
       out[name] = kept ?? value;
     } else {
       out[name] = value;
@@ -133,14 +142,16 @@ export function compileJob(
   }
   const urlProblem = checkTargetUrl(input.target.url, rules.targetPolicy);
   if (urlProblem) errors.push({ field: 'target.url', message: urlProblem });
-  const headers = checkHeaders(input.target.headers ?? {}, rules, stored, errors);
+  const headers = checkHeaders(input.target.headers ?? {}, input.target.url, rules, stored, errors);
   const method =
     input.target.method ?? (body === undefined ? JOB_DEFAULTS.method : JOB_DEFAULTS.methodWithBody);
   checkBody(body, method, errors);
   if (errors.length > 0 || !schedule) throw badRequest(errors);
 
   const target: StoredTarget = {
-    url: input.target.url,
+    // Stored as parsed (lower-case host, default port dropped, path and query percent-encoded):
+    // what is shown and what the worker connects to are then the same string.
+    url: new URL(input.target.url).href,
     method,
     headers,
     ...(body !== undefined ? { body } : {}),

@@ -1,4 +1,4 @@
-import { redactHeaders } from '../security/sensitive-headers.js';
+import { REDACTED, redactHeaders } from '../security/sensitive-headers.js';
 import type { JobRecord, StoredTarget } from '../store/jobs.js';
 import type { AttemptRecord, RunDetail as RunDetailRecord, RunSummary } from '../store/run-history.js';
 import type { Job, Run, RunDetail } from './schemas.js';
@@ -83,4 +83,38 @@ export function runDetailView(
       responseExcerpt: a.responseExcerpt,
     })),
   };
+}
+
+/** A URL with its query string and fragment replaced by `***` (webhook URLs often carry the secret there). */
+export function maskUrlQuery(url: string): string {
+  const cut = url.search(/[?#]/);
+  if (cut === -1) return url;
+  return `${url.slice(0, cut)}${url[cut]}${REDACTED}`;
+}
+
+type Masked = { target?: { url?: unknown }; attempts?: { responseExcerpt?: unknown }[] };
+
+function maskOne(view: Masked): Masked {
+  const out: Masked = { ...view };
+  if (view.target && typeof view.target.url === 'string') {
+    out.target = { ...view.target, url: maskUrlQuery(view.target.url) };
+  }
+  if (Array.isArray(view.attempts)) {
+    out.attempts = view.attempts.map((a) =>
+      a.responseExcerpt === null || a.responseExcerpt === undefined ? a : { ...a, responseExcerpt: REDACTED },
+    );
+  }
+  return out;
+}
+
+/**
+ * What a viewer may see of a response body made by the views above: target URLs without their
+ * query string and attempts without their response excerpt (a response can echo a credential or
+ * carry a token it issued). Applied to every /api/v1 response of a viewer, whatever the route.
+ */
+export function viewerView(payload: unknown): unknown {
+  if (payload === null || typeof payload !== 'object') return payload;
+  const page = payload as { items?: unknown };
+  if (Array.isArray(page.items)) return { ...page, items: page.items.map((item) => viewerView(item)) };
+  return maskOne(payload as Masked);
 }

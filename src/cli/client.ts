@@ -30,7 +30,9 @@ export class ApiClient {
   constructor(private readonly config: CliConfig) {}
 
   async request<T>(method: string, path: string, body?: unknown): Promise<T> {
-    const headers: Record<string, string> = { accept: 'application/json' };
+    // x-helios-client: an API without tokens takes writes only with a header a cross-site page
+    // cannot send without a CORS preflight (a bodiless POST has no content-type to show).
+    const headers: Record<string, string> = { accept: 'application/json', 'x-helios-client': 'cli' };
     if (this.config.apiToken) headers.authorization = `Bearer ${this.config.apiToken}`;
     if (body !== undefined) headers['content-type'] = 'application/json';
     let response: Response;

@@ -75,10 +75,15 @@ function completed(doc: JobDocument): Record<string, unknown> {
 
 /** The fields of `job` that the document sets, in the document's completed form. */
 function differs(job: Job, doc: Record<string, unknown>): boolean {
-  const target = doc.target as { method?: string; headers?: object; body?: unknown } | undefined;
+  const target = doc.target as
+    { url?: unknown; method?: string; headers?: object; body?: unknown } | undefined;
   const hasBody = target?.body !== undefined && target.body !== null;
+  // The API stores a URL in its parsed form; compare the file's the same way.
+  const url =
+    typeof target?.url === 'string' && URL.canParse(target.url) ? new URL(target.url).href : target?.url;
   const expectedTarget = target && {
     ...target,
+    url,
     method: target.method ?? (hasBody ? JOB_DEFAULTS.methodWithBody : JOB_DEFAULTS.method),
     headers: target.headers ?? {},
   };

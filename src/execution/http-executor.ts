@@ -1,13 +1,15 @@
 import { performance } from 'node:perf_hooks';
-import { Agent, type Dispatcher } from 'undici';
+import { Agent, errors as undiciErrors, Pool, type Dispatcher } from 'undici';
 import { toError } from '../errors.js';
 import {
   checkTargetUrl,
   compileTargetPolicy,
   guardedLookup,
+  portOf,
   TargetDeniedError,
   type TargetPolicy,
 } from '../security/target-policy.js';
+import { headerProblem } from '../security/http-headers.js';
 import type { AttemptReport } from '../store/attempts.js';
 import type { ClaimedRun } from '../store/runs.js';
 
@@ -43,6 +45,8 @@ export class HttpExecutor {
   private readonly policy: TargetPolicy;
   /** Per target URL: the policy's verdict on its text and, when allowed, its parts. */
   private readonly checkedUrls = new Map<string, { problem: string } | { origin: string; path: string }>();
+  /** The cluster endpoints' generation the cached verdicts were made with. */
+  private checkedGeneration = 0;
 
   constructor(options: HttpExecutorOptions = {}) {
     this.maxExcerptBytes = options.maxExcerptBytes ?? 2048;
@@ -55,7 +59,17 @@ export class HttpExecutor {
       bodyTimeout: 0,
       // Names are resolved and checked against the target policy on every new connection, so the
       // address checked is the address connected to (no DNS rebinding around the API's check).
-      connect: { lookup: guardedLookup(this.policy) },
+      // One pool per origin, each with a lookup that knows its port: the cluster's own servers
+      // are refused by address and port.
+      factory: (origin, opts) => {
+        const port = portOf(new URL(String(origin)));
+        const options = opts as Pool.Options;
+        const connect = typeof options.connect === 'object' ? options.connect : {};
+        return new Pool(origin, {
+          ...options,
+          connect: { ...connect, lookup: guardedLookup(this.policy, port) },
+        });
+      },
     });
   }
 
@@ -108,6 +122,13 @@ export class HttpExecutor {
     });
   }
 
+  /** True when undici refused the request itself (a header or method it cannot send). */
+  private static invalidRequest(error: Error): boolean {
+    return (
+      error instanceof undiciErrors.InvalidArgumentError || error instanceof undiciErrors.NotSupportedError
+    );
+  }
+
   /** Closes pooled connections; calls still in flight are destroyed. */
   async close(): Promise<void> {
     await this.agent.destroy();
@@ -137,7 +158,10 @@ export class HttpExecutor {
     }
     if (cancel.aborted) return cancelledReport(toError(cancel.reason), durationMs);
     const denied = [ending.error, ending.error.cause].find((e) => e instanceof TargetDeniedError);
-    if (denied?.permanent) return { ...failedReport(describe(ending.error), durationMs), retryable: false };
+    // A refused address, or a request undici will never send: every attempt would end the same.
+    if (denied?.permanent || HttpExecutor.invalidRequest(ending.error)) {
+      return { ...failedReport(describe(ending.error), durationMs), retryable: false };
+    }
     return failedReport(describe(ending.error), durationMs);
   }
 
@@ -145,7 +169,13 @@ export class HttpExecutor {
     const target = run.target;
     if (typeof target?.url !== 'string') throw new Error('target.url is missing');
     // IP literals never reach the guarded lookup; check them (and the URL's shape) here. The
-    // verdict depends only on the URL text and the fixed policy, so it is cached with the parse.
+    // verdict depends only on the URL text and the policy, so it is cached with the parse until
+    // the cluster's endpoints change.
+    const generation = this.policy.cluster?.generation ?? 0;
+    if (generation !== this.checkedGeneration) {
+      this.checkedUrls.clear();
+      this.checkedGeneration = generation;
+    }
     let parsed = this.checkedUrls.get(target.url);
     if (parsed === undefined) {
       const problem = checkTargetUrl(target.url, this.policy);
@@ -163,8 +193,12 @@ export class HttpExecutor {
     const method = (target.method ?? (hasBody ? 'POST' : 'GET')).toUpperCase();
     if (!METHODS.has(method)) throw new Error(`target.method ${method} is not supported`);
     const headers: Record<string, string> = {};
-    for (const [name, value] of Object.entries(target.headers ?? {}))
+    for (const [name, value] of Object.entries(target.headers ?? {})) {
+      // Jobs saved before the API checked headers may still carry one HTTP cannot send.
+      const problem = headerProblem(name, String(value));
+      if (problem) throw new Error(`target.headers.${name} ${problem}`);
       headers[name.toLowerCase()] = String(value);
+    }
     if (hasBody) headers['content-type'] ??= 'application/json';
     // Ours last: a job cannot forge the identity of the call.
     headers['idempotency-key'] = run.id;

@@ -46,7 +46,13 @@ test('a node boots, registers, reports readiness, and names PostgreSQL when it i
 
   await infra('down', 'pg');
   try {
-    const down = await readyz(apiUrl);
+    // /readyz answers from a probe round at most 1 s old: the outage shows within a second.
+    const seenAt = Date.now();
+    let down = await readyz(apiUrl);
+    while (down.status === 200 && Date.now() - seenAt < 3000) {
+      await new Promise((r) => setTimeout(r, 200));
+      down = await readyz(apiUrl);
+    }
     assert.equal(down.status, 503);
     assert.deepEqual(down.body.failing, ['postgres']);
     assert.equal((await fetch(`${apiUrl}/healthz`)).status, 200, 'the process itself is still healthy');

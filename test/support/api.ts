@@ -40,6 +40,7 @@ export async function startTestApi(
     sensitiveHeaders?: string[];
     bodyLimit?: number;
     metricsPublic?: boolean;
+    rateLimit?: { max: number; windowMs: number };
     db?: TestDatabase;
     /** Default: the real etcd of `.helios/env`. */
     etcdEndpoints?: string[];
@@ -72,6 +73,7 @@ export async function startTestApi(
         targetPolicy: options.targetPolicy ?? compileTargetPolicy(),
         sensitiveHeaders: sensitiveHeaderSet(options.sensitiveHeaders),
         metricsPublic: options.metricsPublic,
+        rateLimit: options.rateLimit,
         logger,
       }),
   });
@@ -87,7 +89,8 @@ export async function startTestApi(
     runsTopic,
     logs,
     async call(method, path, callOptions = {}) {
-      const headers: Record<string, string> = { ...callOptions.headers };
+      // As the CLI does: an open API takes bodiless writes only with this header.
+      const headers: Record<string, string> = { 'x-helios-client': 'test', ...callOptions.headers };
       if (callOptions.token) headers.authorization = `Bearer ${callOptions.token}`;
       let body: string | undefined = callOptions.raw;
       if (callOptions.body !== undefined) body = JSON.stringify(callOptions.body);

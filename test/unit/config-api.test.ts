@@ -3,6 +3,7 @@ import { test } from 'node:test';
 import { isLoopbackHost, loadCliConfig, loadConfig } from '../../src/config.js';
 import { ConfigError } from '../../src/errors.js';
 import { deniedReason } from '../../src/security/target-policy.js';
+import { endpointsOfDatabaseUrl } from '../../src/security/cluster-endpoints.js';
 
 const BASE = {
   HELIOS_DATABASE_URL: 'postgres://u@127.0.0.1:5432/db',
@@ -54,12 +55,81 @@ test('API settings are parsed', () => {
   assert.ok(deniedReason('10.1.2.3', config.targetPolicy), 'deny wins over allow');
   assert.equal(deniedReason('192.0.2.1', config.targetPolicy), null);
   assert.ok(deniedReason('198.51.100.1', config.targetPolicy), 'outside the allow list');
-  assert.equal(
-    deniedReason('169.254.169.254', config.targetPolicy),
-    'address 169.254.169.254 is outside the allowed ranges',
+  assert.match(
+    deniedReason('169.254.169.254', config.targetPolicy) ?? '',
+    /denied range 169\.254\.0\.0\/16/,
+    'HELIOS_TARGET_DENY adds to the defaults: the metadata address stays denied',
   );
-  const open = loadConfig({ ...BASE, HELIOS_TARGET_DENY: 'none' });
-  assert.equal(deniedReason('169.254.169.254', open.targetPolicy), null);
+  const none = loadConfig({ ...BASE, HELIOS_TARGET_DENY: 'none' });
+  assert.ok(deniedReason('169.254.169.254', none.targetPolicy), '"none" adds nothing, removes nothing');
+  const off = loadConfig({ ...BASE, HELIOS_TARGET_DENY_DEFAULTS: 'false' });
+  assert.equal(
+    deniedReason('169.254.169.254', off.targetPolicy),
+    null,
+    'only an explicit setting drops them',
+  );
+});
+
+test('HELIOS_TARGET_POLICY=strict also denies loopback and private ranges; permissive is the default', () => {
+  const permissive = loadConfig(BASE);
+  assert.equal(permissive.targetPolicyMode, 'permissive');
+  assert.equal(deniedReason('127.0.0.1', permissive.targetPolicy, 3000), null);
+  const strict = loadConfig({ ...BASE, HELIOS_TARGET_POLICY: 'strict' });
+  for (const address of [
+    '127.0.0.1',
+    '::1',
+    '10.1.2.3',
+    '172.16.0.1',
+    '192.168.1.1',
+    'fd12::1',
+    '100.64.0.1',
+  ]) {
+    assert.ok(deniedReason(address, strict.targetPolicy), `${address} is denied in strict mode`);
+  }
+  assert.ok(deniedReason('169.254.169.254', strict.targetPolicy));
+  assert.equal(deniedReason('203.0.113.9', strict.targetPolicy), null);
+  failsOn({ HELIOS_TARGET_POLICY: 'lenient' }, 'HELIOS_TARGET_POLICY');
+});
+
+test("the configured etcd, Kafka and PostgreSQL endpoints and the node's API are denied on their ports", () => {
+  const config = loadConfig({
+    ...BASE,
+    HELIOS_DATABASE_URL: 'postgres://u@127.0.0.1:5433/db',
+    HELIOS_ETCD_ENDPOINTS: 'http://127.0.0.1:2379,http://10.0.0.7:2379',
+    HELIOS_HTTP_PORT: '8181',
+  });
+  const policy = config.targetPolicy;
+  assert.match(deniedReason('127.0.0.1', policy, 2379) ?? '', /cluster's own etcd/);
+  assert.match(deniedReason('127.0.0.1', policy, 9092) ?? '', /cluster's own Kafka broker/);
+  assert.match(deniedReason('127.0.0.1', policy, 5433) ?? '', /cluster's own PostgreSQL/);
+  assert.match(deniedReason('10.0.0.7', policy, 2379) ?? '', /cluster's own etcd/);
+  assert.deepEqual(
+    endpointsOfDatabaseUrl('postgres://u:p@db1:5433,[fd00::7]/x?sslmode=require').map((e) => [
+      e.host,
+      e.port,
+    ]),
+    [
+      ['db1', 5433],
+      ['fd00::7', 5432],
+    ],
+    'every host of a multi-host connection string',
+  );
+  assert.match(deniedReason('127.0.0.1', policy, 8181) ?? '', /cluster's own node API/);
+  // Loopback servers are reached through every loopback address and "this host".
+  assert.ok(deniedReason('127.0.0.2', policy, 2379));
+  assert.ok(deniedReason('::1', policy, 2379));
+  assert.ok(deniedReason('::ffff:127.0.0.1', policy, 9092));
+  // Other ports of the same host stay reachable in the permissive policy (local demo targets).
+  assert.equal(deniedReason('127.0.0.1', policy, 2380), null);
+  assert.equal(deniedReason('10.0.0.7', policy, 80), null);
+});
+
+test('the API rate limit defaults to 6000 per minute per token; 0 turns it off', () => {
+  assert.deepEqual(loadConfig(BASE).apiRateLimit, { max: 6000, windowMs: 60_000 });
+  const set = loadConfig({ ...BASE, HELIOS_API_RATE_LIMIT: '50', HELIOS_API_RATE_WINDOW_MS: '1000' });
+  assert.deepEqual(set.apiRateLimit, { max: 50, windowMs: 1000 });
+  assert.equal(loadConfig({ ...BASE, HELIOS_API_RATE_LIMIT: '0' }).apiRateLimit, null);
+  failsOn({ HELIOS_API_RATE_LIMIT: 'lots' }, 'HELIOS_API_RATE_LIMIT');
 });
 
 test('bad API settings name their variable', () => {

@@ -5,6 +5,8 @@ import type { AddressInfo, Socket } from 'node:net';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { after, before, test } from 'node:test';
 import { HttpExecutor, type HttpCall } from '../../src/execution/http-executor.js';
+import { ClusterEndpoints } from '../../src/security/cluster-endpoints.js';
+import { compileTargetPolicy } from '../../src/security/target-policy.js';
 
 // The executor against a real HTTP server on loopback: what it sends, what it records, and how
 // every way a call can end becomes a report (bounded memory for huge or endless bodies).
@@ -226,4 +228,39 @@ test('a refused connection and a bad target are failed attempts with the reason'
 test('many calls at once all complete on pooled connections', async () => {
   const reports = await Promise.all(Array.from({ length: 300 }, () => executor.execute(call('/ok'), never)));
   assert.ok(reports.every((r) => r.outcome === 'succeeded' && r.responseExcerpt === 'fine'));
+});
+
+test('a request HTTP cannot carry fails once, not retryable, and nothing is sent', async () => {
+  const cases: Record<string, string>[] = [
+    { 'X-Price': '5 €' },
+    { 'X-Bell': 'a\u0007b' },
+    { 'X-Del': 'a\u007fb' },
+    { Expect: '100-continue' },
+    { 'Transfer-Encoding': 'chunked' },
+  ];
+  for (const headers of cases) {
+    const before = seen.length;
+    const report = await executor.execute(call('/ok', { headers }), never);
+    assert.equal(report.outcome, 'failed', JSON.stringify(headers));
+    assert.equal(report.retryable, false, `${JSON.stringify(headers)} would fail every attempt`);
+    assert.equal(seen.length, before, 'the target was not called');
+  }
+});
+
+test("a call to one of the cluster's own endpoints is refused by address and port, by name too", async () => {
+  const port = Number(new URL(base).port);
+  const cluster = new ClusterEndpoints([{ host: '127.0.0.1', port, what: 'etcd' }]);
+  const guarded = new HttpExecutor({ targetPolicy: compileTargetPolicy({ cluster }) });
+  try {
+    for (const url of [`${base}/ok`, `http://localhost:${port}/ok`, `http://127.0.0.2:${port}/ok`]) {
+      const before = seen.length;
+      const report = await guarded.execute({ ...call('/ok'), target: { url } }, never);
+      assert.equal(report.outcome, 'failed', url);
+      assert.match(report.error ?? '', /cluster's own etcd/, url);
+      assert.equal(report.retryable, false);
+      assert.equal(seen.length, before, `${url} was not called`);
+    }
+  } finally {
+    await guarded.close();
+  }
 });

@@ -14,6 +14,7 @@ import {
   TargetDeniedError,
 } from '../../src/security/target-policy.js';
 import { HttpExecutor } from '../../src/execution/http-executor.js';
+import { ClusterEndpoints } from '../../src/security/cluster-endpoints.js';
 
 const defaults = compileTargetPolicy();
 // Loopback denied too: a name that resolves to 127.0.0.1 / ::1 (localhost, from /etc/hosts, no
@@ -151,4 +152,53 @@ test("the worker's HTTP executor refuses, at execution time, a name that resolve
   } finally {
     await executor.close();
   }
+});
+
+test('the defaults deny Azure wire server and always apply, whatever deny is added', () => {
+  const added = compileTargetPolicy({ deny: ['10.0.0.0/8'] });
+  assert.ok(deniedReason('169.254.169.254', added), 'adding a range keeps the metadata address denied');
+  assert.ok(deniedReason('168.63.129.16', added));
+  assert.ok(deniedReason('10.2.3.4', added));
+  assert.equal(deniedReason('169.254.169.254', compileTargetPolicy({ defaults: false })), null);
+});
+
+test('IPv6 transition forms of a denied IPv4 address are denied (NAT64, 6to4, Teredo, compatible, mapped)', () => {
+  for (const address of [
+    '64:ff9b::a9fe:a9fe', // NAT64 of 169.254.169.254
+    '64:ff9b::169.254.169.254',
+    '2002:a9fe:a9fe::1', // 6to4
+    '2001:0:4136:e378:8000:63bf:5601:5601', // Teredo, client 169.254.169.254 stored inverted
+    '::169.254.169.254', // IPv4-compatible
+    '::ffff:169.254.169.254', // IPv4-mapped
+    '::ffff:a9fe:a9fe',
+    '64:ff9b::a83f:8110', // 168.63.129.16
+  ]) {
+    assert.match(deniedReason(address, defaults) ?? '', /denied range/, address);
+  }
+  for (const url of ['http://[64:ff9b::a9fe:a9fe]/', 'http://[2002:a9fe:a9fe::]/', 'http://[::a9fe:a9fe]/']) {
+    assert.ok(checkTargetUrl(url, defaults), `${url} should be refused`);
+  }
+  // Loopback and the unspecified address are not read as IPv4-compatible 0.0.0.1 / 0.0.0.0.
+  assert.equal(deniedReason('::1', defaults), null);
+  assert.equal(deniedReason('2002:cb00:7109::1', defaults), null, '6to4 of a public address is fine');
+  const strict = compileTargetPolicy({ strict: true });
+  assert.ok(deniedReason('64:ff9b::7f00:1', strict), 'NAT64 of 127.0.0.1 in strict mode');
+  assert.ok(deniedReason('2002:0a00:0001::1', strict), '6to4 of 10.0.0.1 in strict mode');
+});
+
+test('a cluster endpoint given by name is refused once resolved, and stays refused when DNS fails', async () => {
+  let answer: () => Promise<string[]> = async () => ['10.9.8.7'];
+  const cluster = new ClusterEndpoints([{ host: 'etcd.internal', port: 2379, what: 'etcd' }], () => answer());
+  const policy = compileTargetPolicy({ cluster });
+  assert.equal(deniedReason('10.9.8.7', policy, 2379), null, 'not resolved yet');
+  await cluster.refresh();
+  assert.match(deniedReason('10.9.8.7', policy, 2379) ?? '', /cluster's own etcd/);
+  assert.equal(deniedReason('10.9.8.7', policy, 80), null, 'only its port');
+  answer = async () => {
+    throw new Error('SERVFAIL');
+  };
+  await cluster.refresh();
+  assert.ok(deniedReason('10.9.8.7', policy, 2379), 'a DNS failure must not open the port');
+  cluster.setNodes([{ host: '10.1.1.1', port: 8080, what: 'node API' }]);
+  assert.match(deniedReason('10.1.1.1', policy, 8080) ?? '', /node API/);
 });

@@ -1,0 +1,212 @@
+import { lookup as dnsLookup } from 'node:dns';
+import { isIP } from 'node:net';
+import { networkInterfaces } from 'node:os';
+import ipaddr from 'ipaddr.js';
+
+// The cluster's own servers as job targets are the worst SSRF there is: a POST to etcd's gateway
+// can rewrite the leader key, a GET can read the keyspace back through the response excerpt. So
+// the configured etcd, Kafka and PostgreSQL endpoints and every node's API are refused on their
+// ports, compared after DNS like every other check of the target policy.
+
+type Address = ipaddr.IPv4 | ipaddr.IPv6;
+
+/** One server of the cluster: a host (name or IP literal) and a port. */
+export interface Endpoint {
+  readonly host: string;
+  readonly port: number;
+  /** What it is, shown in the refusal: `etcd`, `Kafka broker`, `PostgreSQL`, `node API`. */
+  readonly what: string;
+}
+
+/** Resolves a host name to its addresses (default `dns.lookup`, every address). */
+export type HostResolver = (host: string) => Promise<string[]>;
+
+const systemResolver: HostResolver = (host) =>
+  new Promise((resolve, reject) => {
+    dnsLookup(host, { all: true, verbatim: true }, (err, addresses) =>
+      err ? reject(err) : resolve(addresses.map((a) => a.address)),
+    );
+  });
+
+const bare = (host: string) => host.replace(/^\[(.*)\]$/, '$1');
+const parse = (address: string): Address => ipaddr.process(bare(address).replace(/%.*$/, ''));
+
+/** The endpoint of a URL (`http://h:2379`, a node's apiUrl); null when it has no usable host. */
+export function endpointOfUrl(url: string, what: string, defaultPort?: number): Endpoint | null {
+  try {
+    const parsed = new URL(url);
+    if (!parsed.hostname) return null;
+    const port = parsed.port
+      ? Number(parsed.port)
+      : (defaultPort ?? (parsed.protocol === 'https:' ? 443 : 80));
+    return { host: bare(parsed.hostname), port, what };
+  } catch {
+    return null;
+  }
+}
+
+/**
+ * The endpoints of a PostgreSQL connection string, including the multi-host form
+ * `postgres://h1:5432,h2:5433/db` (which URL cannot parse); a socket directory has none.
+ */
+export function endpointsOfDatabaseUrl(url: string): Endpoint[] {
+  const authority = /^postgres(?:ql)?:\/\/(?:[^@/]*@)?([^/?#]*)/i.exec(url)?.[1] ?? '';
+  return authority
+    .split(',')
+    .filter(Boolean)
+    .flatMap((hostPort) => {
+      const match = /^(\[[^\]]+\]|[^:]*)(?::(\d+))?$/.exec(decodeURIComponent(hostPort));
+      if (!match?.[1]) return [];
+      return [{ host: bare(match[1]), port: match[2] ? Number(match[2]) : 5432, what: 'PostgreSQL' }];
+    });
+}
+
+/** The endpoint of a `host:port` Kafka broker address. */
+export function endpointOfHostPort(hostPort: string, what: string): Endpoint | null {
+  const match = /^(\[[^\]]+\]|[^:]+):(\d{1,5})$/.exec(hostPort.trim());
+  return match ? { host: bare(match[1]!), port: Number(match[2]), what } : null;
+}
+
+/** The cluster's own servers as configured: never valid job targets. */
+export function configuredEndpoints(
+  etcdEndpoints: readonly string[],
+  kafkaBrokers: readonly string[],
+  databaseUrl: string,
+  api: { host: string; port: number; publicUrl: string | undefined },
+): Endpoint[] {
+  const endpoints: (Endpoint | null)[] = [
+    ...etcdEndpoints.map((url) => endpointOfUrl(url, 'etcd', 2379)),
+    ...kafkaBrokers.map((broker) => endpointOfHostPort(broker, 'Kafka broker')),
+    ...endpointsOfDatabaseUrl(databaseUrl),
+    // Port 0 is only known once bound: the node adds its address then.
+    api.port === 0 ? null : { host: api.host, port: api.port, what: 'node API' },
+    api.publicUrl ? endpointOfUrl(api.publicUrl, 'node API') : null,
+  ];
+  return endpoints.filter((e): e is Endpoint => e !== null);
+}
+
+interface ResolvedEndpoint {
+  readonly addresses: readonly Address[];
+  /** True when the server is on this host: every address of this host reaches it then. */
+  readonly local: boolean;
+  readonly port: number;
+  readonly what: string;
+}
+
+/** Addresses that reach this host: loopback, "this host", and every interface's address. */
+function localAddresses(): Address[] {
+  const own = Object.values(networkInterfaces())
+    .flat()
+    .flatMap((i) => (i ? [i.address] : []));
+  return own.flatMap((a) => {
+    try {
+      return [parse(a)];
+    } catch {
+      return [];
+    }
+  });
+}
+
+const isLocal = (ip: Address, local: readonly Address[]) => {
+  const range = ip.range();
+  return (
+    range === 'loopback' ||
+    range === 'unspecified' ||
+    local.some((l) => l.kind() === ip.kind() && l.toString() === ip.toString())
+  );
+};
+
+/**
+ * The cluster's endpoints, resolved. {@link match} is synchronous (it runs inside a socket's
+ * lookup); {@link refresh} re-resolves names, keeping the last good answer of a name that fails.
+ * Endpoints given as IP literals are in force from construction, names after the first refresh.
+ */
+export class ClusterEndpoints {
+  private fixed: readonly Endpoint[];
+  private nodes: readonly Endpoint[] = [];
+  private resolved: readonly ResolvedEndpoint[] = [];
+  private readonly lastGood = new Map<string, readonly Address[]>();
+  private local: readonly Address[] = localAddresses();
+  /** Grows whenever the set changes, so a cache of verdicts knows to start over. */
+  generation = 0;
+
+  constructor(
+    endpoints: readonly Endpoint[],
+    private readonly resolve: HostResolver = systemResolver,
+  ) {
+    this.fixed = [...endpoints];
+    this.resolved = this.compile();
+  }
+
+  /** Adds endpoints that are not known at start (this node's API once its port is bound). */
+  add(endpoints: readonly Endpoint[]): void {
+    this.fixed = [...this.fixed, ...endpoints];
+    this.resolved = this.compile();
+    this.generation += 1;
+  }
+
+  /** Replaces the endpoints learnt from the node registry (every node's apiUrl). */
+  setNodes(endpoints: readonly Endpoint[]): void {
+    this.nodes = [...endpoints];
+    this.resolved = this.compile();
+    this.generation += 1;
+  }
+
+  /** Every endpoint, as configured. */
+  list(): readonly Endpoint[] {
+    return [...this.fixed, ...this.nodes];
+  }
+
+  /** Resolves every name again (bounded by `timeoutMs` each); never throws. */
+  async refresh(timeoutMs = 2000): Promise<void> {
+    const names = [...new Set(this.list().map((e) => e.host))].filter((h) => isIP(h) === 0);
+    await Promise.all(
+      names.map(async (name) => {
+        let timer: NodeJS.Timeout | undefined;
+        try {
+          const addresses = await Promise.race([
+            this.resolve(name),
+            new Promise<never>((_resolve, reject) => {
+              timer = setTimeout(() => reject(new Error('timeout')), timeoutMs);
+            }),
+          ]);
+          this.lastGood.set(name, addresses.map(parse));
+        } catch {
+          // Keep the last good answer: a DNS hiccup must not open the cluster's ports.
+        } finally {
+          clearTimeout(timer);
+        }
+      }),
+    );
+    this.local = localAddresses();
+    this.resolved = this.compile();
+    this.generation += 1;
+  }
+
+  /** What `ip:port` is when it is one of the cluster's servers (`etcd`, …), else null. */
+  match(ip: Address, port: number): string | null {
+    for (const endpoint of this.resolved) {
+      if (endpoint.port !== port) continue;
+      if (endpoint.local && isLocal(ip, this.local)) return endpoint.what;
+      if (endpoint.addresses.some((a) => a.kind() === ip.kind() && a.toString() === ip.toString())) {
+        return endpoint.what;
+      }
+    }
+    return null;
+  }
+
+  private compile(): ResolvedEndpoint[] {
+    return this.list().map((endpoint) => {
+      let addresses: readonly Address[];
+      if (isIP(endpoint.host) !== 0) addresses = [parse(endpoint.host)];
+      else if (endpoint.host.toLowerCase() === 'localhost') addresses = [parse('127.0.0.1'), parse('::1')];
+      else addresses = this.lastGood.get(endpoint.host) ?? [];
+      return {
+        addresses,
+        local: addresses.some((a) => isLocal(a, this.local)),
+        port: endpoint.port,
+        what: endpoint.what,
+      };
+    });
+  }
+}
