@@ -116,7 +116,7 @@ export async function runAttempt(ctx: AttemptContext, run: ClaimedRun, cancel: A
       log().warn(
         { error: report.error, status: report.statusCode },
         report.retryable === false
-          ? 'run is dead: its target was refused'
+          ? 'run is dead: its call cannot be made (target refused by the policy, or an invalid request)'
           : 'run is dead: attempts exhausted',
       );
     } else {
