@@ -45,15 +45,16 @@ async function runNode(): Promise<void> {
   await node.start();
 }
 
-async function runMigrate(): Promise<void> {
+/** What a one-off node-side command (`migrate`, `fence`) needs: the config, a logger, a small pool. */
+function commandContext(applicationName: string) {
   const config = loadConfig();
   const logger = createLogger({ level: config.logLevel, nodeId: config.nodeId });
-  const pool = createPool({
-    connectionString: config.databaseUrl,
-    max: 2,
-    logger,
-    applicationName: 'helios-migrate',
-  });
+  const pool = createPool({ connectionString: config.databaseUrl, max: 2, logger, applicationName });
+  return { config, logger, pool };
+}
+
+async function runMigrate(): Promise<void> {
+  const { logger, pool } = commandContext('helios-migrate');
   try {
     const applied = await migrate(pool);
     logger.info({ applied }, applied.length ? 'migrations applied' : 'schema is up to date');
@@ -74,14 +75,7 @@ async function runFence(sub: string | undefined): Promise<void> {
     process.exitCode = 2;
     return;
   }
-  const config = loadConfig();
-  const logger = createLogger({ level: config.logLevel, nodeId: config.nodeId });
-  const pool = createPool({
-    connectionString: config.databaseUrl,
-    max: 2,
-    logger,
-    applicationName: 'helios-fence',
-  });
+  const { config, pool } = commandContext('helios-fence');
   const etcd = createEtcdClient(config.etcdEndpoints);
   const leaderKey = `${config.etcdPrefix}/leader`;
   const out = (line: string) => process.stdout.write(`${line}\n`);
