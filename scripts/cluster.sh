@@ -12,9 +12,6 @@ NODES=3
 BASE_PORT="${HELIOS_CLUSTER_BASE_PORT:-8080}"
 TARGET_PORT="${HELIOS_DEMO_TARGET_PORT:-9099}"
 cd "$ROOT"
-# npm run puts node_modules/.bin first on the PATH: this is the pinned Node.js 24 (devDependency "node").
-echo "[cluster] Node.js $(node --version)"
-
 stopped=0
 stop_started() {
   [[ "$stopped" == 1 ]] && return 0
@@ -56,6 +53,13 @@ bash scripts/infra.sh status | awk '$NF == "down" { print ($1 == "postgres" ? "p
 trap 'echo; stop_started' INT TERM EXIT
 bash scripts/infra.sh up
 [[ -d node_modules ]] || npm ci --no-audit --no-fund
+# npm run put node_modules/.bin first on the PATH before it existed: now that `npm ci` has filled
+# it, forget any `node` the shell looked up earlier so the pinned Node.js 24 (devDependency "node")
+# runs the nodes, not the system's.
+hash -r
+echo "[cluster] Node.js $(node --version)"
+node -e 'process.exit(Number(process.versions.node.split(".")[0]) >= 24 ? 0 : 1)' ||
+  { echo "[cluster] Node.js 24 or newer is needed: run this as 'npm run cluster'" >&2; exit 1; }
 npm run build --silent
 
 TOKEN="dev-$(node -e "process.stdout.write(require('crypto').randomBytes(16).toString('hex'))")"
@@ -92,8 +96,8 @@ echo
 echo "Helios is running: $NODES nodes, API on ports $((BASE_PORT + 1))-$((BASE_PORT + NODES)), demo target on $TARGET_PORT."
 echo
 echo "  export HELIOS_API_URL=$API HELIOS_API_TOKEN=$TOKEN"
-echo "  node dist/main.js cluster          # leader, nodes, queue depth"
-echo "  node dist/main.js jobs list"
+echo "  npx node dist/main.js cluster      # leader, nodes, queue depth (npx: the pinned Node.js 24)"
+echo "  npx node dist/main.js jobs list"
 echo "  curl -H \"Authorization: Bearer \$HELIOS_API_TOKEN\" $API/api/v1/jobs"
 echo "  $API/docs                          # OpenAPI UI"
 echo "  logs: $STATE/node-*.log"
