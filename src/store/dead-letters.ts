@@ -73,12 +73,14 @@ const MARK_REPLAYED = `
 
 /**
  * Re-queues a dead run as a new attempt due now, with a fresh budget of the job's current
- * max_attempts (attempt numbers keep counting up, so the budget is attempt + max_attempts).
+ * max_attempts (attempt numbers keep counting up, so the budget is attempt + max_attempts),
+ * and its forgiven claim expiries start again from zero: an operator who replays a run that died
+ * in a crash loop gets the same protection from a lost claim acknowledgement as a new run.
  * The target is the run's own snapshot. $1 = run id.
  */
 const REQUEUE_DEAD = `
   UPDATE runs r SET state = 'queued', not_before = now(), finished_at = NULL, reason = 'replayed',
-                    max_attempts = r.attempt + j.max_attempts
+                    max_attempts = r.attempt + j.max_attempts, expiries = 0
   FROM jobs j
   WHERE r.id = $1 AND r.state = 'dead' AND j.id = r.job_id
   RETURNING r.id, r.job_id AS "jobId", r.attempt, r.scheduled_for AS "scheduledFor",

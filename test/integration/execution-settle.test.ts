@@ -15,6 +15,7 @@ import {
   waitFor,
 } from '../support/execution.js';
 import { startNode } from '../support/node-api.js';
+import { replayDeadLetter } from '../../src/store/dead-letters.js';
 import { stopAll, type ManagedProcess } from '../support/processes.js';
 
 // A call that finished is recorded even when the first write of its outcome fails (contract
@@ -215,6 +216,33 @@ test('expiries beyond the bound count as failed attempts, so a job that keeps ki
   );
   assert.equal(rows[0]!.n, 1, 'a dead letter records it');
   assert.equal(target.forJob(jobId).length, 0);
+
+  // A replay of the crash-looped run starts its forgiven expiries again: when the worker that
+  // claims the replay dies before calling (stranded here right after the replay commits, well
+  // before its announcement can travel through the outbox and Kafka to a worker), it costs no
+  // attempt and the run is still delivered.
+  const letter = await db.pool.query<{ id: string }>('SELECT id FROM dead_letters WHERE run_id = $1', [
+    runId,
+  ]);
+  const replay = await replayDeadLetter(db.pool, letter.rows[0]!.id, { runsTopic: topic });
+  assert.ok(replay, 'the dead letter was replayed');
+  const stranded = await db.pool.query(
+    `WITH run AS (
+       UPDATE runs SET state = 'running', attempt = $2, claimed_by = 'ghost-worker', started_at = now(),
+                       claim_expires_at = now() - interval '1 millisecond'
+       WHERE id = $1 AND state = 'queued' AND attempt = $2 - 1
+       RETURNING id)
+     INSERT INTO run_attempts (run_id, attempt, node_id, started_at)
+     SELECT id, $2, 'ghost-worker', now() FROM run`,
+    [runId, replay.attempt],
+  );
+  assert.equal(stranded.rowCount, 1, 'the replayed run was stranded before a worker claimed it');
+  const finished = await waitFor('the replayed run to finish', async () => {
+    const { rows } = await db.pool.query<{ state: string }>('SELECT state FROM runs WHERE id = $1', [runId]);
+    return ['succeeded', 'dead'].includes(rows[0]!.state) ? rows[0]! : null;
+  });
+  assert.equal(finished.state, 'succeeded', 'the replay was not charged for its worker dying');
+  assert.equal(target.forJob(jobId).length, 1);
 });
 
 test('a claim acknowledged after it expired does not make the call: the run is delivered once', async () => {
