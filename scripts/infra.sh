@@ -9,7 +9,9 @@
 #   scripts/infra.sh reset                   down, then delete all server data
 #
 # Ports are loopback-only and non-default so a developer's own servers are not disturbed;
-# override with HELIOS_PG_PORT, HELIOS_ETCD_PORT, HELIOS_KAFKA_PORT.
+# override with HELIOS_PG_PORT, HELIOS_ETCD_PORT, HELIOS_KAFKA_PORT. The defaults lie below the
+# ephemeral range (32768-60999), where an outgoing connection's local port can take a server's
+# port for a moment and make its start fail ("Address already in use" was seen under load).
 #
 # The chaos test runs nodes in network namespaces behind a bridge of its own; it sets
 # HELIOS_NETNS_HOST (the bridge's address, e.g. 10.200.79.1, a /24 that exists only on this
@@ -29,11 +31,11 @@ if [[ -f "$STATE/ports" ]]; then
     if [[ "$name" =~ ^HELIOS_[A-Z_]+_PORT$ && -z "${!name:-}" ]]; then export "$name=$value"; fi
   done <"$STATE/ports"
 fi
-PG_PORT="${HELIOS_PG_PORT:-55432}"
-ETCD_PORT="${HELIOS_ETCD_PORT:-52379}"
-ETCD_PEER_PORT="${HELIOS_ETCD_PEER_PORT:-52380}"
-KAFKA_PORT="${HELIOS_KAFKA_PORT:-59092}"
-KAFKA_CONTROLLER_PORT="${HELIOS_KAFKA_CONTROLLER_PORT:-59093}"
+PG_PORT="${HELIOS_PG_PORT:-15432}"
+ETCD_PORT="${HELIOS_ETCD_PORT:-12379}"
+ETCD_PEER_PORT="${HELIOS_ETCD_PEER_PORT:-12380}"
+KAFKA_PORT="${HELIOS_KAFKA_PORT:-19092}"
+KAFKA_CONTROLLER_PORT="${HELIOS_KAFKA_CONTROLLER_PORT:-19093}"
 KAFKA_HEAP="${HELIOS_KAFKA_HEAP:--Xms256m -Xmx512m}"
 NETNS_HOST="${HELIOS_NETNS_HOST:-}"
 KAFKA_NETNS_PORT="${HELIOS_KAFKA_NETNS_PORT:-}"
