@@ -297,8 +297,9 @@ EOF
     echo $! >"$kafka_dir/pid"
     log "kafka started (pid $!)"
   fi
-  # A broker that restarts with the hundreds of partitions a test run leaves behind, on a loaded
-  # 2-core machine, was seen to need 40-110 s before it answers: wait up to 180 s.
+  # Kafka reloads every partition's log on start: with the hundreds a test run leaves behind, on
+  # a loaded 2-core machine, that took 40-110 s (over 70 s after a chaos run's 120 s outage), so
+  # the wait is 3 minutes (HELIOS_KAFKA_READY_SECONDS overrides it).
   java -cp "$kafka_dir/libs/*" -Dlog4j2.configurationFile="$kafka_dir/log4j2.properties" \
     "$ROOT/scripts/kafka/KafkaReady.java" "127.0.0.1:$KAFKA_PORT" "${HELIOS_KAFKA_READY_SECONDS:-180}" >&2 \
     || { tail -n 20 "$kafka_dir/logs/stdout.log" >&2 || true; fail_with_log "kafka" "$kafka_dir/logs/server.log"; }

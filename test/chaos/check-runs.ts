@@ -73,13 +73,45 @@ function lateness(
     let list = byKind.get(kind);
     if (!list) byKind.set(kind, (list = []));
     list.push(late);
-    const bound = obs.settings.latenessBoundMs[kind] ?? obs.settings.latenessBoundMs.default ?? Infinity;
-    if (late > bound)
+    const { deadline, by } = latestArrival(obs, due, kind);
+    if (first.arrivedAt > deadline)
       over.push(
-        `run ${run.id} due ${iso(due)} arrived ${late.toFixed(0)} ms late (${kind}, bound ${bound} ms)`,
+        `run ${run.id} due ${iso(due)} arrived ${late.toFixed(0)} ms late (${kind}, bound ` +
+          `${boundOf(obs, kind)} ms${by.length > 0 ? `, then ${by.join(', ')}` : ''})`,
       );
   }
   return { byKind, over };
+}
+
+function boundOf(obs: Observations, kind: string): number {
+  return obs.settings.latenessBoundMs[kind] ?? obs.settings.latenessBoundMs.default ?? Infinity;
+}
+
+/**
+ * The latest a run due at `due` may first arrive: its bound, by the kind of fault it was due in;
+ * and when another fault is on (or begins) while the run may still legitimately be waiting, the run
+ * may wait for that one too, its bound counted from when it began (less the second the due window
+ * allows) or from `due`: a run held up by one fault's recovery when PostgreSQL then goes away waits
+ * for all of the outage. Returns the deadline and the kinds that extended it.
+ */
+export function latestArrival(
+  obs: Observations,
+  due: number,
+  kind: string,
+): { deadline: number; by: string[] } {
+  let deadline = due + boundOf(obs, kind);
+  const by: string[] = [];
+  for (const f of [...obs.faults].sort((a, b) => a.start - b.start)) {
+    if (f.end + obs.settings.settleMs < due) continue; // over before the run was due
+    const from = Math.max(due, f.start - 1000);
+    if (from > deadline) continue;
+    const extended = from + boundOf(obs, f.kind);
+    if (extended > deadline) {
+      deadline = extended;
+      if (f.kind !== kind) by.push(f.kind);
+    }
+  }
+  return { deadline, by };
 }
 
 function percentile(values: number[], p: number): number {

@@ -254,3 +254,28 @@ test('a frozen leader may believe it leads until just after its resume, not long
     /chaos-a \(token 1\) believed it led until .*; it was resumed at 2026-12-01T12:00:11\.800Z/,
   );
 });
+
+test('a run held up by one fault may wait for an outage that begins meanwhile, and no longer', () => {
+  const base = history();
+  const obs: Crafted = {
+    ...base,
+    settings: {
+      ...base.settings,
+      latenessBoundMs: { ...base.settings.latenessBoundMs, 'postgres-down-30s': 45_000 },
+    },
+  };
+  // Chaos seed 2: a worker recovering from a PostgreSQL partition left a run due at 14 s waiting
+  // for the polling fallback when PostgreSQL went down for 30 s at 14.4 s.
+  obs.faults.push(
+    { kind: 'partition-postgres-both', node: 'chaos-b', start: sec(5), end: sec(10) + 400 },
+    { kind: 'postgres-down-30s', start: sec(14) + 400, end: sec(44) + 400 },
+  );
+  const held = obs.runs[4]!; // 14 s
+  obs.deliveries[4] = delivery(held, 1, held.scheduledFor + 36_000);
+  assert.equal(violations(obs), '');
+  obs.deliveries[4] = delivery(held, 1, held.scheduledFor + 50_000);
+  assert.match(
+    violations(obs),
+    /run s1-14 due 2026-12-01T12:00:14\.000Z arrived 50000 ms late \(partition-postgres-both, bound 8000 ms, then postgres-down-30s\)/,
+  );
+});

@@ -3,7 +3,8 @@
  * nodes' logs) into plain arrays and runs the pure checks over them against the reference model.
  */
 import type pg from 'pg';
-import type { TargetRequest } from '../support/execution.js';
+import { setTimeout as sleep } from 'node:timers/promises';
+import { stopJobs, type TargetRequest } from '../support/execution.js';
 import { TopicRecorder } from '../support/kafka.js';
 import { checkAnnouncements, type Announcement, type OutboxRow } from './check-announcements.js';
 import { checkLeaders } from './check-leaders.js';
@@ -19,6 +20,37 @@ export function judge(obs: Observations): Findings {
     violations: parts.flatMap((p) => p.violations),
     lines: parts.flatMap((p) => p.lines),
   };
+}
+
+/**
+ * Ends the judged window: its end is the last whole second the dispatcher has passed for every
+ * job (waiting up to 30 s for it to catch up), then the jobs stop as an API edit would stop them.
+ * Returns the window's end (ms).
+ */
+export async function closeWindow(pool: pg.Pool, jobIds: string[]): Promise<number> {
+  const windowEnd = Math.floor(Date.now() / 1000) * 1000 - 1000;
+  for (let waited = 0; ; waited += 200) {
+    const { rows: behind } = await pool.query<{ n: number }>(
+      `SELECT count(*)::int AS n FROM jobs WHERE id = ANY($1::uuid[]) AND enabled AND next_run_at <= $2`,
+      [jobIds, new Date(windowEnd)],
+    );
+    if (behind[0]!.n === 0) break;
+    if (waited > 30_000) throw new Error('the dispatcher did not catch up within 30 s');
+    await sleep(200);
+  }
+  await stopJobs(pool, jobIds);
+  return windowEnd;
+}
+
+/** Waits (up to `maxMs`) until no run is queued or running. */
+export async function settle(pool: pg.Pool, maxMs: number): Promise<void> {
+  for (let waited = 0; waited < maxMs; waited += 500) {
+    const { rows: active } = await pool.query<{ n: number }>(
+      `SELECT count(*)::int AS n FROM runs WHERE state IN ('queued', 'running')`,
+    );
+    if (active[0]!.n === 0) return;
+    await sleep(500);
+  }
 }
 
 const ms = (d: Date | null) => (d === null ? null : d.getTime());

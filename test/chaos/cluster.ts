@@ -198,19 +198,12 @@ export class ChaosCluster {
   }
 
   /** Arms the node's next leader write to wait, and resolves when one is waiting (or after `ms`). */
-  async holdNextWrite(node: ManagedProcess, ms: number): Promise<boolean> {
-    node.child.send({ hold: 'write' });
-    const pending = (async () => {
-      for (;;) {
-        const [message] = (await once(node.child, 'message')) as [{ pending?: string }];
-        if (message.pending === 'write') return true;
-      }
-    })();
-    return Promise.race([pending, new Promise<boolean>((r) => setTimeout(() => r(false), ms))]);
+  holdNextWrite(node: ManagedProcess, ms: number): Promise<boolean> {
+    return holdNextWrite(node, ms);
   }
 
   releaseWrite(node: ManagedProcess): void {
-    if (node.running) node.child.send({ release: 'write' });
+    releaseWrite(node);
   }
 
   /** Stops the nodes, the proxies, the etcd cluster, and deletes the network. Safe to call twice. */
@@ -239,6 +232,26 @@ export class ChaosCluster {
       });
     }
   }
+}
+
+/**
+ * Arms a hooked node's next leader write (test/fixtures/hooked-node.ts) to wait after its
+ * leadership check, and resolves true when one is waiting, false if none came within `ms`.
+ */
+export async function holdNextWrite(node: ManagedProcess, ms: number): Promise<boolean> {
+  node.child.send({ hold: 'write' });
+  const pending = (async () => {
+    for (;;) {
+      const [message] = (await once(node.child, 'message')) as [{ pending?: string }];
+      if (message.pending === 'write') return true;
+    }
+  })();
+  return Promise.race([pending, new Promise<boolean>((r) => setTimeout(() => r(false), ms))]);
+}
+
+/** Lets a held write go on (and disarms a hold that caught none). */
+export function releaseWrite(node: ManagedProcess): void {
+  if (node.running) node.child.send({ release: 'write' });
 }
 
 /** True if a TCP connection to address:port opens within a second. */

@@ -20,15 +20,15 @@ import { createKafka, deleteTopics } from '../../src/broker/index.js';
 import { silentLogger } from '../../src/observability/logger.js';
 import { createTestDatabase } from '../support/database.js';
 import { REPO_ROOT, serverEnv, uniqueId } from '../support/env.js';
-import { TargetServer, stopJobs } from '../support/execution.js';
+import { TargetServer } from '../support/execution.js';
 import { infra } from '../support/processes.js';
 import { ChaosApi } from './api-client.js';
 import { ChaosCluster } from './cluster.js';
-import { checkRunTopic, deliveriesOf, judge, loadDatabase } from './checker.js';
+import { checkRunTopic, closeWindow, deliveriesOf, judge, loadDatabase, settle } from './checker.js';
 import { injectFault, planFaults, type FaultRecord } from './faults.js';
-import type { Settings } from './observations.js';
 import { Nemesis, OP_KINDS } from './operations.js';
 import { seededRandom } from './random.js';
+import { CLAIM_GRACE_MS, TTL_MS, chaosSettings } from './settings.js';
 import { initialJobs, targetBehaviour } from './workload.js';
 
 const { values } = parseArgs({
@@ -43,42 +43,9 @@ const { values } = parseArgs({
 const durationMs = Number(values.duration) * 1000;
 const seed = Number(values.seed);
 const settleMs = Number(values.settle);
-const TTL_MS = 3000;
-const CLAIM_GRACE_MS = 3000;
 const log = (message: string) => console.log(`[chaos ${new Date().toISOString().slice(11, 23)}] ${message}`);
 
-/**
- * What the checker accepts. Lateness bounds (first call − scheduled_for, by the fault whose window
- * the occurrence was due in) are the worst we measured on the shared 2-core machine (load average
- * up to 24) plus a margin; Helios promises no lateness bound (README), so these only catch a run
- * that waited far longer than any recovery takes. A fault kind without a bound gets `default`.
- */
-const SETTINGS: Settings = {
-  misfireThresholdMs: 5000,
-  lookaheadMs: 5000,
-  claimGraceMs: CLAIM_GRACE_MS,
-  leaseTtlMs: TTL_MS,
-  opToleranceMs: 500,
-  earlyToleranceMs: 25,
-  settleMs,
-  latenessBoundMs: {
-    'no fault': 2500, // measured worst 1.7 s
-    'cut-leader-from-etcd': 5000, // 1.7 s
-    'kill-worker-mid-call': 7000, // 3.2 s
-    'pause-leader': 8000, // 3.7 s
-    // While Kafka is down every run waits for the polling fallback (claims once 2 s overdue); on a
-    // load average of 29 that reached 17.3 s. A run that waited for Kafka itself to come back
-    // (113 s that time) is what this bound catches.
-    'restart-kafka': 20_000,
-    'restart-postgres': 8000, // 4.1 s
-    // Nothing runs while PostgreSQL is away (README, "Not promised"): a run due as the outage began
-    // waits for all of it, then for the claim and the call (34.5 s measured, seed 11).
-    'postgres-down-30s': 45_000,
-    'restart-etcd': 10_000, // 5.2 s
-    'kill-leader': 12_000, // 8.6 s
-    default: 15_000,
-  },
-};
+const SETTINGS = chaosSettings(settleMs);
 
 const random = seededRandom(seed);
 const opsRandom = seededRandom(seed * 7919 + 1);
@@ -153,26 +120,9 @@ try {
   await operations;
   const jobIds = nemesis.jobs.map((j) => j.id);
 
-  // Close the window once the dispatcher has passed its end, then stop scheduling and settle.
-  const windowEnd = Math.floor(Date.now() / 1000) * 1000 - 1000;
-  for (let waited = 0; ; waited += 200) {
-    const { rows: behind } = await db.pool.query<{ n: number }>(
-      `SELECT count(*)::int AS n FROM jobs WHERE id = ANY($1::uuid[]) AND enabled AND next_run_at <= $2`,
-      [jobIds, new Date(windowEnd)],
-    );
-    if (behind[0]!.n === 0) break;
-    if (waited > 30_000) throw new Error('the dispatcher did not catch up within 30 s');
-    await sleep(200);
-  }
-  await stopJobs(db.pool, jobIds);
+  const windowEnd = await closeWindow(db.pool, jobIds);
   log('faults and operations done; scheduling stopped; settling');
-  for (let waited = 0; waited < 60_000; waited += 500) {
-    const { rows: active } = await db.pool.query<{ n: number }>(
-      `SELECT count(*)::int AS n FROM runs WHERE state IN ('queued', 'running')`,
-    );
-    if (active[0]!.n === 0) break;
-    await sleep(500);
-  }
+  await settle(db.pool, 60_000);
 
   const loaded = await loadDatabase(db.pool, jobIds);
   const result = judge({
