@@ -230,7 +230,7 @@ export function checkCompose(model: ComposeModel, accepted: Set<string>, command
       if (!service.depends_on?.[host]) problems.push(`${name}: does not depend on ${host}`);
     const test = [service.healthcheck?.test ?? []].flat().join(' ');
     if (!test.includes('/readyz')) problems.push(`${name}: healthcheck does not ask /readyz`);
-    if (!(seconds(service.stop_grace_period) * 1000 > shutdownMs))
+    if (!problem && !(seconds(service.stop_grace_period) * 1000 > shutdownMs))
       problems.push(`${name}: stop_grace_period is not above HELIOS_SHUTDOWN_TIMEOUT_MS (${shutdownMs} ms)`);
   }
   return problems;

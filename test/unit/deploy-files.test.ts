@@ -92,21 +92,15 @@ test('the compose check reports an unknown variable, a missing service, a bad co
       '    etcd-3:\n      condition: service_healthy\n    kafka:',
       '    etcd-4:\n      condition: service_healthy\n    kafka:',
     )
-    .replace(
-      '  helios-3:\n    <<: *helios-node\n    command: ["node"]',
-      '  helios-3:\n    <<: *helios-node\n    command: ["serve"]',
-    )
+    .replace(/( {2}helios-3:\n {4}<<: \*helios-node\n {4}command: \[)['"]node['"]/, "$1'serve'")
     .replace('stop_grace_period: 30s', 'stop_grace_period: 5s')
-    .replace(
-      'HELIOS_SHUTDOWN_TIMEOUT_MS: 10000',
-      'HELIOS_SHUTDOWN_TIMEOUT_MS: 10000\n  HELIOS_WORKER_CONCURRENCY: "-3"',
-    );
+    .replace('HELIOS_NODE_ID: helios-2', 'HELIOS_NODE_ID: helios-2\n      HELIOS_WORKER_CONCURRENCY: "-3"');
   const problems = checkCompose(parseCompose(broken, composeEnv), accepted, commands).join('\n');
   assert.match(problems, /helios-1: HELIOS_NOT_A_SETTING is not a variable src\/config.ts reads/);
   assert.match(problems, /helios-2: depends on etcd-4, which is not a service/);
   assert.match(problems, /helios-3: command "serve" is not a helios command/);
   assert.match(problems, /helios-1: stop_grace_period is not above/);
-  assert.match(problems, /helios-1: its environment fails src\/config.ts: HELIOS_WORKER_CONCURRENCY/);
+  assert.match(problems, /helios-2: its environment fails src\/config.ts: HELIOS_WORKER_CONCURRENCY/);
   assert.match(problems, /fewer than 3 Helios nodes/);
 });
 
