@@ -110,37 +110,7 @@ install_all() {
       -DincludeScope=runtime -DoutputDirectory="$libs") || die "mvn could not collect the Kafka jars"
     echo "$stamp" >"$libs/.stamp"
   fi
-  install_deploy_tools
   log "installed: $("$PG_BIN/postgres" --version), $(etcd --version | head -n1), kafka jars $(ls "$libs" | grep -o '^kafka_2.13-[0-9.]*' | head -n1)"
-}
-
-# Tools that check the deployment files without a Docker engine or a cluster
-# (test/unit/deploy-files.test.ts): docker-compose v2 (`config` resolves a compose file with no
-# engine) and kustomize, both built from their Go modules into /usr/local/bin (root) or
-# .helios/tools. Go's build cache makes a rebuild on the same machine quick. Optional: without Go
-# (or with HELIOS_SKIP_DEPLOY_TOOLS=1) the test parses the files as YAML and says so.
-COMPOSE_VERSION="v2.40.3"
-KUSTOMIZE_VERSION="v5.8.0"
-install_deploy_tools() {
-  [[ "${HELIOS_SKIP_DEPLOY_TOOLS:-}" == 1 ]] && return 0
-  if ! command -v go >/dev/null; then log "no Go: deployment files will be checked without docker-compose/kustomize"; return 0; fi
-  local bin="$STATE/tools"
-  [[ "$(id -u)" == 0 ]] && bin=/usr/local/bin
-  mkdir -p "$bin"
-  if ! "$bin/docker-compose" version 2>/dev/null | grep -q "${COMPOSE_VERSION#v}"; then
-    log "building docker-compose $COMPOSE_VERSION from its Go module"
-    # `go install module@version` refuses modules whose go.mod has exclude/replace directives, as
-    # compose's does: download the module, then build its main package inside it.
-    local dir
-    dir="$(go mod download -json "github.com/docker/compose/v2@$COMPOSE_VERSION" | sed -n 's/.*"Dir": "\(.*\)".*/\1/p')" &&
-      (cd "$dir" && go build -trimpath -o "$bin/docker-compose" ./cmd) ||
-      log "could not build docker-compose; the compose file will be parsed as YAML"
-  fi
-  if ! "$bin/kustomize" version 2>/dev/null | grep -q "${KUSTOMIZE_VERSION#v}"; then
-    log "building kustomize $KUSTOMIZE_VERSION from its Go module"
-    GOBIN="$bin" go install "sigs.k8s.io/kustomize/kustomize/v5@$KUSTOMIZE_VERSION" ||
-      log "could not build kustomize; the kustomization will be parsed as YAML"
-  fi
 }
 
 # ---------------------------------------------------------------- PostgreSQL

@@ -58,13 +58,11 @@ export function healthRoutes(): Set<string> {
 
 // ------------------------------------------------------------------------------ tools
 
-/** A real tool if one is installed (PATH, or .helios/tools/ where infra.sh install puts it). */
+/** A real tool if one is installed on the PATH. */
 function findTool(names: string[], args: string[] = [], probeArgs = [...args, 'version']): string[] | null {
   for (const name of names) {
-    for (const candidate of [join(REPO_ROOT, '.helios/tools', name), name]) {
-      const probe = spawnSync(candidate, probeArgs, { encoding: 'utf8' });
-      if (probe.status === 0) return [candidate, ...args];
-    }
+    const probe = spawnSync(name, probeArgs, { encoding: 'utf8' });
+    if (probe.status === 0) return [name, ...args];
   }
   return null;
 }

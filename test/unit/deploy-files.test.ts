@@ -18,8 +18,8 @@ import {
 import { REPO_ROOT } from '../support/env.js';
 
 // No Docker engine or Kubernetes cluster runs here: the deployment files are checked against the
-// code instead, through a real compose implementation's `config` and a real kustomize when they are
-// installed (scripts/infra.sh install puts them in .helios/tools), a YAML parser otherwise. Each test
+// code instead, through a real compose implementation's `config` (docker compose v2) and a real
+// kustomize (or kubectl kustomize) when one is on the PATH, a YAML parser otherwise. Each test
 // says which it used. The last tests break copies of the files to show each check can fail.
 
 const accepted = acceptedVariables();
