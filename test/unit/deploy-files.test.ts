@@ -3,18 +3,10 @@ import { readFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { test } from 'node:test';
 import YAML from 'yaml';
-import {
-  acceptedVariables,
-  checkCompose,
-  checkDockerfile,
-  checkKubernetes,
-  cliCommands,
-  healthRoutes,
-  loadCompose,
-  loadKustomization,
-  parseCompose,
-  type K8sObject,
-} from '../support/deploy-checks.js';
+import { acceptedVariables, cliCommands, healthRoutes } from '../support/deploy/code.js';
+import { checkCompose, loadCompose, parseCompose } from '../support/deploy/compose.js';
+import { checkDockerfile } from '../support/deploy/dockerfile.js';
+import { checkKubernetes, loadKustomization, type K8sObject } from '../support/deploy/kubernetes.js';
 import { REPO_ROOT } from '../support/env.js';
 
 // No Docker engine or Kubernetes cluster runs here: the deployment files are checked against the
