@@ -6,6 +6,7 @@
  *   npm run bench                     # full: medians of 3 runs, about 25 minutes
  *   npm run bench -- --quick          # one run each, shorter windows, about 8 minutes
  *   npm run bench -- --only herd,peers --json results.json
+ *   npm run bench -- --only soak      # the soak (15 minutes at 2,000 runs/s): opt-in, not in the default set
  */
 import { writeFileSync } from 'node:fs';
 import { loadavg } from 'node:os';
@@ -18,10 +19,13 @@ import { machine, ms, table } from './lib/stats.js';
 import { memory, type MemoryResult } from './memory.js';
 import { BEST, herdPeer, type HerdResult as PeerHerdResult } from './peers/herd.js';
 import type { PeerName } from './peers/peers.js';
+import { describeSample, soak, type SoakResult } from './soak.js';
 import { throughput, type ThroughputResult } from './throughput.js';
 
-const PARTS = ['peers', 'herd', 'lateness', 'floor', 'throughput', 'failover', 'memory'] as const;
+const PARTS = ['peers', 'herd', 'lateness', 'floor', 'throughput', 'failover', 'memory', 'soak'] as const;
 type Part = (typeof PARTS)[number];
+/** Run without --only. The soak takes 15 minutes on its own: only when asked for. */
+const DEFAULT_PARTS = PARTS.filter((p) => p !== 'soak');
 
 interface Results {
   machine: string;
@@ -34,6 +38,7 @@ interface Results {
   throughput?: ThroughputResult;
   failover?: FailoverResult;
   memory?: MemoryResult;
+  soak?: SoakResult;
 }
 
 const log = (line: string) => console.log(`  ${line}`);
@@ -100,6 +105,19 @@ function summary(r: Results): string {
       '≤ 200 MB',
     ]);
   }
+  if (r.soak) {
+    const last = r.soak.samples.at(-1);
+    rows.push([
+      `soak: ${r.soak.rate} runs/s offered for ${r.soak.minutes} min, retention ${r.soak.retention}`,
+      `held ${r.soak.held.toFixed(0)} runs/s` +
+        (last
+          ? `; at the end runs ${last.runs.toLocaleString('en')} (${last.runsMb.toFixed(0)} MB), ` +
+            `attempts ${last.attempts.toLocaleString('en')} (${last.attemptsMb.toFixed(0)} MB), ` +
+            `outbox ${last.outbox.toLocaleString('en')} (${last.outboxMb.toFixed(0)} MB)`
+          : ''),
+      'tables level off',
+    ]);
+  }
   return table(rows);
 }
 
@@ -112,7 +130,7 @@ async function main(): Promise<void> {
     },
   });
   const quick = values.quick!;
-  const parts = new Set((values.only?.split(',') ?? PARTS) as Part[]);
+  const parts = new Set((values.only?.split(',') ?? DEFAULT_PARTS) as Part[]);
   for (const part of parts)
     if (!PARTS.includes(part)) throw new Error(`unknown part ${part} (${PARTS.join(', ')})`);
   const results: Results = { machine: machine(), loadAtStart: loadavg(), quick };
@@ -174,6 +192,14 @@ async function main(): Promise<void> {
     results.memory = await memory(10_000, quick ? 35 : 65);
     for (const n of results.memory.nodes)
       log(`${n.name}: peak RSS ${n.peakMb.toFixed(0)} MB, now ${n.rssMb.toFixed(0)} MB`);
+  }
+  if (parts.has('soak')) {
+    const minutes = quick ? 5 : 15;
+    console.log(
+      `\nsoak: 2,000 runs/s on 3 nodes for ${minutes} min, 2-minute retention (tables each minute)`,
+    );
+    results.soak = await soak({ rate: 2000, minutes, retention: '2m', log });
+    log(`held ${results.soak.held.toFixed(0)} runs/s; last: ${describeSample(results.soak.samples.at(-1)!)}`);
   }
 
   console.log(

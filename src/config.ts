@@ -43,6 +43,12 @@ export interface HeliosConfig {
   readonly deadLetterTopic: string;
   /** HELIOS_KAFKA_PARTITIONS: partitions when creating the topics; default 6. */
   readonly topicPartitions: number;
+  /**
+   * HELIOS_KAFKA_REPLICATION_FACTOR: replicas of each topic when a node creates the topics; default 1
+   * (a single broker). A cluster of 3 or more brokers wants 3, with the broker's
+   * `min.insync.replicas` at 2 (the publisher uses acks=all). An existing topic is left as it is.
+   */
+  readonly topicReplicationFactor: number;
   /** HELIOS_KAFKA_GROUP: consumer group of the workers; default `helios-workers`. */
   readonly consumerGroup: string;
   /** HELIOS_LEASE_TTL_MS: leader lease TTL (rounded up to whole seconds for etcd); default 3000. */
@@ -349,6 +355,7 @@ export function loadConfig(env: Env = process.env): HeliosConfig {
     runsTopic: str(env, 'HELIOS_KAFKA_TOPIC', 'helios.runs'),
     deadLetterTopic: str(env, 'HELIOS_KAFKA_DLQ_TOPIC', 'helios.runs.dlq'),
     topicPartitions: int(env, 'HELIOS_KAFKA_PARTITIONS', 6, 1, 1000),
+    topicReplicationFactor: int(env, 'HELIOS_KAFKA_REPLICATION_FACTOR', 1, 1, 32),
     consumerGroup: str(env, 'HELIOS_KAFKA_GROUP', 'helios-workers'),
     leaseTtlMs,
     leaderSafetyMarginMs,

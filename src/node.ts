@@ -142,8 +142,12 @@ export class HeliosNode {
     const topics = (this.topics = new TopicProvisioner({
       kafka,
       topics: [
-        { name: config.runsTopic, partitions: config.topicPartitions },
-        { name: config.deadLetterTopic, partitions: 1 },
+        {
+          name: config.runsTopic,
+          partitions: config.topicPartitions,
+          replicationFactor: config.topicReplicationFactor,
+        },
+        { name: config.deadLetterTopic, partitions: 1, replicationFactor: config.topicReplicationFactor },
       ],
       logger,
     }));
