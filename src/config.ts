@@ -145,7 +145,7 @@ export interface HeliosConfig {
   /**
    * HELIOS_WORKER_DB_CONNECTIONS: connections of the node's pool the worker may use at once for its
    * runs (claims, completions, retries); below HELIOS_DATABASE_POOL_SIZE so the API and readiness
-   * always find one; default the pool size minus 4 (at least 1).
+   * always find one; default three quarters of the pool (15 of 20; at least 1).
    */
   readonly workerDbConnections: number;
   /** HELIOS_SIGNALS_INTERVAL_MS: how often the leader refreshes the cluster gauges (queues, dead letters, Kafka lag); default 5000. */
@@ -313,7 +313,7 @@ function isolationOf(env: Env, databasePoolSize: number) {
     workerDbConnections: int(
       env,
       'HELIOS_WORKER_DB_CONNECTIONS',
-      Math.max(1, databasePoolSize - 4),
+      Math.max(1, Math.floor((databasePoolSize * 3) / 4)),
       1,
       databasePoolSize - 1,
     ),

@@ -1,0 +1,130 @@
+import assert from 'node:assert/strict';
+import { after, before, test } from 'node:test';
+import { createEtcdClient } from '../../src/coordination/etcd.js';
+import { createTestDatabase, type TestDatabase } from '../support/database.js';
+import { serverEnv, uniqueId } from '../support/env.js';
+import { nextWholeSecond, oncePerMinuteAt, percentile, TargetServer, waitFor } from '../support/execution.js';
+import { scrapeMetrics } from '../support/metrics.js';
+import { startNode } from '../support/node-api.js';
+import { stopAll, type ManagedProcess } from '../support/processes.js';
+
+// Issue 13, leader work isolated: a herd of failing calls settling on one node must not starve
+// the leader's dispatch on that same node. The node's pool is made small and its worker wide, so
+// without isolation the herd's settle writes (each failure writes its retry or dead letter and an
+// outbox row) hold every connection and the dispatcher waits seconds for one.
+const POOL_SIZE = 4;
+const WORKER_CONCURRENCY = 1000;
+/** The defaults: runs are created 5 s ahead, and an occurrence found 5 s late is a misfire. */
+const MISFIRE_THRESHOLD_MS = 5000;
+const LOOKAHEAD_MS = 5000;
+const FAILING_RUNS = 2000;
+const HEALTHY_JOBS = 10;
+
+const etcd = createEtcdClient(serverEnv().etcdEndpoints.split(','));
+const prefix = `/helios-test/${uniqueId()}`;
+const topic = `helios.test.${uniqueId()}`;
+const nodes: ManagedProcess[] = [];
+let db: TestDatabase;
+let apiUrl: string;
+
+const target = new TargetServer((request) =>
+  request.path === '/fail' ? { status: 500, delayMs: 300, body: 'failing slowly' } : { status: 200 },
+);
+
+before(async () => {
+  db = await createTestDatabase();
+  await target.start();
+  const started = await startNode('isolation-1', {
+    databaseUrl: db.url,
+    etcdPrefix: prefix,
+    topic,
+    extra: {
+      HELIOS_DATABASE_POOL_SIZE: String(POOL_SIZE),
+      HELIOS_WORKER_CONCURRENCY: String(WORKER_CONCURRENCY),
+    },
+  });
+  nodes.push(started.node);
+  apiUrl = started.apiUrl;
+});
+after(async () => {
+  await db.pool.query('UPDATE jobs SET enabled = false').catch(() => undefined);
+  await stopAll(nodes);
+  await target.close();
+  await db.drop();
+  await etcd.delete().prefix(prefix);
+  etcd.close();
+});
+
+test('a burst of 2,000 failing calls on the leader does not delay dispatch of other jobs past the misfire threshold', async () => {
+  // The herd is created by the dispatcher, ahead of its time, like any job.
+  const burstAt = await nextWholeSecond(db.pool, LOOKAHEAD_MS + 3000);
+  const windowFrom = new Date(burstAt.getTime() - 1000);
+  // Healthy every-second jobs, already running before the burst.
+  const { rows: healthy } = await db.pool.query<{ id: string }>(
+    `INSERT INTO jobs (name, schedule, target, timeout_ms, max_attempts, next_run_at)
+     SELECT 'healthy-' || i, '* * * * * *', jsonb_build_object('url', $1::text), 5000, 1,
+            date_trunc('second', now()) + interval '1 second'
+     FROM generate_series(1, $2::int) AS i RETURNING id`,
+    [`${target.url}/ok`, HEALTHY_JOBS],
+  );
+  // The herd: every failing job fires once, at the same second, and is retried once. A long
+  // timeout keeps the claims of attempts waiting to settle from expiring (that would repeat calls).
+  await db.pool.query(
+    `INSERT INTO jobs (name, schedule, target, timeout_ms, max_attempts, backoff_ms, backoff_multiplier,
+                       next_run_at)
+     SELECT 'failing-' || i, $1, jsonb_build_object('url', $2::text), 60000, 2, 200, 1, $3
+     FROM generate_series(1, $4::int) AS i`,
+    [oncePerMinuteAt(burstAt), `${target.url}/fail`, burstAt, FAILING_RUNS],
+  );
+
+  // The window ends when the herd is over: every failing run dead after its two attempts.
+  await waitFor(
+    'the failing runs to be dead',
+    async () => {
+      const { rows } = await db.pool.query<{ n: number }>(
+        `SELECT count(*)::int AS n FROM runs WHERE state = 'dead'`,
+      );
+      return rows[0]!.n >= FAILING_RUNS;
+    },
+    180_000,
+    500,
+  );
+  const { rows: clock } = await db.pool.query<{ now: Date }>(`SELECT date_trunc('second', now()) AS now`);
+  const windowTo = clock[0]!.now;
+  const windowS = (windowTo.getTime() - windowFrom.getTime()) / 1000;
+  const failedCalls = target.requests.filter((r) => r.path === '/fail').length;
+
+  const { rows } = await db.pool.query<{
+    scheduledFor: Date;
+    lateMs: number;
+    startLateMs: number | null;
+  }>(
+    `SELECT scheduled_for AS "scheduledFor",
+            (extract(epoch FROM created_at - scheduled_for) * 1000)::float8 AS "lateMs",
+            (extract(epoch FROM started_at - scheduled_for) * 1000)::float8 AS "startLateMs"
+     FROM runs WHERE job_id = ANY($1::uuid[]) AND scheduled_for >= $2 AND scheduled_for < $3`,
+    [healthy.map((h) => h.id), windowFrom, windowTo],
+  );
+  const late = rows.filter((r) => r.lateMs > MISFIRE_THRESHOLD_MS);
+  const metrics = await scrapeMetrics(apiUrl);
+  const startLate = rows.flatMap((r) => (r.startLateMs === null ? [] : [r.startLateMs]));
+  console.log(
+    `# ${failedCalls} failing calls over ${windowS} s; healthy occurrences ${rows.length}/${HEALTHY_JOBS * windowS}; ` +
+      `dispatch lateness max ${Math.round(Math.max(...rows.map((r) => r.lateMs)))} ms ` +
+      `(-${LOOKAHEAD_MS} when created as early as the lookahead); ` +
+      `start lateness p50 ${Math.round(percentile(startLate, 50))} ms, p99 ${Math.round(percentile(startLate, 99))} ms; ` +
+      `misfires ${metrics.sum('helios_misfires_total')}`,
+  );
+
+  assert.ok(failedCalls >= 2 * FAILING_RUNS, `the herd made ${failedCalls} calls, fewer than its attempts`);
+  // Every occurrence of every healthy job in the window has its run (fire-once would have merged
+  // the occurrences of a dispatcher that fell behind into one)...
+  assert.equal(rows.length, HEALTHY_JOBS * windowS, 'an occurrence of a healthy job has no run');
+  // ...created no later than the misfire threshold after it was due.
+  assert.deepEqual(
+    late.map((r) => ({ at: r.scheduledFor.toISOString(), lateMs: Math.round(r.lateMs) })),
+    [],
+    'occurrences dispatched later than the misfire threshold',
+  );
+  assert.equal(metrics.sum('helios_misfires_total'), 0, 'the dispatcher counted misfires');
+});
