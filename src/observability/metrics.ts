@@ -24,7 +24,10 @@ function createClusterGauges() {
       'helios_outbox_oldest_pending_age_seconds',
       'Age of the oldest outbox row due for publishing and not yet published (0 when none), read by the leader',
     ),
-    runsQueued: gauge('helios_runs_queued', 'Runs queued cluster-wide (counted up to 100000), read by the leader'),
+    runsQueued: gauge(
+      'helios_runs_queued',
+      'Runs queued cluster-wide (counted up to 100000), read by the leader',
+    ),
     runsOverdue: gauge(
       'helios_runs_overdue',
       'Queued runs due longer ago than HELIOS_MISFIRE_THRESHOLD_MS (counted up to 100000), read by the leader',
@@ -98,11 +101,15 @@ export function createMetrics(nodeId: string) {
       'Callers waiting for a PostgreSQL connection of the pool (see helios_db_pool_in_use)',
       (p) => p.waiting,
     ),
-    poolSize: poolGauge('helios_db_pool_size', 'Most connections the pool (or share) may use at once', (p) => p.size),
+    poolSize: poolGauge(
+      'helios_db_pool_size',
+      'Most connections the pool (or share) may use at once',
+      (p) => p.size,
+    ),
     misfires: new Counter({
       name: 'helios_misfires_total',
-      help: 'Occurrences the dispatcher found later than HELIOS_MISFIRE_THRESHOLD_MS, by what the job\'s misfire policy did: fired (late) or dropped',
-      labelNames: ['outcome'],
+      help: "Misfires: jobs the dispatcher found with occurrences later than HELIOS_MISFIRE_THRESHOLD_MS (once per job and catch-up), by the job's misfire policy",
+      labelNames: ['policy'],
       registers: [registry],
     }),
     isLeader: new Gauge({ name: 'helios_is_leader', help: '1 while this node leads', registers: [registry] }),

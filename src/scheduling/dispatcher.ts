@@ -84,7 +84,7 @@ export class Dispatcher {
     const stopTimer = metrics.dispatchDuration.startTimer();
     const result = await inFencedTransaction(pool, leadership, async (client) => {
       const { now, jobs } = await selectDueJobs(client, lookaheadMs, batchSize);
-      if (jobs.length === 0) return { jobs: 0, created: 0, parked: 0, misfired: { dropped: 0, fired: 0 } };
+      if (jobs.length === 0) return { jobs: 0, created: 0, parked: 0, misfired: new Map<string, number>() };
       const horizon = new Date(now.getTime() + lookaheadMs);
       const occurrences: { jobId: string; scheduledFor: Date }[] = [];
       const advances: { id: string; nextRunAt: Date | null }[] = [];
@@ -92,8 +92,9 @@ export class Dispatcher {
       // Jobs sharing a schedule and a due instant (a herd) share one plan: the cron maths is the
       // leader's main CPU cost inside the transaction, which holds row locks while it runs.
       const plans = new Map<string, OccurrencePlan>();
-      // Counted once the transaction commits: a pass that fails is done again and counts then.
-      const misfired = { dropped: 0, fired: 0 };
+      // Jobs found late, by misfire policy; counted once the transaction commits (a pass that
+      // fails is done again and counts then).
+      const misfired = new Map<string, number>();
       for (const job of jobs) {
         let plan;
         try {
@@ -113,8 +114,8 @@ export class Dispatcher {
         }
         for (const at of plan.fire) occurrences.push({ jobId: job.id, scheduledFor: at });
         advances.push({ id: job.id, nextRunAt: plan.nextRunAt });
-        misfired.dropped += plan.dropped;
-        misfired.fired += plan.lateFired;
+        if (plan.lateFired + plan.dropped > 0)
+          misfired.set(job.misfire, (misfired.get(job.misfire) ?? 0) + 1);
         if (plan.dropped > 0) {
           this.options.logger.info({ job: job.id, dropped: plan.dropped, misfire: job.misfire }, 'misfired');
         }
@@ -127,8 +128,7 @@ export class Dispatcher {
     stopTimer();
     if (result.created > 0) metrics.runsCreated.inc({ state: 'queued' }, result.created);
     if (result.parked > 0) metrics.jobsParked.inc(result.parked);
-    if (result.misfired.dropped > 0) metrics.misfires.inc({ outcome: 'dropped' }, result.misfired.dropped);
-    if (result.misfired.fired > 0) metrics.misfires.inc({ outcome: 'fired' }, result.misfired.fired);
+    for (const [policy, count] of result.misfired) metrics.misfires.inc({ policy }, count);
     return { jobs: result.jobs, full: result.jobs === batchSize };
   }
 

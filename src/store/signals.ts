@@ -38,7 +38,11 @@ const CLUSTER_COUNTS = `
       AS "deadLettersOpen"`;
 
 /** Reads the cluster's queue counts, each capped at `cap` (see CLUSTER_COUNTS). */
-export async function readClusterCounts(db: Queryable, overdueMs: number, cap: number): Promise<ClusterCounts> {
+export async function readClusterCounts(
+  db: Queryable,
+  overdueMs: number,
+  cap: number,
+): Promise<ClusterCounts> {
   const { rows } = await db.query<ClusterCounts>(CLUSTER_COUNTS, [overdueMs, cap]);
   return rows[0]!;
 }

@@ -19,6 +19,8 @@ const MISFIRE_THRESHOLD_MS = 5000;
 const LOOKAHEAD_MS = 5000;
 const FAILING_RUNS = 2000;
 const HEALTHY_JOBS = 10;
+/** Seconds of every-second occurrences checked, from one second before the burst. */
+const WINDOW_S = 40;
 
 const etcd = createEtcdClient(serverEnv().etcdEndpoints.split(','));
 const prefix = `/helios-test/${uniqueId()}`;
@@ -77,22 +79,25 @@ test('a burst of 2,000 failing calls on the leader does not delay dispatch of ot
     [oncePerMinuteAt(burstAt), `${target.url}/fail`, burstAt, FAILING_RUNS],
   );
 
-  // The window ends when the herd is over: every failing run dead after its two attempts.
+  // Dispatch is judged over the herd's first WINDOW_S seconds, once an occurrence due at the end
+  // would have been found late.
+  const windowTo = new Date(windowFrom.getTime() + WINDOW_S * 1000);
   await waitFor(
-    'the failing runs to be dead',
+    'the end of the window',
     async () => {
-      const { rows } = await db.pool.query<{ n: number }>(
-        `SELECT count(*)::int AS n FROM runs WHERE state = 'dead'`,
+      const { rows } = await db.pool.query<{ past: boolean }>(
+        `SELECT now() > $1::timestamptz + $2 * interval '1 millisecond' AS past`,
+        [windowTo, MISFIRE_THRESHOLD_MS + 1000],
       );
-      return rows[0]!.n >= FAILING_RUNS;
+      return rows[0]!.past;
     },
-    180_000,
-    500,
+    (WINDOW_S + 30) * 1000,
+    250,
   );
-  const { rows: clock } = await db.pool.query<{ now: Date }>(`SELECT date_trunc('second', now()) AS now`);
-  const windowTo = clock[0]!.now;
-  const windowS = (windowTo.getTime() - windowFrom.getTime()) / 1000;
-  const failedCalls = target.requests.filter((r) => r.path === '/fail').length;
+  const windowS = WINDOW_S;
+  const failedCalls = target.requests.filter(
+    (r) => r.path === '/fail' && r.arrivedAt < windowTo.getTime(),
+  ).length;
 
   const { rows } = await db.pool.query<{
     scheduledFor: Date;
@@ -109,14 +114,13 @@ test('a burst of 2,000 failing calls on the leader does not delay dispatch of ot
   const metrics = await scrapeMetrics(apiUrl);
   const startLate = rows.flatMap((r) => (r.startLateMs === null ? [] : [r.startLateMs]));
   console.log(
-    `# ${failedCalls} failing calls over ${windowS} s; healthy occurrences ${rows.length}/${HEALTHY_JOBS * windowS}; ` +
+    `# ${failedCalls} failing calls in ${windowS} s; healthy occurrences ${rows.length}/${HEALTHY_JOBS * windowS}; ` +
       `dispatch lateness max ${Math.round(Math.max(...rows.map((r) => r.lateMs)))} ms ` +
       `(-${LOOKAHEAD_MS} when created as early as the lookahead); ` +
       `start lateness p50 ${Math.round(percentile(startLate, 50))} ms, p99 ${Math.round(percentile(startLate, 99))} ms; ` +
       `misfires ${metrics.sum('helios_misfires_total')}`,
   );
 
-  assert.ok(failedCalls >= 2 * FAILING_RUNS, `the herd made ${failedCalls} calls, fewer than its attempts`);
   // Every occurrence of every healthy job in the window has its run (fire-once would have merged
   // the occurrences of a dispatcher that fell behind into one)...
   assert.equal(rows.length, HEALTHY_JOBS * windowS, 'an occurrence of a healthy job has no run');
@@ -127,4 +131,6 @@ test('a burst of 2,000 failing calls on the leader does not delay dispatch of ot
     'occurrences dispatched later than the misfire threshold',
   );
   assert.equal(metrics.sum('helios_misfires_total'), 0, 'the dispatcher counted misfires');
+  // The herd was on: at least every failing run's first call was made in the window.
+  assert.ok(failedCalls >= FAILING_RUNS, `the herd made only ${failedCalls} calls in the window`);
 });
