@@ -139,7 +139,7 @@ export interface HeliosConfig {
   /**
    * HELIOS_LEADER_POOL_SIZE: connections of the leader's own pool (dispatcher, outbox relay,
    * reaper, pruner, cluster gauges), opened only while the node leads, in addition to
-   * HELIOS_DATABASE_POOL_SIZE; default 4.
+   * HELIOS_DATABASE_POOL_SIZE; default 5 (one per leader loop).
    */
   readonly leaderPoolSize: number;
   /**
@@ -309,7 +309,7 @@ export function isLoopbackHost(host: string): boolean {
  */
 function isolationOf(env: Env, databasePoolSize: number) {
   return {
-    leaderPoolSize: int(env, 'HELIOS_LEADER_POOL_SIZE', 4, 1, 100),
+    leaderPoolSize: int(env, 'HELIOS_LEADER_POOL_SIZE', 5, 1, 100),
     workerDbConnections: int(
       env,
       'HELIOS_WORKER_DB_CONNECTIONS',

@@ -217,7 +217,7 @@ test('after a scripted scenario every cluster gauge and new counter shows the ex
 
   // Pools: the configured sizes, and nothing waiting at rest.
   assert.equal(l.value('helios_db_pool_size', { pool: 'main' }), 20);
-  assert.equal(l.value('helios_db_pool_size', { pool: 'leader' }), 4);
+  assert.equal(l.value('helios_db_pool_size', { pool: 'leader' }), 5);
   assert.equal(w.value('helios_db_pool_size', { pool: 'main' }), 6);
   assert.equal(w.value('helios_db_pool_size', { pool: 'worker' }), 4);
   assert.equal(w.value('helios_db_pool_size', { pool: 'leader' }), undefined, 'a worker has no leader pool');
