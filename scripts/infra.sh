@@ -98,6 +98,12 @@ install_all() {
     log "installing openjdk-17-jre-headless"
     apt_install openjdk-17-jre-headless
   fi
+  # promtool checks and unit-tests deploy/prometheus/alerts.yml (test/unit/alerts.test.ts). It comes
+  # with the Debian prometheus package; the server it also installs is never started by Helios.
+  if ! command -v promtool >/dev/null; then
+    log "installing prometheus (for promtool)"
+    apt_install prometheus
+  fi
   if ! command -v mvn >/dev/null; then
     log "installing maven"
     apt_install maven

@@ -140,6 +140,22 @@ export interface HeliosConfig {
     /** HELIOS_OUTBOX_RETENTION: published outbox rows are deleted after this; default 10m. */
     readonly outboxMs: number;
   };
+
+  // Leader isolation and the cluster signals.
+  /**
+   * HELIOS_LEADER_POOL_SIZE: connections of the leader's own pool (dispatcher, outbox relay,
+   * reaper, pruner, cluster gauges), opened only while the node leads, in addition to
+   * HELIOS_DATABASE_POOL_SIZE; default 5 (one per leader loop).
+   */
+  readonly leaderPoolSize: number;
+  /**
+   * HELIOS_WORKER_DB_CONNECTIONS: connections of the node's pool the worker may use at once for its
+   * runs (claims, completions, retries); below HELIOS_DATABASE_POOL_SIZE so the API and readiness
+   * always find one; default three quarters of the pool (15 of 20; at least 1).
+   */
+  readonly workerDbConnections: number;
+  /** HELIOS_SIGNALS_INTERVAL_MS: how often the leader refreshes the cluster gauges (queues, dead letters, Kafka lag); default 5000. */
+  readonly signalsIntervalMs: number;
 }
 
 type Env = Record<string, string | undefined>;
@@ -293,6 +309,24 @@ export function isLoopbackHost(host: string): boolean {
   return bare === 'localhost' || bare === '::1' || /^127\.\d{1,3}\.\d{1,3}\.\d{1,3}$/.test(bare);
 }
 
+/**
+ * The leader's pool and the worker's share of the node's pool. The share must leave at least one
+ * connection of the pool to the API and the readiness probe, whatever the worker's runs do.
+ */
+function isolationOf(env: Env, databasePoolSize: number) {
+  return {
+    leaderPoolSize: int(env, 'HELIOS_LEADER_POOL_SIZE', 5, 1, 100),
+    workerDbConnections: int(
+      env,
+      'HELIOS_WORKER_DB_CONNECTIONS',
+      Math.max(1, Math.floor((databasePoolSize * 3) / 4)),
+      1,
+      databasePoolSize - 1,
+    ),
+    signalsIntervalMs: int(env, 'HELIOS_SIGNALS_INTERVAL_MS', 5000, 100, 600_000),
+  };
+}
+
 /** Validates and freezes the configuration; throws ConfigError naming the first bad variable. */
 export function loadConfig(env: Env = process.env): HeliosConfig {
   const leaseTtlMs = int(env, 'HELIOS_LEASE_TTL_MS', 3000, 2000, 60_000);
@@ -341,6 +375,7 @@ export function loadConfig(env: Env = process.env): HeliosConfig {
     }),
   );
 
+  const databasePoolSize = int(env, 'HELIOS_DATABASE_POOL_SIZE', 20, 2, 500);
   const config: HeliosConfig = {
     nodeId,
     roles: parseRoles(env),
@@ -348,7 +383,7 @@ export function loadConfig(env: Env = process.env): HeliosConfig {
     httpPort,
     publicUrl,
     databaseUrl,
-    databasePoolSize: int(env, 'HELIOS_DATABASE_POOL_SIZE', 20, 2, 500),
+    databasePoolSize,
     etcdEndpoints,
     etcdPrefix,
     kafkaBrokers,
@@ -392,6 +427,7 @@ export function loadConfig(env: Env = process.env): HeliosConfig {
       keepPerJob: int(env, 'HELIOS_RUN_KEEP_PER_JOB', 100, 0, 1_000_000),
       outboxMs: duration(env, 'HELIOS_OUTBOX_RETENTION', 600_000, 0, 30 * 86_400_000),
     }),
+    ...isolationOf(env, databasePoolSize),
   };
   return Object.freeze(config);
 }

@@ -8,13 +8,21 @@ import { LifecycleError, toError, withTimeout } from './errors.js';
 import { createLogger, type Logger } from './observability/logger.js';
 import { createMetrics, type Metrics } from './observability/metrics.js';
 import { createPool } from './store/db.js';
+import { PoolShare, poolStats } from './store/pool-share.js';
 import { migrate } from './store/migrate.js';
 import { Notifications } from './store/notifications.js';
 import { createEtcdClient } from './coordination/etcd.js';
 import { listNodes, NodeRegistry } from './coordination/registry.js';
 import { endpointOfUrl } from './security/cluster-endpoints.js';
 import { LeaderElection, type Leadership } from './coordination/election.js';
-import { createKafka, RunPublisher, TopicProvisioner, type BrokerClient } from './broker/index.js';
+import {
+  consumerGroupLag,
+  createKafka,
+  RunPublisher,
+  TopicProvisioner,
+  type BrokerClient,
+} from './broker/index.js';
+import { ClusterSignals } from './observability/cluster-signals.js';
 import { KafkaProbe } from './broker/health.js';
 import { Dispatcher } from './scheduling/dispatcher.js';
 import { OutboxRelay } from './outbox/relay.js';
@@ -52,6 +60,8 @@ export class HeliosNode {
   private stopping?: Promise<void>;
   private readonly cleanups: { name: string; run: () => Promise<void> }[] = [];
   private pool?: pg.Pool;
+  /** The leader loops' own pool (scheduler role): dispatch never queues behind runs or the API. */
+  private leaderPool?: pg.Pool;
   private etcd?: Etcd3;
   private kafka?: BrokerClient;
   private notifications?: Notifications;
@@ -116,6 +126,7 @@ export class HeliosNode {
       applicationName: `helios-${config.nodeId}`,
     }));
     this.onStop('postgres pool', () => pool.end());
+    this.metrics.trackPool('main', poolStats(pool, config.databasePoolSize));
     const applied = await migrate(pool);
     if (applied.length > 0) logger.info({ applied }, 'applied migrations');
 
@@ -222,8 +233,12 @@ export class HeliosNode {
     this.onStop('node registration', () => registry.stop());
 
     if (config.roles.has('worker')) {
+      // The worker's runs use at most this share of the pool: a herd of settling attempts waits
+      // here, and the API and readiness probe keep their connections.
+      const share = new PoolShare(pool, config.workerDbConnections);
+      this.metrics.trackPool('worker', share);
       const worker = new Worker({
-        pool,
+        pool: share,
         kafka,
         notifications,
         nodeId: config.nodeId,
@@ -251,6 +266,15 @@ export class HeliosNode {
     }
 
     if (config.roles.has('scheduler')) {
+      // Opens connections only when used, i.e. while this node leads; ended after the leader tasks.
+      const leaderPool = (this.leaderPool = createPool({
+        connectionString: config.databaseUrl,
+        max: config.leaderPoolSize,
+        logger,
+        applicationName: `helios-${config.nodeId}-leader`,
+      }));
+      this.onStop('leader postgres pool', () => leaderPool.end());
+      this.metrics.trackPool('leader', poolStats(leaderPool, config.leaderPoolSize));
       const publisher = (this.publisher = new RunPublisher({ kafka, logger }));
       this.onStop('kafka publisher', () => publisher.disconnect());
       // Connect early so a wrong broker address shows at start; publish() reconnects by itself.
@@ -266,7 +290,10 @@ export class HeliosNode {
         safetyMarginMs: config.leaderSafetyMarginMs,
         logger,
         onElected: (leadership) => this.lead(leadership),
-        onDemoted: () => this.metrics.isLeader.set(0),
+        onDemoted: () => {
+          this.metrics.isLeader.set(0);
+          this.metrics.exportClusterGauges(false);
+        },
       }));
       election.start();
       // Stopping the election resigns (deletes the key) so another node takes over at once;
@@ -331,8 +358,9 @@ export class HeliosNode {
     // Bound to this epoch: a fenced write of this epoch proves a newer leader, but if that newer
     // leader is this node's next epoch, ending it would be wrong (see LeaderElection.stepDown).
     const stepDown = () => this.election?.stepDown('fenced', config.leaseTtlMs, leadership);
+    const leaderPool = this.leaderPool!;
     const dispatcher = new Dispatcher({
-      pool: this.pool!,
+      pool: leaderPool,
       leadership,
       notifications: this.notifications!,
       runsTopic: config.runsTopic,
@@ -348,7 +376,7 @@ export class HeliosNode {
     const publisher = this.publisher!;
     const topics = this.topics!;
     const relay = new OutboxRelay({
-      pool: this.pool!,
+      pool: leaderPool,
       // Publishing waits until the topics exist (the broker does not create them): a relay that
       // published into a missing topic would only fail, count failures and back off meanwhile.
       publisher: {
@@ -365,7 +393,7 @@ export class HeliosNode {
     });
     track('outbox relay', relay.run());
     const reaper = new Reaper({
-      pool: this.pool!,
+      pool: leaderPool,
       leadership,
       topics: { runsTopic: config.runsTopic, deadLetterTopic: config.deadLetterTopic },
       intervalMs: config.reaperIntervalMs,
@@ -375,7 +403,7 @@ export class HeliosNode {
     });
     track('reaper', reaper.run());
     const pruner = new Pruner({
-      pool: this.pool!,
+      pool: leaderPool,
       signal: leadership.signal,
       runRetentionMs: config.retention.runsMs,
       keepPerJob: config.retention.keepPerJob,
@@ -384,6 +412,18 @@ export class HeliosNode {
       metrics,
     });
     track('pruner', pruner.run());
+    metrics.exportClusterGauges(true);
+    const kafka = this.kafka!;
+    const signals = new ClusterSignals({
+      db: leaderPool,
+      signal: leadership.signal,
+      intervalMs: config.signalsIntervalMs,
+      overdueMs: config.misfireThresholdMs,
+      kafkaLag: () => consumerGroupLag(kafka, config.consumerGroup, config.runsTopic),
+      logger: logger.child({ part: 'cluster-signals' }),
+      metrics,
+    });
+    track('cluster signals', signals.run());
   }
 
   /** Graceful stop within `config.shutdownTimeoutMs` per part. Safe to call twice. */

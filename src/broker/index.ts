@@ -5,3 +5,4 @@ export { RunPublisher, type RunPublisherOptions } from './publisher.js';
 export { RunConsumer, type RunConsumerOptions, type MessageHandler } from './consumer.js';
 export type { OutgoingMessage, ConsumedMessage, PublishReceipt } from './messages.js';
 export { isBrokerRefusal, PublishError } from './errors.js';
+export { consumerGroupLag } from './lag.js';

@@ -1,5 +1,5 @@
 import { setTimeout as sleep } from 'node:timers/promises';
-import type pg from 'pg';
+import type { Connections } from '../store/pool-share.js';
 import type { Logger } from '../observability/logger.js';
 import type { Metrics } from '../observability/metrics.js';
 import { ClaimLostError, toError } from '../errors.js';
@@ -17,7 +17,7 @@ export class WorkerStoppingError extends Error {
 
 /** What running one attempt needs; one per worker. */
 export interface AttemptContext {
-  readonly pool: pg.Pool;
+  readonly pool: Connections;
   readonly nodeId: string;
   readonly executor: HttpExecutor;
   readonly topics: Topics;

@@ -1,5 +1,5 @@
 import { setTimeout as sleep } from 'node:timers/promises';
-import type pg from 'pg';
+import type { Connections } from '../store/pool-share.js';
 import { toError } from '../errors.js';
 import type { Logger } from '../observability/logger.js';
 import type { Metrics } from '../observability/metrics.js';
@@ -11,7 +11,7 @@ import { loopBackoffMs } from '../loop-backoff.js';
 
 /** Options of {@link pollOverdue}. */
 export interface PollerOptions {
-  readonly pool: pg.Pool;
+  readonly pool: Connections;
   readonly claim: ClaimOptions;
   /** Time between polls. */
   readonly intervalMs: number;

@@ -1,5 +1,5 @@
 import { setTimeout as sleep } from 'node:timers/promises';
-import type pg from 'pg';
+import type { Connections } from '../store/pool-share.js';
 import { toError, withTimeout } from '../errors.js';
 import type { Logger } from '../observability/logger.js';
 import type { Metrics } from '../observability/metrics.js';
@@ -10,7 +10,7 @@ import type { RunMessage } from './run-message.js';
 
 /** Options of {@link RunQueue}. */
 export interface RunQueueOptions {
-  readonly pool: pg.Pool;
+  readonly pool: Connections;
   /** Claims one run (batched with the others of this event-loop turn). */
   readonly claim: (request: ClaimRequest) => Promise<ClaimResult>;
   /** A run may be claimed this long before its not_before (the claim's own tolerance). */

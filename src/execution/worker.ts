@@ -1,4 +1,4 @@
-import type pg from 'pg';
+import type { Connections } from '../store/pool-share.js';
 import type { BrokerClient } from '../broker/index.js';
 import { LifecycleError, toError } from '../errors.js';
 import type { Logger } from '../observability/logger.js';
@@ -17,7 +17,7 @@ import { RunQueue } from './run-queue.js';
 
 /** Options of {@link Worker}; node.ts fills them from the config. */
 export interface WorkerOptions {
-  readonly pool: pg.Pool;
+  readonly pool: Connections;
   readonly kafka: BrokerClient;
   readonly notifications: Notifications;
   readonly nodeId: string;

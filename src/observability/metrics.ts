@@ -1,12 +1,117 @@
 import { Counter, Gauge, Histogram, Registry, collectDefaultMetrics } from 'prom-client';
 
+/** What a pool gauge reads: a pg pool's counts, or a share's (see store/pool-share.ts). */
+export interface PoolGaugeSource {
+  readonly inUse: number;
+  readonly waiting: number;
+  readonly size: number;
+}
+
+/**
+ * Gauges of the cluster's state (queues, dead letters, Kafka lag) that the leader refreshes on an
+ * interval (see ClusterSignals). They are registered only while this node leads, so each value is
+ * exported by one node: a follower exporting 0, or its last reading from an old epoch, would be a
+ * lie that `max` or `sum` over the nodes would mix in.
+ */
+function createClusterGauges() {
+  const gauge = (name: string, help: string) => new Gauge({ name, help, registers: [] });
+  return {
+    outboxPending: gauge(
+      'helios_outbox_pending_rows',
+      'Outbox rows not yet published (counted up to 100000), read by the leader',
+    ),
+    outboxOldestAge: gauge(
+      'helios_outbox_oldest_pending_age_seconds',
+      'Age of the oldest outbox row due for publishing and not yet published (0 when none), read by the leader',
+    ),
+    runsQueued: gauge(
+      'helios_runs_queued',
+      'Runs queued cluster-wide (counted up to 100000), read by the leader',
+    ),
+    runsOverdue: gauge(
+      'helios_runs_overdue',
+      'Queued runs due longer ago than HELIOS_MISFIRE_THRESHOLD_MS (counted up to 100000), read by the leader',
+    ),
+    runsRunning: gauge(
+      'helios_runs_running',
+      'Runs executing cluster-wide (counted up to 100000), read by the leader',
+    ),
+    deadLettersOpen: gauge(
+      'helios_dead_letters_open',
+      'Dead letters not replayed (counted up to 100000), read by the leader',
+    ),
+    kafkaLag: gauge(
+      'helios_kafka_consumer_lag_messages',
+      "Messages of the runs topic the workers' consumer group has not committed, read by the leader",
+    ),
+    updated: gauge(
+      'helios_cluster_signals_updated_timestamp_seconds',
+      'When the leader last read the cluster gauges (Unix time); the Kafka lag may be older',
+    ),
+  };
+}
+
 /** Every metric of one node, on its own registry (several nodes may share a process in tests). */
 export function createMetrics(nodeId: string) {
   const registry = new Registry();
   registry.setDefaultLabels({ node: nodeId });
   collectDefaultMetrics({ register: registry });
+  const cluster = createClusterGauges();
+  const pools = new Map<string, PoolGaugeSource>();
+  const poolGauge = (name: string, help: string, read: (pool: PoolGaugeSource) => number) =>
+    new Gauge({
+      name,
+      help,
+      labelNames: ['pool'],
+      registers: [registry],
+      // Read at scrape time: the counts live in memory, reading them costs nothing.
+      collect() {
+        for (const [pool, source] of pools) this.set({ pool }, read(source));
+      },
+    });
   return {
     registry,
+    cluster,
+    /**
+     * Exports the cluster gauges (`on`: this node leads) or withdraws them (the epoch ended).
+     * Withdrawn gauges are reset, so a later epoch starts without the old readings.
+     */
+    exportClusterGauges(on: boolean): void {
+      for (const gauge of Object.values(cluster)) {
+        const name = (gauge as unknown as { name: string }).name;
+        const registered = registry.getSingleMetric(name) !== undefined;
+        if (on && !registered) registry.registerMetric(gauge);
+        if (!on && registered) {
+          registry.removeSingleMetric(name);
+          gauge.reset();
+        }
+      }
+    },
+    /** Counts `source` under `helios_db_pool_*{pool=name}` from now on. */
+    trackPool(name: string, source: PoolGaugeSource): void {
+      pools.set(name, source);
+    },
+    poolInUse: poolGauge(
+      'helios_db_pool_in_use',
+      'PostgreSQL connections checked out: pool main (API, worker), leader (leader loops) or worker (the share of main the worker may use)',
+      (p) => p.inUse,
+    ),
+    poolWaiting: poolGauge(
+      'helios_db_pool_waiting',
+      'Callers waiting for a PostgreSQL connection of the pool (see helios_db_pool_in_use)',
+      (p) => p.waiting,
+    ),
+    poolSize: poolGauge(
+      'helios_db_pool_size',
+      'Most connections the pool (or share) may use at once',
+      (p) => p.size,
+    ),
+    misfires: new Counter({
+      name: 'helios_misfires_total',
+      help: "Misfires: jobs the dispatcher found with occurrences later than HELIOS_MISFIRE_THRESHOLD_MS (once per job and catch-up), by the job's misfire policy",
+      labelNames: ['policy'],
+      registers: [registry],
+    }),
     isLeader: new Gauge({ name: 'helios_is_leader', help: '1 while this node leads', registers: [registry] }),
     leaderElections: new Counter({
       name: 'helios_leader_elections_total',

@@ -84,7 +84,7 @@ export class Dispatcher {
     const stopTimer = metrics.dispatchDuration.startTimer();
     const result = await inFencedTransaction(pool, leadership, async (client) => {
       const { now, jobs } = await selectDueJobs(client, lookaheadMs, batchSize);
-      if (jobs.length === 0) return { jobs: 0, created: 0, parked: 0 };
+      if (jobs.length === 0) return { jobs: 0, created: 0, parked: 0, misfired: new Map<string, number>() };
       const horizon = new Date(now.getTime() + lookaheadMs);
       const occurrences: { jobId: string; scheduledFor: Date }[] = [];
       const advances: { id: string; nextRunAt: Date | null }[] = [];
@@ -92,6 +92,9 @@ export class Dispatcher {
       // Jobs sharing a schedule and a due instant (a herd) share one plan: the cron maths is the
       // leader's main CPU cost inside the transaction, which holds row locks while it runs.
       const plans = new Map<string, OccurrencePlan>();
+      // Jobs found late, by misfire policy; counted once the transaction commits (a pass that
+      // fails is done again and counts then).
+      const misfired = new Map<string, number>();
       for (const job of jobs) {
         let plan;
         try {
@@ -111,6 +114,8 @@ export class Dispatcher {
         }
         for (const at of plan.fire) occurrences.push({ jobId: job.id, scheduledFor: at });
         advances.push({ id: job.id, nextRunAt: plan.nextRunAt });
+        if (plan.lateFired + plan.dropped > 0)
+          misfired.set(job.misfire, (misfired.get(job.misfire) ?? 0) + 1);
         if (plan.dropped > 0) {
           this.options.logger.info({ job: job.id, dropped: plan.dropped, misfire: job.misfire }, 'misfired');
         }
@@ -118,11 +123,12 @@ export class Dispatcher {
       const created = await createRuns(client, occurrences, leadership.token, runsTopic);
       await advanceJobs(client, advances);
       await parkJobs(client, parked);
-      return { jobs: jobs.length, created, parked: parked.length };
+      return { jobs: jobs.length, created, parked: parked.length, misfired };
     });
     stopTimer();
     if (result.created > 0) metrics.runsCreated.inc({ state: 'queued' }, result.created);
     if (result.parked > 0) metrics.jobsParked.inc(result.parked);
+    for (const [policy, count] of result.misfired) metrics.misfires.inc({ policy }, count);
     return { jobs: result.jobs, full: result.jobs === batchSize };
   }
 

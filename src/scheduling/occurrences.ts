@@ -8,6 +8,8 @@ export interface OccurrencePlan {
   readonly fire: Date[];
   /** Late occurrences dropped by the misfire policy (capped count, for logs and metrics). */
   readonly dropped: number;
+  /** Late occurrences the misfire policy fires anyway (the first entries of `fire`). */
+  readonly lateFired: number;
   /** The first occurrence after the horizon; null when the schedule has none. */
   readonly nextRunAt: Date | null;
 }
@@ -35,18 +37,20 @@ export function planOccurrences(
   const cutoff = new Date(now.getTime() - misfireThresholdMs);
   const fire: Date[] = [];
   let dropped = 0;
+  let lateFired = 0;
   if (job.nextRunAt < cutoff) {
     const keep = job.misfire === 'skip' ? 0 : job.misfire === 'fire-once' ? 1 : job.maxCatchUp;
     const late = latestBefore(schedule, job.nextRunAt, cutoff, Math.max(keep, 1) + 1);
     dropped = Math.max(0, late.total - keep);
     if (keep > 0) fire.push(...late.instants.slice(-keep));
+    lateFired = fire.length;
   }
   const onTimeFrom = job.nextRunAt < cutoff ? cutoff : job.nextRunAt;
   const onTime = schedule.between(new Date(onTimeFrom.getTime() - 1), horizon, MAX_ON_TIME);
   fire.push(...onTime);
   // When the cap cut the on-time list short, the rest are picked up by the next pass.
   const after = onTime.length === MAX_ON_TIME ? onTime[MAX_ON_TIME - 1]! : horizon;
-  return { fire, dropped, nextRunAt: schedule.next(after) };
+  return { fire, dropped, lateFired, nextRunAt: schedule.next(after) };
 }
 
 /**

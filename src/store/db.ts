@@ -1,6 +1,7 @@
 import pg from 'pg';
 import type { Logger } from '../observability/logger.js';
 import { toError } from '../errors.js';
+import type { Connections } from './pool-share.js';
 
 /** The node's connection pool, as the layers above store/ see it (they never import pg). */
 export type Database = pg.Pool;
@@ -59,7 +60,7 @@ export function createPool(options: {
  * checkout, fail the transaction with the error and have the pool discard the client.
  */
 export async function inTransaction<T>(
-  pool: pg.Pool,
+  pool: Connections,
   work: (client: pg.PoolClient) => Promise<T>,
 ): Promise<T> {
   const client = await pool.connect();

@@ -108,3 +108,26 @@ test('retention settings take durations with units and reject anything else by n
   assert.throws(() => loadConfig({ ...base, HELIOS_RUN_RETENTION: '30 days' }), /HELIOS_RUN_RETENTION/);
   assert.throws(() => loadConfig({ ...base, HELIOS_RUN_RETENTION: '0' }), /HELIOS_RUN_RETENTION/);
 });
+
+test("the leader's pool and the worker's share of the node's pool: defaults and bounds", () => {
+  const defaults = loadConfig(BASE);
+  assert.equal(defaults.leaderPoolSize, 5);
+  assert.equal(defaults.workerDbConnections, 15, 'three quarters of the default pool of 20');
+  assert.equal(defaults.signalsIntervalMs, 5000);
+  assert.equal(loadConfig({ ...BASE, HELIOS_DATABASE_POOL_SIZE: '2' }).workerDbConnections, 1);
+  const set = loadConfig({
+    ...BASE,
+    HELIOS_DATABASE_POOL_SIZE: '10',
+    HELIOS_WORKER_DB_CONNECTIONS: '9',
+    HELIOS_LEADER_POOL_SIZE: '3',
+    HELIOS_SIGNALS_INTERVAL_MS: '1000',
+  });
+  assert.deepEqual([set.workerDbConnections, set.leaderPoolSize, set.signalsIntervalMs], [9, 3, 1000]);
+  // The share must leave the API at least one connection of the pool.
+  failsOn(
+    { HELIOS_DATABASE_POOL_SIZE: '10', HELIOS_WORKER_DB_CONNECTIONS: '10' },
+    'HELIOS_WORKER_DB_CONNECTIONS',
+  );
+  failsOn({ HELIOS_LEADER_POOL_SIZE: '0' }, 'HELIOS_LEADER_POOL_SIZE');
+  failsOn({ HELIOS_SIGNALS_INTERVAL_MS: 'soon' }, 'HELIOS_SIGNALS_INTERVAL_MS');
+});

@@ -1,0 +1,278 @@
+import assert from 'node:assert/strict';
+import { spawnSync } from 'node:child_process';
+import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { test } from 'node:test';
+import { parse, stringify } from 'yaml';
+import { createMetrics } from '../../src/observability/metrics.js';
+import { REPO_ROOT } from '../support/env.js';
+
+// The alert rules and the dashboard (deploy/) must name only metrics Helios exports, and each
+// alert must fire on the situation it describes. The rules are checked and unit-tested with
+// promtool (scripts/infra.sh install puts it here; without it those two tests are skipped and
+// the rules are only parsed).
+const RULES = join(REPO_ROOT, 'deploy/prometheus/alerts.yml');
+const DASHBOARD = join(REPO_ROOT, 'deploy/grafana/helios.json');
+
+interface Rule {
+  alert: string;
+  expr: string;
+  for?: string;
+  labels?: Record<string, string>;
+  annotations: Record<string, string>;
+}
+const rules = (parse(readFileSync(RULES, 'utf8')) as { groups: { rules: Rule[] }[] }).groups.flatMap(
+  (g) => g.rules,
+);
+const promtool = spawnSync('promtool', ['--version']).status === 0;
+
+/** Every metric name a node exports, read from its registry with the leader's gauges on. */
+async function exportedNames(): Promise<Set<string>> {
+  const metrics = createMetrics('names');
+  metrics.exportClusterGauges(true);
+  metrics.trackPool('main', { inUse: 0, waiting: 0, size: 1 });
+  const names = new Set<string>();
+  for (const metric of await metrics.registry.getMetricsAsJSON()) {
+    names.add(metric.name);
+    // Histograms are queried through their series (and summaries' count and sum).
+    if (['histogram', 'summary'].includes(String(metric.type)))
+      for (const suffix of ['_bucket', '_sum', '_count']) names.add(`${metric.name}${suffix}`);
+  }
+  return names;
+}
+
+/** Metric names in a PromQL expression: Helios's own and the Node.js process metrics. */
+function namesIn(expr: string): string[] {
+  return [...expr.matchAll(/\b(?:helios|process|nodejs)_[a-z0-9_]+/g)].map((m) => m[0]);
+}
+
+function dashboardExprs(): string[] {
+  const dashboard = JSON.parse(readFileSync(DASHBOARD, 'utf8')) as {
+    panels: { type: string; targets?: { expr: string }[] }[];
+  };
+  return dashboard.panels.flatMap((p) => (p.targets ?? []).map((t) => t.expr));
+}
+
+test('every metric the alert rules and the dashboard name is one a Helios node exports', async () => {
+  const exported = await exportedNames();
+  const exprs = [...rules.map((r) => r.expr), ...dashboardExprs()];
+  assert.ok(exprs.length > 20, 'the rules and the dashboard have expressions');
+  const unknown = [...new Set(exprs.flatMap(namesIn))].filter((name) => !exported.has(name));
+  assert.deepEqual(unknown, [], 'metrics named but not exported');
+  // Every metric the issue asks an operator to watch is on the dashboard.
+  const shown = new Set(dashboardExprs().flatMap(namesIn));
+  for (const name of [
+    'helios_outbox_pending_rows',
+    'helios_outbox_oldest_pending_age_seconds',
+    'helios_runs_queued',
+    'helios_runs_overdue',
+    'helios_runs_running',
+    'helios_dead_letters_open',
+    'helios_misfires_total',
+    'helios_runs_skipped_total',
+    'helios_jobs_parked_total',
+    'helios_db_pool_in_use',
+    'helios_db_pool_waiting',
+    'helios_kafka_consumer_lag_messages',
+    'helios_fence_rejections_total',
+    'helios_is_leader',
+  ])
+    assert.ok(shown.has(name), `${name} is not on the dashboard`);
+});
+
+test('every alert says what happened and what to do, with a severity', () => {
+  assert.deepEqual(rules.map((r) => r.alert).sort(), [
+    'HeliosDbPoolWaiting',
+    'HeliosDeadLettersRising',
+    'HeliosFenceRejections',
+    'HeliosJobsParked',
+    'HeliosKafkaLag',
+    'HeliosNoLeader',
+    'HeliosOutboxStalled',
+    'HeliosRunsOverdueGrowing',
+  ]);
+  for (const rule of rules) {
+    assert.ok(rule.annotations.summary && rule.annotations.description, `${rule.alert} lacks text`);
+    assert.match(rule.labels?.severity ?? '', /^(critical|warning)$/, rule.alert);
+  }
+});
+
+test('promtool accepts the rules', { skip: !promtool && 'promtool is not installed' }, () => {
+  const result = spawnSync('promtool', ['check', 'rules', RULES], { encoding: 'utf8' });
+  assert.equal(result.status, 0, result.stdout + result.stderr);
+});
+
+/** One promtool unit test: input series, and the alerts expected (or none) at a time. */
+interface Case {
+  readonly name: string;
+  readonly interval?: string;
+  readonly series: Record<string, string>;
+  readonly at: string;
+  readonly alert: string;
+  /** Labels of each expected alert besides alertname and severity; [] = must not fire. */
+  readonly fires: Record<string, string>[];
+}
+
+const CASES: Case[] = [
+  {
+    name: 'no leader for 30 s',
+    interval: '15s',
+    series: { 'helios_is_leader{node="a"}': '1 1 0 0 0 0', 'helios_is_leader{node="b"}': '0 0 0 0 0 0' },
+    at: '75s',
+    alert: 'HeliosNoLeader',
+    fires: [{}],
+  },
+  {
+    name: 'a leader, no alert',
+    interval: '15s',
+    series: { 'helios_is_leader{node="a"}': '0 0 0 0 0 0', 'helios_is_leader{node="b"}': '1 1 1 1 1 1' },
+    at: '75s',
+    alert: 'HeliosNoLeader',
+    fires: [],
+  },
+  {
+    name: 'no node exports anything',
+    interval: '15s',
+    series: { 'helios_runs_created_total{node="a"}': '0 _ _ _ _ _' },
+    at: '75s',
+    alert: 'HeliosNoLeader',
+    fires: [{}],
+  },
+  {
+    name: 'outbox row older than 30 s',
+    interval: '15s',
+    series: { 'helios_outbox_oldest_pending_age_seconds{node="a"}': '0 0 15 30 45' },
+    at: '60s',
+    alert: 'HeliosOutboxStalled',
+    fires: [{}],
+  },
+  {
+    name: 'outbox row 30 s old, not yet',
+    interval: '15s',
+    series: { 'helios_outbox_oldest_pending_age_seconds{node="a"}': '0 0 15 30' },
+    at: '45s',
+    alert: 'HeliosOutboxStalled',
+    fires: [],
+  },
+  {
+    name: 'overdue runs growing',
+    interval: '1m',
+    series: { 'helios_runs_overdue{node="a"}': '0+10x20' },
+    at: '15m',
+    alert: 'HeliosRunsOverdueGrowing',
+    fires: [{}],
+  },
+  {
+    name: 'overdue runs steady',
+    interval: '1m',
+    series: { 'helios_runs_overdue{node="a"}': '50x20' },
+    at: '15m',
+    alert: 'HeliosRunsOverdueGrowing',
+    fires: [],
+  },
+  {
+    name: 'a dead letter',
+    interval: '1m',
+    series: { 'helios_dead_letters_total{node="a"}': '0 0 0 1 1 1' },
+    at: '5m',
+    alert: 'HeliosDeadLettersRising',
+    fires: [{}],
+  },
+  {
+    name: 'no new dead letter for 15 minutes',
+    interval: '1m',
+    series: { 'helios_dead_letters_total{node="a"}': '1x30' },
+    at: '25m',
+    alert: 'HeliosDeadLettersRising',
+    fires: [],
+  },
+  {
+    name: 'a fence rejection',
+    interval: '1m',
+    series: { 'helios_fence_rejections_total{node="b"}': '0 0 1 1' },
+    at: '3m',
+    alert: 'HeliosFenceRejections',
+    fires: [{}],
+  },
+  {
+    name: 'a parked job',
+    interval: '1m',
+    series: { 'helios_jobs_parked_total{node="a"}': '0 0 1 1' },
+    at: '3m',
+    alert: 'HeliosJobsParked',
+    fires: [{}],
+  },
+  {
+    name: 'Kafka lag for 5 minutes',
+    interval: '1m',
+    series: { 'helios_kafka_consumer_lag_messages{node="a"}': '5000x10' },
+    at: '6m',
+    alert: 'HeliosKafkaLag',
+    fires: [{}],
+  },
+  {
+    name: 'a short Kafka lag',
+    interval: '1m',
+    series: { 'helios_kafka_consumer_lag_messages{node="a"}': '5000 5000 0 0 0 0 0 0' },
+    at: '6m',
+    alert: 'HeliosKafkaLag',
+    fires: [],
+  },
+  {
+    name: 'callers waiting for the leader pool',
+    interval: '1m',
+    series: {
+      'helios_db_pool_waiting{node="a",pool="leader"}': '3x10',
+      'helios_db_pool_waiting{node="a",pool="main"}': '0x10',
+    },
+    at: '6m',
+    alert: 'HeliosDbPoolWaiting',
+    fires: [{ node: 'a', pool: 'leader' }],
+  },
+];
+
+test(
+  'promtool unit tests: each alert fires on its situation and not otherwise',
+  { skip: !promtool && 'promtool is not installed' },
+  () => {
+    const byName = new Map(rules.map((r) => [r.alert, r]));
+    const dir = mkdtempSync(join(tmpdir(), 'helios-alerts-'));
+    try {
+      const file = join(dir, 'alerts.test.yml');
+      writeFileSync(
+        file,
+        stringify({
+          rule_files: [RULES],
+          evaluation_interval: '15s',
+          tests: CASES.map((c) => ({
+            name: c.name,
+            interval: c.interval ?? '1m',
+            input_series: Object.entries(c.series).map(([series, values]) => ({ series, values })),
+            alert_rule_test: [
+              {
+                eval_time: c.at,
+                alertname: c.alert,
+                exp_alerts: c.fires.map((labels) => ({
+                  exp_labels: { severity: byName.get(c.alert)!.labels!.severity, ...labels },
+                  // Annotations are plain text (no templates), so they are the rule's own.
+                  exp_annotations: byName.get(c.alert)!.annotations,
+                })),
+              },
+            ],
+          })),
+        }),
+      );
+      const result = spawnSync('promtool', ['test', 'rules', file], { encoding: 'utf8' });
+      assert.equal(result.status, 0, result.stdout + result.stderr);
+      // Every alert has at least one case in which it fires.
+      for (const rule of rules)
+        assert.ok(
+          CASES.some((c) => c.alert === rule.alert && c.fires.length > 0),
+          `${rule.alert} has no case`,
+        );
+    } finally {
+      rmSync(dir, { recursive: true, force: true });
+    }
+  },
+);
