@@ -161,6 +161,19 @@ export class RunConsumer {
     return [...(mine?.partitions ?? [])].sort((a, b) => a - b);
   }
 
+  /**
+   * Consumer lag of this member, for a lag gauge: per partition of the topic assigned to it, the
+   * partition's end offset minus the offset this member last committed there. Partitions it does
+   * not hold, or has committed nothing on yet, are left out. One ListOffsets request; rejects when
+   * Kafka does not answer.
+   */
+  async lag(): Promise<{ partition: number; lag: bigint }[]> {
+    const lags = await this.#consumer.getLag({ topics: [this.#topic] });
+    return (lags.get(this.#topic) ?? [])
+      .map((lag, partition) => ({ partition, lag }))
+      .filter((p) => p.lag >= 0n);
+  }
+
   /** True between `pause()` and `resume()`. */
   get paused(): boolean {
     return this.#paused;

@@ -302,6 +302,32 @@ describe('broker (@platformatic/kafka against the local Kafka 4 broker)', { time
     assert.deepEqual(values, ['m0', 'A', 'B']);
   });
 
+  test('lag is the end offset minus what this member committed, per partition it holds', async () => {
+    const topic = TOPICS.pause.name;
+    const c = consumer(topic);
+    const received: string[] = [];
+    await c.start(async (m) => {
+      received.push(m.value ?? '');
+    });
+    await publisher.publish(topic, [{ key: 'k', value: 'lag-0' }]);
+    await waitFor('lag-0', () => received.includes('lag-0'));
+    c.pause();
+    await publisher.publish(
+      topic,
+      ['lag-1', 'lag-2'].map((value) => ({ key: 'k', value })),
+    );
+    let lag: { partition: number; lag: bigint }[] = [];
+    const deadline = Date.now() + 10_000;
+    while (Date.now() < deadline) {
+      lag = await c.lag();
+      if (lag[0]?.lag === 2n) break;
+      await sleep(100);
+    }
+    assert.deepEqual(lag, [{ partition: 0, lag: 2n }]);
+    c.resume();
+    await waitFor('lag-2', () => received.includes('lag-2'));
+  });
+
   test('lifecycle: second calls share the first call, wrong states throw', async () => {
     const lazy = new RunPublisher({ kafka, logger });
     await lazy.publish(TOPICS.latency.name, [{ key: 'k', value: 'lazy' }]); // connects on first use
