@@ -34,7 +34,13 @@ const brokers = serverEnv().kafkaBrokers.split(',');
 const tag = randomUUID().slice(0, 8);
 const kafka = broker.createKafka({ brokers, clientId: `bench-broker-${tag}`, logger: silentLogger });
 const topic = `helios-bench.broker.${tag}`;
-await broker.ensureTopics(kafka, [{ name: topic, partitions: 6 }]);
+// The restart phase has a topic of its own: a backlog left by the throughput phase would measure
+// how fast the intake drains it, not how fast it comes back.
+const restartTopic = `${topic}.restart`;
+await broker.ensureTopics(kafka, [
+  { name: topic, partitions: 6 },
+  { name: restartTopic, partitions: 6 },
+]);
 const seconds = Number(values.seconds);
 
 const runMessage = (i: number) => ({
@@ -76,7 +82,7 @@ async function rejoinAfterRestart(): Promise<{ rejoinMs: number; downMs: number 
   const accepted = new Set<string>();
   const intake = new KafkaIntake({
     kafka,
-    topic,
+    topic: restartTopic,
     groupId: `helios-bench.broker.${tag}.${randomUUID().slice(0, 4)}`,
     instanceId: `bench-${tag}`,
     logger: silentLogger,
@@ -88,7 +94,7 @@ async function rejoinAfterRestart(): Promise<{ rejoinMs: number; downMs: number 
     for (let i = 0; performance.now() - t0 < deadlineMs; i++) {
       const m = runMessage(i);
       const runId = (JSON.parse(m.value) as { runId: string }).runId;
-      const published = await publisher.publish(topic, [m]).then(
+      const published = await publisher.publish(restartTopic, [m]).then(
         () => true,
         () => false,
       );
@@ -131,5 +137,5 @@ try {
     );
   }
 } finally {
-  await broker.deleteTopics(kafka, [topic]).catch(() => undefined);
+  await broker.deleteTopics(kafka, [topic, restartTopic]).catch(() => undefined);
 }
