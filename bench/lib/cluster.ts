@@ -1,6 +1,6 @@
 import { setTimeout as sleep } from 'node:timers/promises';
 import type { Etcd3 } from 'etcd3';
-import { createKafka, deleteTopics, type BrokerClient } from '../../src/broker/index.js';
+import { createKafka, deleteTopics, describeGroup, type BrokerClient } from '../../src/broker/index.js';
 import { createEtcdClient } from '../../src/coordination/etcd.js';
 import { readLeader, type LeaderRecord } from '../../src/coordination/election.js';
 import { silentLogger } from '../../src/observability/logger.js';
@@ -113,19 +113,12 @@ export class BenchCluster {
     await Promise.all(this.live.map((n) => n.waitForLog((l) => l.msg === 'node started', timeoutMs)));
     await this.leader(timeoutMs);
     if (!workers) return;
-    const admin = this.kafka.admin();
-    await admin.connect();
-    try {
-      const deadline = Date.now() + timeoutMs;
-      for (;;) {
-        const { groups } = await admin.describeGroups([`${this.nodeEnv.topic}.workers`]);
-        const group = groups[0];
-        if (group?.state === 'Stable' && group.members.length === this.live.length) return;
-        if (Date.now() > deadline) throw new Error(`consumer group not stable: ${group?.state}`);
-        await sleep(200);
-      }
-    } finally {
-      await admin.disconnect();
+    const deadline = Date.now() + timeoutMs;
+    for (;;) {
+      const group = await describeGroup(this.kafka, `${this.nodeEnv.topic}.workers`).catch(() => undefined);
+      if (group?.state === 'Stable' && group.members.length === this.live.length) return;
+      if (Date.now() > deadline) throw new Error(`consumer group not stable: ${group?.state}`);
+      await sleep(200);
     }
   }
 

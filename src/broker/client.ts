@@ -1,13 +1,20 @@
-import { Kafka } from 'kafkajs';
+import type { BaseOptions } from '@platformatic/kafka';
 import type { Logger } from '../observability/logger.js';
-import { kafkaLogLevel, pinoLogCreator } from './log.js';
 
 /**
- * A connection factory for the Kafka cluster. Opaque outside `src/broker/`: pass it to
- * {@link ensureTopics}, {@link RunPublisher} and {@link RunConsumer}, never call it directly,
- * so the client library can be replaced without touching the rest of Helios.
+ * How this node reaches the Kafka cluster. Opaque outside `src/broker/`: pass it to
+ * {@link ensureTopics}, {@link RunPublisher} and {@link RunConsumer}, never use it directly, so the
+ * client library can be replaced without touching the rest of Helios. It holds settings only:
+ * `@platformatic/kafka` has no shared client object, each producer, consumer and admin client
+ * opens (and reopens, after a broker restart) its own connections.
  */
-export type BrokerClient = Kafka;
+export interface BrokerClient {
+  readonly brokers: readonly string[];
+  readonly clientId: string;
+  readonly logger: Logger;
+  readonly connectionTimeoutMs: number;
+  readonly requestTimeoutMs: number;
+}
 
 /** Options of {@link createKafka}. */
 export interface KafkaClientOptions {
@@ -15,32 +22,47 @@ export interface KafkaClientOptions {
   brokers: string[];
   /** Client id sent with every request; shows up in broker logs and quotas. Use the node id. */
   clientId: string;
-  /** Where kafkajs logs go (child logger `component: kafkajs`). */
+  /** Where the broker module logs (client errors it handled, consumer failures). */
   logger: Logger;
   /** TCP connect timeout per broker. Default 1000 ms: loopback or LAN connects take microseconds. */
   connectionTimeoutMs?: number;
-  /** Per-request timeout (Fetch and JoinGroup get their own, longer ones). Default 5000 ms. */
+  /**
+   * Per-request timeout, Fetch and JoinGroup included (a JoinGroup waits up to the consumer's
+   * rebalance timeout, which must stay below this). Default 5000 ms.
+   */
   requestTimeoutMs?: number;
 }
 
 /**
- * Retries of kafkajs's internal retrier (metadata, produce, admin, consumer loop). The library
- * default (5 retries, 300 ms initial, 30 s cap) can block a caller for well over a minute; here a
- * failing call gives up after roughly 3 s of back-off and the caller's own loop decides what next
- * (the outbox relay re-publishes, the consumer restarts itself).
+ * Retries inside one library call (metadata, produce, join, commit). The library default
+ * (3 retries, 1 s apart) holds a caller for 3 s of sleep alone while Kafka is away; here a failing
+ * call gives up after about 0.75 s of back-off and the caller's own loop decides what next (the
+ * outbox relay re-publishes, the intake replaces its consumer).
  */
-const RETRY = { retries: 5, initialRetryTime: 100, maxRetryTime: 1_000, factor: 0.2, multiplier: 2 };
+const RETRIES = 3;
+const RETRY_DELAY_MS = 250;
 
-/** Creates the kafkajs client for this node; it opens no connection by itself. */
+/** Records how this node reaches Kafka; opens no connection. */
 export function createKafka(options: KafkaClientOptions): BrokerClient {
-  return new Kafka({
-    brokers: options.brokers,
+  return Object.freeze({
+    brokers: Object.freeze([...options.brokers]),
     clientId: options.clientId,
-    connectionTimeout: options.connectionTimeoutMs ?? 1_000,
-    requestTimeout: options.requestTimeoutMs ?? 5_000,
-    enforceRequestTimeout: true,
-    retry: RETRY,
-    logLevel: kafkaLogLevel(options.logger),
-    logCreator: pinoLogCreator(options.logger),
+    logger: options.logger,
+    connectionTimeoutMs: options.connectionTimeoutMs ?? 1_000,
+    requestTimeoutMs: options.requestTimeoutMs ?? 5_000,
   });
+}
+
+/** The options every producer, consumer and admin client of this node shares. */
+export function baseOptions(kafka: BrokerClient): BaseOptions {
+  return {
+    clientId: kafka.clientId,
+    bootstrapBrokers: [...kafka.brokers],
+    connectTimeout: kafka.connectionTimeoutMs,
+    requestTimeout: kafka.requestTimeoutMs,
+    retries: RETRIES,
+    retryDelay: RETRY_DELAY_MS,
+    // The broker runs with auto.create.topics.enable=false; topics are made by ensureTopics.
+    autocreateTopics: false,
+  };
 }

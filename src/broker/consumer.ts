@@ -1,14 +1,23 @@
-import type { Consumer, ConsumerCrashEvent, ConsumerGroupJoinEvent, EachBatchPayload } from 'kafkajs';
+import {
+  Consumer,
+  MessagesStreamFallbackModes,
+  MessagesStreamModes,
+  stringDeserializers,
+  type Message,
+  type MessagesStream,
+} from '@platformatic/kafka';
 import { LifecycleError, toError, withTimeout } from '../errors.js';
 import type { Logger } from '../observability/logger.js';
-import type { BrokerClient } from './client.js';
+import { baseOptions, type BrokerClient } from './client.js';
+import { kafkaErrorType } from './errors.js';
 import { fromKafkaMessage, type ConsumedMessage } from './messages.js';
 
 /**
  * Handles one message. The message's offset is committed only after the returned promise
- * resolves (soon after, not at once: see {@link RunConsumerOptions.commitIntervalMs}). A rejection makes the client re-deliver the same message after a back-off (and
- * blocks its partition meanwhile), so a handler records per-run failures itself and rejects only
- * when it could not take the message at all.
+ * resolves (soon after, not at once: commits are not awaited). A rejection fails the consumer
+ * (its `onFailure` is called; the message is delivered again to whichever member takes the
+ * partition next), so a handler records per-run failures itself and rejects only when it could
+ * not take the message at all.
  */
 export type MessageHandler = (message: ConsumedMessage) => Promise<void>;
 
@@ -20,50 +29,53 @@ export interface RunConsumerOptions {
   groupId: string;
   topic: string;
   /**
+   * Static membership (KIP-345): a member that comes back with the same instance id takes over
+   * its old place in the group at once, with the same partitions and no rebalance, instead of
+   * waiting for the coordinator to drop the old member. Must be unique among the live members of
+   * the group (two live members with one id fence each other): use the node id. Default none (a
+   * dynamic member).
+   */
+  groupInstanceId?: string;
+  /**
    * Where a group without committed offsets starts. Default true (earliest): a message published
    * before the group first joined is still delivered; re-delivering an old run is harmless.
    */
   fromBeginning?: boolean;
-  /** The coordinator evicts a member silent for this long. Default 10000 ms (broker minimum 6000). */
+  /**
+   * The coordinator evicts a member silent for this long. Default 6000 ms, the broker's minimum
+   * (`group.min.session.timeout.ms`): a crashed worker's partitions move on within 6 s.
+   */
   sessionTimeoutMs?: number;
   /** Default 1000 ms: a rebalance is noticed within about a second. */
   heartbeatIntervalMs?: number;
   /**
-   * How long the coordinator waits for members to re-join (and then to sync) during a rebalance.
-   * Default 4000 ms. It bounds how long the group stays blocked by members that are gone without a
-   * LeaveGroup: after a broker restart the coordinator reloads the group with its old members,
-   * but kafkajs restarts a crashed consumer as a new member (it drops its member id), so every
-   * rejoin waits this long for the old ids. It must stay below the client request timeout
-   * (5000 ms), so a parked SyncGroup is answered by the coordinator before kafkajs gives up on it
-   * and crashes again. Members notice a rebalance within about `heartbeatIntervalMs` +
-   * `maxWaitTimeMs` (about 1.5 s), which leaves a loaded event loop some slack; one that misses
-   * the window is dropped and re-joins.
+   * How long the coordinator waits for members to re-join during a rebalance; the client insists
+   * it is at least `sessionTimeoutMs`. Default: `sessionTimeoutMs`. It bounds how long the group
+   * stays blocked by a dynamic member that is gone without a LeaveGroup (a crashed process whose
+   * successor has another node id, so static membership does not help). The coordinator parks a
+   * JoinGroup for up to this long, so this consumer's request timeout is raised above it.
    */
   rebalanceTimeoutMs?: number;
   /**
    * Fetch long-poll. A message is delivered as soon as it arrives regardless; this bounds how long
-   * `stop()` waits for an idle fetch and how quickly `resume()` takes effect. Default 500 ms.
+   * `stop()` waits for an idle fetch. Default 500 ms.
    */
   maxWaitTimeMs?: number;
-  /**
-   * Longest time a handled message stays uncommitted within a long batch. Offsets are also
-   * committed at the end of every fetched batch, so at low rates each message is committed
-   * right after its handler. Committing after every message instead would cap a partition at
-   * about 150 messages/s: Kafka 4's group coordinator lingers `group.coordinator.append.linger.ms`
-   * (5 ms) on every OffsetCommit. Default 1000 ms.
-   */
-  commitIntervalMs?: number;
-  /** Partitions handled in parallel by this member. Default 1. */
-  partitionsConsumedConcurrently?: number;
   /** Deadline for connecting and first joining the group in `start`. Default 30000 ms. */
   startTimeoutMs?: number;
   /** Deadline for leaving the group and disconnecting in `stop`. Default 5000 ms. */
   stopTimeoutMs?: number;
-  /** Called when the client crashed and will not restart itself (the consumer is then `failed`). */
+  /**
+   * Called when the consumer failed and will not recover by itself (it is then `failed`): its
+   * message stream ended on an error the client gave up on (Kafka away for longer than the
+   * client's retries, a commit that needs a re-join), or the group membership was lost for good.
+   * The owner replaces it with a new consumer.
+   */
   onFailure?: (error: Error) => void;
 }
 
 type ConsumerState = 'idle' | 'starting' | 'running' | 'failed' | 'stopping' | 'stopped';
+type StringMessage = Message<string, string, string, string>;
 
 /**
  * A member of a consumer group on one topic, with `pause()`/`resume()` for back-pressure.
@@ -75,40 +87,67 @@ export class RunConsumer {
   readonly #topic: string;
   readonly #groupId: string;
   readonly #fromBeginning: boolean;
-  readonly #concurrency: number;
-  readonly #commitIntervalMs: number;
   readonly #startTimeoutMs: number;
   readonly #stopTimeoutMs: number;
   readonly #onFailure: ((error: Error) => void) | undefined;
-  readonly #consumer: Consumer;
+  readonly #consumer: Consumer<string, string, string, string>;
   #state: ConsumerState = 'idle';
   #paused = false;
-  #assignment: readonly number[] = [];
+  #wakeUp: (() => void) | undefined;
+  #stream: MessagesStream<string, string, string, string> | undefined;
+  #loop: Promise<void> | undefined;
+  /** The handler call in progress, if any. */
+  #handling: Promise<void> | undefined;
   #starting: Promise<void> | undefined;
   #stopping: Promise<void> | undefined;
-  readonly #unsubscribe: (() => void)[] = [];
 
   constructor(options: RunConsumerOptions) {
     this.#logger = options.logger.child({ component: 'kafka-consumer', groupId: options.groupId });
     this.#topic = options.topic;
     this.#groupId = options.groupId;
     this.#fromBeginning = options.fromBeginning ?? true;
-    this.#concurrency = options.partitionsConsumedConcurrently ?? 1;
-    this.#commitIntervalMs = options.commitIntervalMs ?? 1_000;
     this.#startTimeoutMs = options.startTimeoutMs ?? 30_000;
     this.#stopTimeoutMs = options.stopTimeoutMs ?? 5_000;
     this.#onFailure = options.onFailure;
-    this.#consumer = options.kafka.consumer({
+    const sessionTimeoutMs = options.sessionTimeoutMs ?? 6_000;
+    const rebalanceTimeoutMs = options.rebalanceTimeoutMs ?? sessionTimeoutMs;
+    const base = baseOptions(options.kafka);
+    this.#consumer = new Consumer({
+      ...base,
+      requestTimeout: Math.max(base.requestTimeout ?? 0, rebalanceTimeoutMs + 2_000),
       groupId: options.groupId,
-      sessionTimeout: options.sessionTimeoutMs ?? 10_000,
+      ...(options.groupInstanceId ? { groupInstanceId: options.groupInstanceId } : {}),
+      sessionTimeout: sessionTimeoutMs,
       heartbeatInterval: options.heartbeatIntervalMs ?? 1_000,
-      rebalanceTimeout: options.rebalanceTimeoutMs ?? 4_000,
-      maxWaitTimeInMs: options.maxWaitTimeMs ?? 500,
-      allowAutoTopicCreation: false,
-      // After a retriable crash the client restarts itself on a timer; a crash while we are
-      // stopping must not bring it back.
-      retry: { restartOnFailure: async () => this.#state !== 'stopping' && this.#state !== 'stopped' },
+      rebalanceTimeout: rebalanceTimeoutMs,
+      maxWaitTime: options.maxWaitTimeMs ?? 500,
+      // Offsets are committed per message after its handler (see #run); the client's autocommit
+      // would commit what was fetched, handled or not.
+      autocommit: false,
+      deserializers: stringDeserializers,
     });
+    this.#consumer.on('consumer:group:join', (event) => {
+      this.#logger.info(
+        {
+          memberId: event.memberId,
+          generationId: event.generationId,
+          isLeader: event.isLeader,
+          partitions: this.assignment,
+        },
+        'joined consumer group',
+      );
+    });
+    // Heartbeat failures the client retries or answers by re-joining; only the last resort
+    // (the 'error' event below) is ours to act on.
+    this.#consumer.on('consumer:heartbeat:error', (event) => {
+      this.#logger.debug(
+        { err: event.error, kafkaError: kafkaErrorType(event.error) },
+        'Kafka heartbeat failed',
+      );
+    });
+    // Emitted when a re-join after a lost heartbeat failed: the client schedules no more
+    // heartbeats, so this member is as good as gone.
+    this.#consumer.on('error', (err: unknown) => this.#fail(toError(err)));
   }
 
   /** `idle`, `starting`, `running`, `failed`, `stopping` or `stopped`. */
@@ -118,7 +157,21 @@ export class RunConsumer {
 
   /** Partitions of the topic assigned to this member by the last rebalance. */
   get assignment(): readonly number[] {
-    return this.#assignment;
+    const mine = this.#consumer.assignments?.find((a) => a.topic === this.#topic);
+    return [...(mine?.partitions ?? [])].sort((a, b) => a - b);
+  }
+
+  /**
+   * Consumer lag of this member, for a lag gauge: per partition of the topic assigned to it, the
+   * partition's end offset minus the offset this member last committed there. Partitions it does
+   * not hold, or has committed nothing on yet, are left out. One ListOffsets request; rejects when
+   * Kafka does not answer.
+   */
+  async lag(): Promise<{ partition: number; lag: bigint }[]> {
+    const lags = await this.#consumer.getLag({ topics: [this.#topic] });
+    return (lags.get(this.#topic) ?? [])
+      .map((lag, partition) => ({ partition, lag }))
+      .filter((p) => p.lag >= 0n);
   }
 
   /** True between `pause()` and `resume()`. */
@@ -141,39 +194,19 @@ export class RunConsumer {
 
   async #start(handler: MessageHandler): Promise<void> {
     this.#state = 'starting';
-    const joined = new Promise<void>((resolve, reject) => {
-      this.#unsubscribe.push(
-        this.#consumer.on(this.#consumer.events.GROUP_JOIN, (event) => {
-          this.#onJoin(event);
-          resolve();
-        }),
-        this.#consumer.on(this.#consumer.events.CRASH, (event) => {
-          this.#onCrash(event);
-          if (!event.payload.restart) reject(toError(event.payload.error));
-        }),
-      );
-    });
-    joined.catch(() => undefined); // observed below; a crash after start must not be unhandled
     try {
-      await withTimeout(
-        (async () => {
-          await this.#consumer.connect();
-          await this.#consumer.subscribe({ topic: this.#topic, fromBeginning: this.#fromBeginning });
-          const running = this.#consumer.run({
-            eachBatch: (payload) => this.#eachBatch(payload, handler),
-            // We resolve each offset after its handler; the client commits resolved offsets at the
-            // end of every fetched batch, before a rebalance or stop, and every commitIntervalMs.
-            eachBatchAutoResolve: false,
-            autoCommit: true,
-            autoCommitInterval: this.#commitIntervalMs,
-            partitionsConsumedConcurrently: this.#concurrency,
-          });
-          // run() has created the client's group state synchronously: a pause() that came before
-          // start() takes effect before the first fetch.
-          if (this.#paused) this.#applyPause();
-          await running;
-          await joined;
-        })(),
+      // consume() joins the group (JoinGroup + SyncGroup) before it returns the stream.
+      const consuming = this.#consumer.consume({
+        topics: [this.#topic],
+        mode: MessagesStreamModes.COMMITTED,
+        fallbackMode: this.#fromBeginning
+          ? MessagesStreamFallbackModes.EARLIEST
+          : MessagesStreamFallbackModes.LATEST,
+        autocommit: false,
+      });
+      consuming.catch(() => undefined); // abandoned when the deadline wins
+      this.#stream = await withTimeout(
+        consuming,
         this.#startTimeoutMs,
         `join consumer group ${this.#groupId}`,
       );
@@ -190,26 +223,21 @@ export class RunConsumer {
     }
     if (this.#state !== 'starting') throw new LifecycleError('consumer was stopped while starting');
     this.#state = 'running';
+    this.#loop = this.#run(this.#stream, handler);
   }
 
   /**
    * Stops delivering messages: no handler call starts after this returns. Messages fetched but
-   * not yet handled are delivered again after `resume()`. The member stays in the group.
+   * not yet handled are delivered after `resume()`. The member stays in the group.
    */
   pause(): void {
     this.#paused = true;
-    if (this.#state === 'starting' || this.#state === 'running') this.#applyPause();
   }
 
-  /** Delivers messages again; takes effect within about `maxWaitTimeMs`. */
+  /** Delivers messages again. */
   resume(): void {
     this.#paused = false;
-    if (this.#state !== 'starting' && this.#state !== 'running') return;
-    try {
-      this.#consumer.resume([{ topic: this.#topic }]);
-    } catch {
-      // The client is between a crash and its restart; a new group session starts unpaused.
-    }
+    this.#wakeUp?.();
   }
 
   /**
@@ -225,78 +253,72 @@ export class RunConsumer {
   async #stop(): Promise<void> {
     const previous = this.#state;
     this.#state = 'stopping';
+    this.#wakeUp?.();
     try {
-      // Disconnecting in the middle of the first join would not stop the client: its join fails,
-      // it treats that as a crash and restarts itself later. Let the join settle first.
       if (previous === 'starting' && this.#starting) {
         await withTimeout(this.#starting, this.#stopTimeoutMs, 'consumer start').catch(() => undefined);
       }
-      if (previous !== 'idle') await this.#shutdown();
+      if (previous !== 'idle')
+        await withTimeout(this.#shutdown(), this.#stopTimeoutMs, `stop consumer group ${this.#groupId}`);
     } finally {
       this.#state = 'stopped';
     }
   }
 
   async #shutdown(): Promise<void> {
-    try {
-      // Leaving the group (inside disconnect) hands our partitions to the other members now
-      // rather than after sessionTimeoutMs.
-      await withTimeout(
-        this.#consumer.disconnect(),
-        this.#stopTimeoutMs,
-        `stop consumer group ${this.#groupId}`,
-      );
-    } finally {
-      for (const unsubscribe of this.#unsubscribe.splice(0)) unsubscribe();
-    }
+    // No handler starts once we are stopping (the loop checks the state before each message);
+    // let the one in progress finish so its offset is committed.
+    await this.#handling?.catch(() => undefined);
+    // Closing the stream flushes the commits still queued and ends the loop; closing the consumer
+    // then sends LeaveGroup, which hands our partitions to the other members now rather than
+    // after sessionTimeoutMs.
+    await this.#stream?.close();
+    await this.#loop;
+    await this.#consumer.close(true);
   }
 
-  async #eachBatch(payload: EachBatchPayload, handler: MessageHandler): Promise<void> {
-    const { batch } = payload;
-    for (const message of batch.messages) {
-      // Stale: a seek or rebalance happened; the client fetches again from the right offset.
-      if (!payload.isRunning() || payload.isStale()) return;
-      if (this.#paused) {
-        // Leaving the rest unresolved makes the next fetch after resume() start from here. The
-        // client pause is re-applied in case its group state was recreated after a crash.
-        this.#applyPause();
-        return;
+  async #run(stream: MessagesStream<string, string, string, string>, handler: MessageHandler): Promise<void> {
+    try {
+      // destroyOnReturn false: leaving the loop (stop, a failed handler) must not destroy the
+      // stream, or the offsets still queued for commit would be dropped with it; #shutdown closes
+      // it, which flushes them.
+      const messages = stream.iterator({ destroyOnReturn: false }) as AsyncIterable<StringMessage>;
+      for await (const message of messages) {
+        while (this.#paused && this.#state === 'running') {
+          await new Promise<void>((resolve) => (this.#wakeUp = resolve));
+          this.#wakeUp = undefined;
+        }
+        if (this.#state !== 'running') return;
+        // Fetched before a rebalance took the partition away: its new owner delivers it; handling
+        // it here too would only duplicate it, and committing it could move the new owner's
+        // committed offset backwards.
+        if (!this.assignment.includes(message.partition)) continue;
+        this.#handling = handler(fromKafkaMessage(message));
+        await this.#handling;
+        this.#handling = undefined;
+        // Not awaited: the client keeps one OffsetCommit in flight per stream and merges the
+        // offsets queued meanwhile into the next, so Kafka 4's 5 ms commit linger costs one
+        // round trip per batch of handled messages, not per message (what kafkajs needed
+        // per-batch commits for).
+        message.commit((err?: Error) => {
+          // The offset stays queued and goes with the next commit; a commit that needs a re-join
+          // ends the stream instead, and that failure is reported below.
+          if (err) this.#logger.debug({ err, kafkaError: kafkaErrorType(err) }, 'Kafka offset commit failed');
+        });
       }
-      await handler(fromKafkaMessage(batch.topic, batch.partition, message));
-      payload.resolveOffset(message.offset);
-      await payload.commitOffsetsIfNecessary();
-      await payload.heartbeat();
+      if (this.#state === 'running') this.#fail(new Error('Kafka message stream ended'));
+    } catch (err) {
+      if (this.#state === 'running') this.#fail(toError(err));
     }
   }
 
-  #applyPause(): void {
+  #fail(error: Error): void {
+    if (this.#state !== 'running' && this.#state !== 'starting') return;
+    this.#logger.error({ err: error, kafkaError: kafkaErrorType(error) }, 'Kafka consumer failed');
+    this.#state = 'failed';
+    this.#wakeUp?.();
     try {
-      this.#consumer.pause([{ topic: this.#topic }]);
-    } catch {
-      // The client is between a crash and its restart; #onJoin pauses the new group session.
-    }
-  }
-
-  #onJoin(event: ConsumerGroupJoinEvent): void {
-    const { memberAssignment, memberId, isLeader, duration } = event.payload;
-    this.#assignment = [...(memberAssignment[this.#topic] ?? [])].sort((a, b) => a - b);
-    if (this.#paused) this.#applyPause();
-    this.#logger.info(
-      { memberId, isLeader, partitions: this.#assignment, durationMs: duration },
-      'joined consumer group',
-    );
-  }
-
-  #onCrash(event: ConsumerCrashEvent): void {
-    const { error, restart } = event.payload;
-    if (restart) {
-      this.#logger.warn({ err: error }, 'Kafka consumer crashed; the client restarts it');
-      return;
-    }
-    this.#logger.error({ err: error }, 'Kafka consumer crashed and will not restart');
-    if (this.#state === 'running') this.#state = 'failed';
-    try {
-      this.#onFailure?.(toError(error));
+      this.#onFailure?.(error);
     } catch (err) {
       this.#logger.error({ err: toError(err) }, 'onFailure callback threw');
     }

@@ -10,15 +10,40 @@ export class PublishError extends Error {
   }
 }
 
-/** The `type` kafkajs gives protocol errors (e.g. `OUT_OF_ORDER_SEQUENCE_NUMBER`), if any. */
-export function kafkaErrorType(err: unknown): string | undefined {
-  const type = typeof err === 'object' && err !== null ? (err as { type?: unknown }).type : undefined;
-  return typeof type === 'string' ? type : undefined;
+interface ClientError {
+  code?: unknown;
+  apiId?: unknown;
+  canRetry?: unknown;
+  cause?: unknown;
+  errors?: unknown;
 }
 
-/** kafkajs marks transient protocol and connection errors with `retriable: true`. */
+/**
+ * Every error in the chain: `@platformatic/kafka` nests the broker's answers in `MultipleErrors`
+ * (an `AggregateError`: one per retry, or one per partition of a produce response) and in `cause`.
+ */
+function* chain(err: unknown, depth = 0): Generator<ClientError> {
+  if (typeof err !== 'object' || err === null || depth > 6) return;
+  const error = err as ClientError;
+  yield error;
+  if (Array.isArray(error.errors)) for (const nested of error.errors) yield* chain(nested, depth + 1);
+  if (error.cause !== undefined) yield* chain(error.cause, depth + 1);
+}
+
+/** The broker's error name (e.g. `OUT_OF_ORDER_SEQUENCE_NUMBER`) of the first protocol error, if any. */
+export function kafkaErrorType(err: unknown): string | undefined {
+  for (const error of chain(err)) if (typeof error.apiId === 'string') return error.apiId;
+  return undefined;
+}
+
+/** Transient: the client marks every error it may retry (network, timeouts, leader moves) `canRetry`. */
 export function isRetriableKafkaError(err: unknown): boolean {
-  return typeof err === 'object' && err !== null && (err as { retriable?: unknown }).retriable === true;
+  let any = false;
+  for (const error of chain(err)) {
+    if (error.canRetry === false) return false;
+    if (error.canRetry === true) any = true;
+  }
+  return any;
 }
 
 /**
@@ -27,9 +52,8 @@ export function isRetriableKafkaError(err: unknown): boolean {
  * same messages again cannot help, but other messages may well go through.
  */
 export function isBrokerRefusal(err: unknown): boolean {
-  for (let cause: unknown = err, depth = 0; cause && depth < 5; depth++) {
-    if (kafkaErrorType(cause) !== undefined && !isRetriableKafkaError(cause)) return true;
-    cause = (cause as { cause?: unknown }).cause;
+  for (const error of chain(err)) {
+    if (error.code === 'PLT_KFK_PROTOCOL' && error.canRetry === false) return true;
   }
   return false;
 }

@@ -1,4 +1,4 @@
-import type { IHeaders, KafkaMessage, Message } from 'kafkajs';
+import type { Message, MessageToProduce } from '@platformatic/kafka';
 
 /** A message to publish. Messages with the same key go to the same partition, in order. */
 export interface OutgoingMessage {
@@ -31,31 +31,27 @@ export interface ConsumedMessage {
   timestamp: string;
 }
 
-/** Converts our message to the client library's form. */
-export function toKafkaMessage(message: OutgoingMessage): Message {
-  return { key: message.key, value: message.value, headers: message.headers };
+/** Converts our message to the client library's form (string serialisers). */
+export function toKafkaMessage(
+  topic: string,
+  message: OutgoingMessage,
+): MessageToProduce<string, string, string, string> {
+  return { topic, key: message.key, value: message.value, headers: message.headers };
 }
 
-/** Converts a fetched message to ours, decoding key, value and headers as UTF-8. */
-export function fromKafkaMessage(topic: string, partition: number, message: KafkaMessage): ConsumedMessage {
+/** Converts a fetched message (string deserialisers) to ours. */
+export function fromKafkaMessage(message: Message<string, string, string, string>): ConsumedMessage {
+  const headers: Record<string, string> = {};
+  // Kafka allows a header name to repeat; we never produce that, and for foreign messages the last
+  // value wins, as in most HTTP-style header maps.
+  for (const [name, value] of message.headerEntries) headers[name] = value ?? '';
   return {
-    topic,
-    partition,
-    offset: message.offset,
-    key: message.key === null ? null : message.key.toString('utf8'),
-    value: message.value === null ? null : message.value.toString('utf8'),
-    headers: decodeHeaders(message.headers),
-    timestamp: message.timestamp,
+    topic: message.topic,
+    partition: message.partition,
+    offset: message.offset.toString(),
+    key: message.key ?? null,
+    value: message.value ?? null,
+    headers,
+    timestamp: message.timestamp.toString(),
   };
-}
-
-function decodeHeaders(headers: IHeaders | undefined): Record<string, string> {
-  const decoded: Record<string, string> = {};
-  for (const [name, raw] of Object.entries(headers ?? {})) {
-    // Kafka allows a header name to repeat (kafkajs then gives an array); we never produce that,
-    // and for foreign messages the last value wins, as in most HTTP-style header maps.
-    const value = Array.isArray(raw) ? raw.at(-1) : raw;
-    if (value !== undefined) decoded[name] = value.toString();
-  }
-  return decoded;
 }

@@ -1,7 +1,7 @@
-import { Partitioners, type Producer, type RecordMetadata } from 'kafkajs';
+import { compatibilityPartitioner, ProduceAcks, Producer, stringSerializers } from '@platformatic/kafka';
 import { LifecycleError, toError, withTimeout } from '../errors.js';
 import type { Logger } from '../observability/logger.js';
-import type { BrokerClient } from './client.js';
+import { baseOptions, type BrokerClient } from './client.js';
 import { PublishError, kafkaErrorType } from './errors.js';
 import { toKafkaMessage, type OutgoingMessage, type PublishReceipt } from './messages.js';
 
@@ -9,70 +9,58 @@ import { toKafkaMessage, type OutgoingMessage, type PublishReceipt } from './mes
 export interface RunPublisherOptions {
   kafka: BrokerClient;
   logger: Logger;
-  /** Our deadline for one `publish`, kafkajs's own retries included. Default 10000 ms. */
+  /** Our deadline for one `publish`, the client's own retries included. Default 10000 ms. */
   sendTimeoutMs?: number;
   /** How long the broker may wait for all in-sync replicas to acknowledge. Default 5000 ms. */
   ackTimeoutMs?: number;
   /** Deadline for connecting and obtaining a producer id (InitProducerId). Default 10000 ms. */
   connectTimeoutMs?: number;
-  /** Deadline for closing one producer in `disconnect`. Default 5000 ms. */
+  /** Deadline for closing the producer in `disconnect`. Default 5000 ms. */
   disconnectTimeoutMs?: number;
 }
 
 type PublisherState = 'idle' | 'connecting' | 'connected' | 'disconnecting' | 'disconnected';
 
-/** One kafkajs idempotent producer: one producer id and its per-partition sequence numbers. */
-interface Session {
-  producer: Producer;
-  ready: Promise<void>;
-  inflight: Set<Promise<unknown>>;
-  discarded: boolean;
-}
-
-/**
- * Producer retries inside one `publish`. kafkajs defaults an idempotent producer to unlimited
- * retries, which would make a publish hang for as long as the broker is away; we bound them and
- * let the outbox relay retry instead (kafkajs warns this "may invalidate EoS guarantees": a
- * re-publish can duplicate a message, which Helios tolerates because claims are in PostgreSQL).
- */
-const PRODUCER_RETRY = { retries: 5, initialRetryTime: 100, maxRetryTime: 1_000 };
-
 /**
  * Publishes messages with an idempotent producer (`acks=all`), as the outbox relay needs.
  *
- * Every failed `publish` discards the underlying producer and the next one starts a new
- * idempotent session (new producer id, sequences from 0). kafkajs rolls a partition's sequence
- * number back when a produce request fails, even when the broker may have written the batch
- * (request timeout, connection lost after the write); the next, different batch of the same size
- * would then reuse that sequence and be silently dropped by the broker as a duplicate, and one of
- * another size is rejected with OUT_OF_ORDER_SEQUENCE_NUMBER for ever. A fresh session avoids
- * both, and also recovers from UNKNOWN_PRODUCER_ID / INVALID_PRODUCER_EPOCH after the broker
- * lost producer state. Cost: one InitProducerId round trip after a failure.
+ * A failed publish needs nothing from us: `@platformatic/kafka` drops its producer id and
+ * sequence numbers after any failed idempotent send, so the next send starts a new idempotent
+ * session (InitProducerId) instead of reusing a sequence the broker may already hold; it also
+ * re-initialises by itself on UNKNOWN_PRODUCER_ID or OUT_OF_ORDER_SEQUENCE_NUMBER (the broker
+ * lost producer state). Retries inside one send keep their sequence, so the broker drops a batch
+ * it already wrote instead of writing it twice.
  *
- * Concurrent publishes are allowed (kafkajs serialises them per broker); when one fails, the
- * others on the same producer fail too and are retried by their callers.
+ * Concurrent publishes are allowed (up to 5 requests in flight per connection, which Kafka's
+ * idempotence covers).
  */
 export class RunPublisher {
-  readonly #kafka: BrokerClient;
   readonly #logger: Logger;
   readonly #sendTimeoutMs: number;
-  readonly #ackTimeoutMs: number;
   readonly #connectTimeoutMs: number;
   readonly #disconnectTimeoutMs: number;
+  readonly #producer: Producer<string, string, string, string>;
   #state: PublisherState = 'idle';
   #connecting: Promise<void> | undefined;
   #disconnecting: Promise<void> | undefined;
-  #session: Session | undefined;
-  /** Producers being closed in the background; `disconnect` waits for them. */
-  readonly #closing = new Set<Promise<void>>();
 
   constructor(options: RunPublisherOptions) {
-    this.#kafka = options.kafka;
     this.#logger = options.logger.child({ component: 'kafka-publisher' });
     this.#sendTimeoutMs = options.sendTimeoutMs ?? 10_000;
-    this.#ackTimeoutMs = options.ackTimeoutMs ?? 5_000;
     this.#connectTimeoutMs = options.connectTimeoutMs ?? 10_000;
     this.#disconnectTimeoutMs = options.disconnectTimeoutMs ?? 5_000;
+    this.#producer = new Producer({
+      ...baseOptions(options.kafka),
+      // The produce request's own timeout: how long the leader waits for the in-sync replicas.
+      timeout: options.ackTimeoutMs ?? 5_000,
+      idempotent: true,
+      acks: ProduceAcks.ALL,
+      // Java-compatible murmur2 (what kafkajs's DefaultPartitioner did): a key keeps its partition
+      // across the client change and matches any Java producer. The library's default partitioner
+      // differs for keys whose hash is negative.
+      partitioner: compatibilityPartitioner,
+      serializers: stringSerializers,
+    });
   }
 
   /** `idle`, `connecting`, `connected`, `disconnecting` or `disconnected`. */
@@ -96,7 +84,9 @@ export class RunPublisher {
   async #connect(): Promise<void> {
     this.#state = 'connecting';
     try {
-      await this.#currentSession().ready;
+      const init = this.#producer.initIdempotentProducer({});
+      init.catch(() => undefined); // abandoned when the deadline wins
+      await withTimeout(init, this.#connectTimeoutMs, 'Kafka producer connect');
     } catch (err) {
       if (this.#state === 'connecting') {
         this.#state = 'idle';
@@ -109,11 +99,9 @@ export class RunPublisher {
   }
 
   /**
-   * Publishes `messages` to `topic` and resolves once all in-sync replicas have them; connects
-   * first if `connect` was not called (or failed). Throws `LifecycleError` after `disconnect`.
-   * Rejects with {@link PublishError} (cause: the client error or our `TimeoutError`); the
-   * messages may or may not have been written, so the caller retries and consumers must
-   * tolerate duplicates. Keep a batch under the broker's `message.max.bytes` (1 MiB default).
+   * Publishes `messages` to `topic` and resolves once all in-sync replicas have them. Rejects with
+   * {@link PublishError} (the messages may or may not have been written: retry them) or
+   * `LifecycleError` after `disconnect`.
    */
   async publish(topic: string, messages: OutgoingMessage[]): Promise<PublishReceipt[]> {
     if (this.#state === 'idle' || this.#state === 'connecting') {
@@ -128,35 +116,23 @@ export class RunPublisher {
     }
     if (this.#state !== 'connected') throw new LifecycleError(`cannot publish while ${this.#state}`);
     if (messages.length === 0) return [];
-    const session = this.#currentSession();
-    const send = (async () => {
-      await session.ready;
-      return session.producer.send({
-        topic,
-        acks: -1,
-        timeout: this.#ackTimeoutMs,
-        messages: messages.map(toKafkaMessage),
-      });
-    })();
-    session.inflight.add(send);
-    void send.then(
-      () => session.inflight.delete(send),
-      () => session.inflight.delete(send),
-    );
+    const send = this.#producer.send({ messages: messages.map((m) => toKafkaMessage(topic, m)) });
+    send.catch(() => undefined); // abandoned when the deadline wins
     try {
-      const metadata = await withTimeout(send, this.#sendTimeoutMs, `publish to ${topic}`);
-      return metadata.map((m) => toReceipt(topic, m));
+      const result = await withTimeout(send, this.#sendTimeoutMs, `publish to ${topic}`);
+      return (result.offsets ?? []).map((o) => ({
+        topic: o.topic || topic,
+        partition: o.partition,
+        baseOffset: o.offset.toString(),
+      }));
     } catch (err) {
       const cause = toError(err);
-      this.#discard(session, cause);
+      this.#logger.warn({ err: cause, kafkaError: kafkaErrorType(cause) }, 'Kafka publish failed');
       throw new PublishError(topic, messages.length, { cause });
     }
   }
 
-  /**
-   * Closes the producer, waiting (bounded) for producers discarded earlier. A second call returns
-   * the first call's promise. Publishes still in flight fail.
-   */
+  /** Closes the producer (bounded). A second call returns the first call's promise. */
   disconnect(): Promise<void> {
     this.#disconnecting ??= this.#disconnect();
     return this.#disconnecting;
@@ -165,80 +141,12 @@ export class RunPublisher {
   async #disconnect(): Promise<void> {
     this.#state = 'disconnecting';
     await this.#connecting?.catch(() => undefined);
-    if (this.#session) this.#discard(this.#session);
-    await Promise.all(this.#closing);
-    this.#state = 'disconnected';
-  }
-
-  #currentSession(): Session {
-    if (this.#session) return this.#session;
-    const producer = this.#kafka.producer({
-      idempotent: true,
-      // kafkajs keeps one produce request per broker in flight for an idempotent producer anyway
-      // (it locks the broker while a batch is outstanding); 1 says so explicitly.
-      maxInFlightRequests: 1,
-      allowAutoTopicCreation: false,
-      // Java-compatible murmur2 partitioning (kafkajs 2.x default), named to silence its warning.
-      createPartitioner: Partitioners.DefaultPartitioner,
-      retry: PRODUCER_RETRY,
-    });
-    const session: Session = {
-      producer,
-      ready: withTimeout(producer.connect(), this.#connectTimeoutMs, 'Kafka producer connect'),
-      inflight: new Set(),
-      discarded: false,
-    };
-    // A producer that failed to connect is useless; the next publish opens a new one.
-    session.ready.catch((err: unknown) => this.#discard(session, toError(err)));
-    this.#session = session;
-    return session;
-  }
-
-  /** Drops `session` (the next publish opens a new one) and closes it in the background. */
-  #discard(session: Session, reason?: Error): void {
-    if (session.discarded) return;
-    session.discarded = true;
-    if (this.#session === session) this.#session = undefined;
-    if (reason) {
-      this.#logger.warn(
-        { err: reason, kafkaError: kafkaErrorType(reason) },
-        'Kafka producer failed; the next publish starts a new idempotent producer',
-      );
+    try {
+      await withTimeout(this.#producer.close(), this.#disconnectTimeoutMs, 'Kafka producer disconnect');
+    } catch (err) {
+      this.#logger.warn({ err: toError(err) }, 'Kafka producer did not disconnect cleanly');
+    } finally {
+      this.#state = 'disconnected';
     }
-    const closing = this.#close(session).finally(() => this.#closing.delete(closing));
-    this.#closing.add(closing);
   }
-
-  /** Disconnects `session`; never rejects (it runs in the background). */
-  async #close(session: Session): Promise<void> {
-    const disconnect = async () => {
-      try {
-        await withTimeout(
-          session.producer.disconnect(),
-          this.#disconnectTimeoutMs,
-          'Kafka producer disconnect',
-        );
-      } catch (err) {
-        this.#logger.warn({ err: toError(err) }, 'Kafka producer did not disconnect cleanly');
-      }
-    };
-    await disconnect();
-    if (session.inflight.size === 0) return;
-    // A send still inside kafkajs's retrier reconnects the client when it finds it disconnected;
-    // once those sends have failed, disconnect again so no socket outlives the publisher.
-    await withTimeout(
-      Promise.allSettled(session.inflight),
-      this.#disconnectTimeoutMs,
-      'abandoned sends',
-    ).catch(() => undefined);
-    await disconnect();
-  }
-}
-
-function toReceipt(topic: string, metadata: RecordMetadata): PublishReceipt {
-  return {
-    topic: metadata.topicName || topic,
-    partition: metadata.partition,
-    baseOffset: metadata.baseOffset ?? metadata.offset ?? '-1',
-  };
 }

@@ -1,7 +1,7 @@
 import { setTimeout as sleep } from 'node:timers/promises';
-import type { Admin } from 'kafkajs';
+import { Admin, findErrorBy } from '@platformatic/kafka';
 import { toError, withTimeout } from '../errors.js';
-import type { BrokerClient } from './client.js';
+import { baseOptions, type BrokerClient } from './client.js';
 import { isRetriableKafkaError } from './errors.js';
 
 /** A topic Helios needs. */
@@ -20,7 +20,7 @@ export interface TopicState {
   name: string;
   /** Partitions the topic has now; may differ from the spec if it already existed. */
   partitions: number;
-  /** True when this call created the topic (false for all when another node raced this call). */
+  /** True when this call created the topic (false when it existed or another node raced this call). */
   created: boolean;
 }
 
@@ -41,21 +41,23 @@ export async function ensureTopics(
 ): Promise<TopicState[]> {
   return withAdmin(kafka, timeoutMs, 'ensure Kafka topics', cancel, async (admin, signal) => {
     const existing = new Set(await admin.listTopics());
-    const missing = topics.filter((t) => !existing.has(t.name));
-    // Only missing topics are requested: asking for existing ones makes the broker answer with
-    // TOPIC_ALREADY_EXISTS, which kafkajs tolerates but logs as an error.
-    const created = missing.length
-      ? await admin.createTopics({
-          topics: missing.map((t) => ({
-            topic: t.name,
-            numPartitions: t.partitions,
-            replicationFactor: t.replicationFactor ?? 1,
-            configEntries: Object.entries(t.config ?? {}).map(([name, value]) => ({ name, value })),
-          })),
-          waitForLeaders: false,
-          timeout: timeoutMs,
-        })
-      : false;
+    const created = new Set<string>();
+    for (const t of topics.filter((t) => !existing.has(t.name))) {
+      signal.throwIfAborted();
+      try {
+        // One request per topic: the library applies one set of configs to all topics of a call.
+        await admin.createTopics({
+          topics: [t.name],
+          partitions: t.partitions,
+          replicas: t.replicationFactor ?? 1,
+          configs: Object.entries(t.config ?? {}).map(([name, value]) => ({ name, value })),
+        });
+        created.add(t.name);
+      } catch (err) {
+        // Another node created it between our list and our create.
+        if (!findErrorBy(toError(err), 'apiId', 'TOPIC_ALREADY_EXISTS')) throw toError(err);
+      }
+    }
     const partitions = await waitForLeaders(
       admin,
       topics.map((t) => t.name),
@@ -64,9 +66,7 @@ export async function ensureTopics(
     return topics.map((t) => ({
       name: t.name,
       partitions: partitions.get(t.name) ?? 0,
-      // kafkajs answers false when the broker reported TOPIC_ALREADY_EXISTS, i.e. a concurrent
-      // creator won the race (for some topic: it does not say which).
-      created: created && missing.includes(t),
+      created: created.has(t.name),
     }));
   });
 }
@@ -76,14 +76,14 @@ export async function deleteTopics(kafka: BrokerClient, names: string[], timeout
   await withAdmin(kafka, timeoutMs, 'delete Kafka topics', undefined, async (admin) => {
     const existing = new Set(await admin.listTopics());
     const present = names.filter((n) => existing.has(n));
-    if (present.length) await admin.deleteTopics({ topics: present, timeout: timeoutMs });
+    if (present.length) await admin.deleteTopics({ topics: present });
   });
 }
 
 /**
- * Runs `work` with a connected admin client, bounded by `timeoutMs` (and ended early by `cancel`),
- * and always disconnects it. `signal` aborts when the call is over, so work abandoned by the
- * timeout stops polling instead of reconnecting the admin client in the background.
+ * Runs `work` with an admin client, bounded by `timeoutMs` (and ended early by `cancel`), and
+ * always closes it. `signal` aborts when the call is over, so work abandoned by the timeout stops
+ * polling; closing the client ends its requests and retries in progress.
  */
 async function withAdmin<T>(
   kafka: BrokerClient,
@@ -92,7 +92,7 @@ async function withAdmin<T>(
   cancel: AbortSignal | undefined,
   work: (admin: Admin, signal: AbortSignal) => Promise<T>,
 ): Promise<T> {
-  const admin = kafka.admin();
+  const admin = new Admin(baseOptions(kafka));
   const done = new AbortController();
   const onCancel = () => done.abort(cancel?.reason);
   cancel?.addEventListener('abort', onCancel, { once: true });
@@ -102,16 +102,13 @@ async function withAdmin<T>(
       done.signal.addEventListener('abort', () => reject(toError(done.signal.reason)), { once: true });
     });
     cancelled.catch(() => undefined); // only observed when cancel wins the race
-    const working = (async () => {
-      await admin.connect();
-      return work(admin, done.signal);
-    })();
+    const working = work(admin, done.signal);
     working.catch(() => undefined); // abandoned when the deadline or cancel wins
     return await withTimeout(Promise.race([working, cancelled]), timeoutMs, what);
   } finally {
     cancel?.removeEventListener('abort', onCancel);
     done.abort();
-    await admin.disconnect().catch(() => undefined);
+    await admin.close().catch(() => undefined);
   }
 }
 
@@ -129,15 +126,18 @@ async function waitForLeaders(
   for (;;) {
     signal.throwIfAborted();
     try {
-      const { topics } = await admin.fetchTopicMetadata({ topics: names });
+      const { topics } = await admin.metadata({ topics: names, forceUpdate: true });
       const ready = names.every((name) => {
-        const topic = topics.find((t) => t.name === name);
-        return topic && topic.partitions.length > 0 && topic.partitions.every((p) => p.leader >= 0);
+        const topic = topics.get(name);
+        return topic && topic.partitionsCount > 0 && topic.partitions.every((p) => p.leader >= 0);
       });
-      if (ready) return new Map(topics.map((t) => [t.name, t.partitions.length]));
+      if (ready) return new Map(names.map((name) => [name, topics.get(name)?.partitionsCount ?? 0]));
     } catch (err) {
-      // Only transient metadata errors are worth waiting out; anything else is a real failure.
-      if (!isRetriableKafkaError(err)) throw toError(err);
+      // Only transient metadata errors are worth waiting out; anything else is a real failure. The
+      // client turns UNKNOWN_TOPIC_OR_PARTITION into a plain 'Unknown topic' error: here it only
+      // means the broker has not loaded the topic we just created.
+      if (!isRetriableKafkaError(err) && !toError(err).message.startsWith('Unknown topic'))
+        throw toError(err);
     }
     await sleep(LEADER_POLL_MS, undefined, { signal });
   }

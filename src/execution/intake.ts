@@ -10,6 +10,11 @@ export interface KafkaIntakeOptions {
   readonly kafka: BrokerClient;
   readonly topic: string;
   readonly groupId: string;
+  /**
+   * Static group membership (KIP-345): the node id, so a consumer that replaces a failed one (or
+   * a node restarted with the same `HELIOS_NODE_ID`) takes over its place in the group at once.
+   */
+  readonly instanceId?: string;
   readonly logger: Logger;
   /** Takes one announcement; must not block (it holds the partition while it runs). */
   readonly accept: (message: RunMessage) => void;
@@ -84,6 +89,7 @@ export class KafkaIntake {
         kafka: this.options.kafka,
         logger,
         groupId: this.options.groupId,
+        groupInstanceId: this.options.instanceId,
         topic: this.options.topic,
         onFailure: failed,
       }));

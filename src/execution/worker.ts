@@ -104,6 +104,7 @@ export class Worker {
       kafka: options.kafka,
       topic: options.runsTopic,
       groupId: options.consumerGroup,
+      instanceId: options.nodeId,
       logger,
       accept: (message) => this.queue.hold(message),
     });

@@ -1,9 +1,9 @@
 import assert from 'node:assert/strict';
 import { randomUUID } from 'node:crypto';
+import diagnostics from 'node:diagnostics_channel';
 import net from 'node:net';
 import { after, before, describe, test } from 'node:test';
 import { setTimeout as sleep } from 'node:timers/promises';
-import { Kafka, logLevel } from 'kafkajs';
 import {
   createKafka,
   deleteTopics,
@@ -46,7 +46,7 @@ function percentile(values: number[], p: number): number {
 
 const round = (ms: number) => Math.round(ms * 100) / 100;
 
-describe('broker (kafkajs against the local Kafka 4 broker)', { timeout: 120_000 }, () => {
+describe('broker (@platformatic/kafka against the local Kafka 4 broker)', { timeout: 120_000 }, () => {
   let kafka: BrokerClient;
   let publisher: RunPublisher;
   const consumers: RunConsumer[] = [];
@@ -256,24 +256,26 @@ describe('broker (kafkajs against the local Kafka 4 broker)', { timeout: 120_000
   });
 
   test('a publish whose acknowledgement was lost does not make the next message vanish', async () => {
-    // kafkajs rolls a partition's idempotence sequence back when a produce fails, even if the
-    // broker wrote the batch; reusing that producer, the next one-message batch gets the same
-    // sequence and the broker acknowledges it as a duplicate without writing it. RunPublisher must
-    // start a new producer after a failure. A socket that swallows responses on demand stands in
-    // for a connection lost after the write (this test alone builds its client directly).
+    // A client that rolled a partition's idempotence sequence back after a failed produce (kafkajs
+    // did) gives the next one-message batch the same sequence, and the broker acknowledges it as a
+    // duplicate without writing it. After a failure the publisher must not reuse that sequence.
+    // Sockets that swallow responses on demand stand in for a connection lost after the write:
+    // every client socket opened while `capturing` (this test's publisher alone) is wrapped.
     let dropResponses = false;
-    const lossyKafka = new Kafka({
+    let capturing = true;
+    const wrap = (message: unknown) => {
+      if (!capturing) return;
+      const socket = (message as { socket: net.Socket }).socket;
+      const emit = socket.emit.bind(socket);
+      socket.emit = (event: string | symbol, ...args: unknown[]) =>
+        event === 'data' && dropResponses ? false : emit(event, ...args);
+    };
+    diagnostics.subscribe('net.client.socket', wrap);
+    const lossyKafka = createKafka({
       brokers,
       clientId: `broker-test-lossy-${runId}`,
-      logLevel: logLevel.NOTHING,
-      requestTimeout: 1_000,
-      socketFactory: ({ host, port, onConnect }) => {
-        const socket = net.connect({ host, port }, onConnect);
-        const emit = socket.emit.bind(socket);
-        socket.emit = (event: string | symbol, ...args: unknown[]) =>
-          event === 'data' && dropResponses ? false : emit(event, ...args);
-        return socket;
-      },
+      logger,
+      requestTimeoutMs: 1_000,
     });
     const topic = TOPICS.lostAck.name;
     const lossy = new RunPublisher({ kafka: lossyKafka, logger, sendTimeoutMs: 2_000 });
@@ -282,10 +284,12 @@ describe('broker (kafkajs against the local Kafka 4 broker)', { timeout: 120_000
       await lossy.publish(topic, [{ key: 'k', value: 'm0' }]);
       dropResponses = true;
       await assert.rejects(lossy.publish(topic, [{ key: 'k', value: 'A' }]), { name: 'PublishError' });
+      capturing = false;
       dropResponses = false;
       await lossy.publish(topic, [{ key: 'k', value: 'B' }]);
     } finally {
       dropResponses = false;
+      diagnostics.unsubscribe('net.client.socket', wrap);
       await lossy.disconnect();
     }
 
@@ -296,6 +300,32 @@ describe('broker (kafkajs against the local Kafka 4 broker)', { timeout: 120_000
     await waitFor('m0, A and B', () => values.length >= 3);
     // A was written although its publish failed (the relay would re-publish it: a harmless duplicate).
     assert.deepEqual(values, ['m0', 'A', 'B']);
+  });
+
+  test('lag is the end offset minus what this member committed, per partition it holds', async () => {
+    const topic = TOPICS.pause.name;
+    const c = consumer(topic);
+    const received: string[] = [];
+    await c.start(async (m) => {
+      received.push(m.value ?? '');
+    });
+    await publisher.publish(topic, [{ key: 'k', value: 'lag-0' }]);
+    await waitFor('lag-0', () => received.includes('lag-0'));
+    c.pause();
+    await publisher.publish(
+      topic,
+      ['lag-1', 'lag-2'].map((value) => ({ key: 'k', value })),
+    );
+    let lag: { partition: number; lag: bigint }[] = [];
+    const deadline = Date.now() + 10_000;
+    while (Date.now() < deadline) {
+      lag = await c.lag();
+      if (lag[0]?.lag === 2n) break;
+      await sleep(100);
+    }
+    assert.deepEqual(lag, [{ partition: 0, lag: 2n }]);
+    c.resume();
+    await waitFor('lag-2', () => received.includes('lag-2'));
   });
 
   test('lifecycle: second calls share the first call, wrong states throw', async () => {
