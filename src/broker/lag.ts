@@ -1,12 +1,18 @@
+import { Admin } from '@platformatic/kafka';
 import { withTimeout } from '../errors.js';
-import type { BrokerClient } from './client.js';
+import { baseOptions, type BrokerClient } from './client.js';
+
+/** ListOffsets timestamps meaning "the log end offset" and "the earliest retained offset". */
+const LATEST = -1n;
+const EARLIEST = -2n;
 
 /**
  * Messages of `topic` the consumer group has not committed yet: per partition, the end offset
  * (high watermark) minus the group's committed offset, summed. A partition the group never
  * committed counts from the earliest retained offset, because that is where such a group starts
- * (RunConsumer's `fromBeginning`). Opens its own admin connection and closes it: the leader calls
- * this every few seconds, and nothing else of the broker layer is involved.
+ * (RunConsumer's `fromBeginning`). It reads the whole group's commits, not one member's, so the
+ * leader can export one figure for the cluster. Opens its own admin connection and closes it:
+ * the leader calls this every few seconds, and nothing else of the broker layer is involved.
  */
 export async function consumerGroupLag(
   kafka: BrokerClient,
@@ -14,30 +20,49 @@ export async function consumerGroupLag(
   topic: string,
   timeoutMs = 3000,
 ): Promise<number> {
-  const admin = kafka.admin();
+  const admin = new Admin(baseOptions(kafka));
   try {
     return await withTimeout(
       (async () => {
-        await admin.connect();
-        const [ends, committed] = await Promise.all([
-          admin.fetchTopicOffsets(topic),
-          admin.fetchOffsets({ groupId, topics: [topic] }),
+        const { topics } = await admin.metadata({ topics: [topic] });
+        const count = topics.get(topic)?.partitionsCount ?? 0;
+        const partitions = Array.from({ length: count }, (_, i) => i);
+        const offsetsAt = (timestamp: bigint) =>
+          admin.listOffsets({
+            topics: [{ name: topic, partitions: partitions.map((p) => ({ partitionIndex: p, timestamp })) }],
+          });
+        const [ends, starts, groups] = await Promise.all([
+          offsetsAt(LATEST),
+          offsetsAt(EARLIEST),
+          admin.listConsumerGroupOffsets({
+            groups: [{ groupId, topics: [{ name: topic, partitionIndexes: partitions }] }],
+          }),
         ]);
-        const byPartition = new Map(
-          (committed[0]?.partitions ?? []).map((p) => [p.partition, Number(p.offset)]),
+        const endOf = offsetMap(ends[0]?.partitions ?? []);
+        const startOf = offsetMap(starts[0]?.partitions ?? []);
+        const committed = new Map(
+          (groups[0]?.topics.find((t) => t.name === topic)?.partitions ?? []).map((p) => [
+            p.partitionIndex,
+            p.committedOffset,
+          ]),
         );
-        let lag = 0;
-        for (const end of ends) {
-          const high = Number(end.high);
-          const at = byPartition.get(end.partition) ?? -1;
-          lag += Math.max(0, high - (at >= 0 ? at : Number(end.low)));
+        let lag = 0n;
+        for (const p of partitions) {
+          const end = endOf.get(p) ?? 0n;
+          const at = committed.get(p) ?? -1n;
+          const from = at >= 0n ? at : (startOf.get(p) ?? 0n);
+          if (end > from) lag += end - from;
         }
-        return lag;
+        return Number(lag);
       })(),
       timeoutMs,
       'reading the consumer lag',
     );
   } finally {
-    await admin.disconnect().catch(() => undefined);
+    await admin.close().catch(() => undefined);
   }
+}
+
+function offsetMap(partitions: { partitionIndex: number; offset: bigint }[]): Map<number, bigint> {
+  return new Map(partitions.map((p) => [p.partitionIndex, p.offset]));
 }
