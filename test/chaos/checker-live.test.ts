@@ -162,8 +162,9 @@ async function pausedLeaderScenario(fence: 'intact' | 'disabled'): Promise<Findi
   }
 }
 
-test('control: a paused leader against the intact product, the chaos checker reports no violation', async () => {
+test('control: a paused leader against the intact product, the chaos checker reports no violation', async (t) => {
   const found = await pausedLeaderScenario('intact');
+  t.diagnostic(found.lines.filter((l) => /epoch|fence|judged/.test(l)).join('\n'));
   assert.deepEqual(found.violations, [], found.lines.join('\n'));
   assert.ok(
     found.lines.some((l) => l.includes('rejected by the fence after resume: yes')),
@@ -171,8 +172,9 @@ test('control: a paused leader against the intact product, the chaos checker rep
   );
 });
 
-test('fence check disabled: the chaos checker reports the stale leader’s write', async () => {
+test('fence check disabled: the chaos checker reports the stale leader’s write', async (t) => {
   const found = await pausedLeaderScenario('disabled');
+  t.diagnostic(found.violations.join('\n'));
   const text = found.violations.join('\n');
   assert.match(text, /epoch \d+ created a run at \S+, after epoch \d+ had created one/, text);
   assert.match(
