@@ -3,6 +3,7 @@
  * exactly once (or its absence is a misfire the job's policy allows), none that must not run
  * did, no occurrence was delivered by two different runs, and each went to the target in force.
  */
+import { arrivalDeadline } from './check-runs.js';
 import { expectations, whyNot, type JobHistory } from './model.js';
 import {
   groupBy,
@@ -63,6 +64,7 @@ export function checkOccurrences(obs: Observations): Findings {
   let either = 0;
   let mustNot = 0;
   let excused = 0;
+  let deletedPending = 0;
 
   for (const job of obs.jobs) {
     const runs = new Map((runsByJob.get(job.id) ?? []).map((r) => [r.scheduledFor, r]));
@@ -81,6 +83,9 @@ export function checkOccurrences(obs: Observations): Findings {
     };
     const label = (at: number) => `${job.name} (${job.role}, ${job.misfire}) at ${iso(at)}`;
     const excusedMisses: number[] = [];
+    const deletedSentAt = obs.ops.find(
+      (o) => o.kind === 'delete' && o.jobId === job.id && o.outcome === 'ok',
+    )?.sentAt;
     for (const e of expectations(job, obs.windowStart, obs.windowEnd, obs.settings.opToleranceMs)) {
       const arrived = executed(e.at);
       const runIds = new Set(arrived.map((d) => d.runId));
@@ -115,6 +120,12 @@ export function checkOccurrences(obs: Observations): Findings {
           unexplainedGap.push(`${label(e.at)}: no leader created runs around it and no fault was near`);
         continue;
       }
+      // Deleting a job deletes its pending runs (README): one still legitimately waiting (a fault
+      // held it up) when the delete was sent is gone with the job.
+      if (deletedSentAt !== undefined && arrivalDeadline(obs, e.at) >= deletedSentAt) {
+        deletedPending += 1;
+        continue;
+      }
       const run = runs.get(e.at);
       const what = run
         ? `its run ${run.id} is ${run.state}${run.reason ? ` (${run.reason})` : ''}`
@@ -124,7 +135,8 @@ export function checkOccurrences(obs: Observations): Findings {
     misfires.push(...checkMisfirePolicy(job, [...runs.values()], excusedMisses, obs));
   }
   lines.push(
-    `occurrences judged: must run ${must} (missing ${missing.length}, missed by misfire ${excused}), ` +
+    `occurrences judged: must run ${must} (missing ${missing.length}, missed by misfire ${excused}, ` +
+      `deleted with their job while still pending ${deletedPending}), ` +
       `must not run ${mustNot} (ran ${forbidden.length}), either ${either}; ` +
       `delivered by two runs ${doubled.length}; wrong target ${wrongTarget.length}`,
   );

@@ -83,6 +83,12 @@ function lateness(
   return { byKind, over };
 }
 
+/** The latest a run due at `due` may first arrive (latestArrival with the kind of fault it was due in). */
+export function arrivalDeadline(obs: Observations, due: number): number {
+  const fault = obs.faults.find((f) => due >= f.start - 1000 && due <= f.end + obs.settings.settleMs);
+  return latestArrival(obs, due, fault?.kind ?? 'no fault').deadline;
+}
+
 function boundOf(obs: Observations, kind: string): number {
   return obs.settings.latenessBoundMs[kind] ?? obs.settings.latenessBoundMs.default ?? Infinity;
 }

@@ -125,9 +125,19 @@ async function pausedLeaderScenario(fence: 'intact' | 'disabled'): Promise<Findi
     assert.ok(await holdNextWrite(b, 5000), 'leader B made no dispatch write to hold');
     // B's last pass created runs up to its lookahead; 2 s later more jobs are due within A's.
     await sleep(2000);
+    const runsOfA = async () => (await db.pool.query<{ n: number }>(RUNS_OF_EPOCH, [aLead.token])).rows[0]!.n;
+    const before = await runsOfA();
     a.signal('SIGCONT');
     releaseWrite(a);
     fault.end = Date.now();
+    // B stays held until A's write has ended, rejected or committed, or B's next pass would take
+    // the due occurrences first and A's write, fenced or not, would find nothing to do.
+    await waitFor(
+      "the end of A's held write",
+      async () =>
+        a.hasLog((l) => String(l.msg).includes('rejected by the fence')) || (await runsOfA()) > before,
+      15_000,
+    );
     await a.waitForLog((l) => l.msg === 'stepped down', 20_000);
     releaseWrite(b);
     await sleep(3000);
@@ -162,8 +172,9 @@ async function pausedLeaderScenario(fence: 'intact' | 'disabled'): Promise<Findi
   }
 }
 
-test('control: a paused leader against the intact product, the chaos checker reports no violation', async () => {
+test('control: a paused leader against the intact product, the chaos checker reports no violation', async (t) => {
   const found = await pausedLeaderScenario('intact');
+  t.diagnostic(found.lines.filter((l) => /epoch|fence|judged/.test(l)).join('\n'));
   assert.deepEqual(found.violations, [], found.lines.join('\n'));
   assert.ok(
     found.lines.some((l) => l.includes('rejected by the fence after resume: yes')),
@@ -171,8 +182,9 @@ test('control: a paused leader against the intact product, the chaos checker rep
   );
 });
 
-test('fence check disabled: the chaos checker reports the stale leader’s write', async () => {
+test('fence check disabled: the chaos checker reports the stale leader’s write', async (t) => {
   const found = await pausedLeaderScenario('disabled');
+  t.diagnostic(found.violations.join('\n'));
   const text = found.violations.join('\n');
   assert.match(text, /epoch \d+ created a run at \S+, after epoch \d+ had created one/, text);
   assert.match(

@@ -279,3 +279,36 @@ test('a run held up by one fault may wait for an outage that begins meanwhile, a
     /run s1-14 due 2026-12-01T12:00:14\.000Z arrived 50000 ms late \(partition-postgres-both, bound 8000 ms, then postgres-down-30s\)/,
   );
 });
+
+test('an occurrence a fault held up may be deleted with its job; one that should have run long before may not', () => {
+  // Chaos seed 5: runs due in a 30 s PostgreSQL outage were still pending when their job was
+  // deleted right after it, and went with the job.
+  const base = history();
+  const obs: Crafted = {
+    ...base,
+    settings: {
+      ...base.settings,
+      latenessBoundMs: { ...base.settings.latenessBoundMs, 'postgres-down-30s': 45_000 },
+    },
+  };
+  const deleteAt = sec(45);
+  obs.jobs[0]!.versions.push({
+    ...obs.jobs[0]!.versions[0]!,
+    from0: deleteAt - 10_000,
+    from1: deleteAt + 30,
+    exists: false,
+    cause: 'delete',
+  });
+  obs.ops.push({ kind: 'delete', jobId: 's1', sentAt: deleteAt, answeredAt: deleteAt + 30, outcome: 'ok' });
+  // The runs of 14 and 15 s went with the job before they were called.
+  obs.runs.splice(4, 2);
+  obs.attempts.splice(4, 2);
+  obs.deliveries.splice(4, 2);
+  obs.faults.push({ kind: 'postgres-down-30s', start: sec(13) + 700, end: sec(43) });
+  assert.equal(violations(obs), '');
+  obs.faults.length = 0;
+  assert.match(
+    violations(obs),
+    /2 occurrences that must have run did not:\n.*s1 \(steady, fire-once\) at 2026-12-01T12:00:14\.000Z: no run/,
+  );
+});
