@@ -1,6 +1,6 @@
 import { importPeer, type HerdItem, type PeerQueue } from './peer.js';
 
-// The part of graphile-worker 0.17's API the benchmark uses (typed here so tsc needs no node_modules).
+// The part of graphile-worker 0.18's API the benchmark uses (typed here so tsc needs no node_modules).
 interface Runner {
   stop(): Promise<void>;
 }
@@ -27,14 +27,15 @@ async function silent(): Promise<unknown> {
 }
 
 /**
- * graphile-worker 0.17 (the newest that runs on Node 20): a worker pool with a local queue (one
+ * graphile-worker 0.18 (pure ESM since 0.18; run, runMigrations, makeWorkerUtils and Logger are
+ * unchanged): a worker pool with a local queue (one
  * query locks a batch), batched completions, polling for jobs that become due (its LISTEN wakes it
  * only for jobs inserted already due).
  */
 export const graphileWorker: PeerQueue = {
   name: 'graphile-worker',
   describe: (s) =>
-    `graphile-worker 0.17.3: concurrency ${s.concurrency} per process, localQueue.size ${s.batch}, ` +
+    `graphile-worker 0.18.0: concurrency ${s.concurrency} per process, localQueue.size ${s.batch}, ` +
     `pollInterval ${s.pollMs} ms, completeJobBatchDelay 0, pool ${s.poolSize}`,
   async prepare(url) {
     const worker = await load();

@@ -1,13 +1,16 @@
-import { Type, type Static, type TLiteral, type TUnion } from '@sinclair/typebox';
+import { Type, type Static, type TLiteral, type TUnion } from 'typebox';
 
 // Request and response schemas of /api/v1. They validate requests (src/api/validation.ts),
 // serialise responses, and are the OpenAPI document. Objects never accept unknown properties.
+
+/** One literal schema per value, as a tuple (TypeBox 1.x infers a union's type from a tuple). */
+type Literals<T extends readonly string[]> = { -readonly [K in keyof T]: TLiteral<T[K]> };
 
 function oneOf<const T extends readonly string[]>(values: T, description?: string) {
   return Type.Union(
     values.map((v) => Type.Literal(v)),
     { description },
-  ) as unknown as TUnion<{ [K in keyof T]: TLiteral<T[K]> }[number][]>;
+  ) as unknown as TUnion<Literals<T>>;
 }
 
 const closed = { additionalProperties: false } as const;

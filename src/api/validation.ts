@@ -1,20 +1,100 @@
-import type { TSchema } from '@sinclair/typebox';
-import { TypeCompiler, ValueErrorType, type ValueError } from '@sinclair/typebox/compiler';
-import { Value } from '@sinclair/typebox/value';
+import type { TSchema } from 'typebox';
+import { Compile } from 'typebox/compile';
+import type { TLocalizedValidationError } from 'typebox/error';
+import { Settings } from 'typebox/system';
 import type { FastifySchemaCompiler, FastifySchemaValidationError } from 'fastify';
 
 /** At most this many problems are reported per request (a huge bad body must not cost much). */
 const MAX_ERRORS = 20;
 
-/** Plainer words than TypeBox's for the common cases ("Expected union value" says little). */
-function messageOf(issue: ValueError): string {
-  if (issue.type === ValueErrorType.ObjectRequiredProperty) return 'is required';
-  if (issue.type === ValueErrorType.ObjectAdditionalProperties) return 'is not a known field';
-  const options = (issue.schema as { anyOf?: { const?: unknown }[] }).anyOf;
-  if (options?.length && options.every((o) => typeof o.const === 'string')) {
-    return `must be one of ${options.map((o) => String(o.const)).join(', ')}`;
+// TypeBox stops collecting errors after `maxErrors` (8 by default), and a failed union reports one
+// error per branch before its own: a bad `target.method` (7 literals) alone is 14 branch errors, so
+// with 8 the union's own error, the one that names the field in plain words, was never reached.
+// Still a bound: a huge bad body costs at most this many errors.
+Settings.Set({ maxErrors: 64 });
+
+/** One problem for one field: where it is (a JSON pointer) and what is wrong, in plain words. */
+interface Issue {
+  readonly keyword: string;
+  readonly instancePath: string;
+  readonly schemaPath: string;
+  readonly message: string;
+}
+
+/** The part of `schema` a TypeBox schema path (`#/properties/kind`) points at. */
+function schemaAt(schema: unknown, schemaPath: string): unknown {
+  let node = schema;
+  for (const segment of schemaPath.split('/').slice(1)) {
+    if (typeof node !== 'object' || node === null) return undefined;
+    node = (node as Record<string, unknown>)[segment.replaceAll('~1', '/').replaceAll('~0', '~')];
   }
-  return issue.message;
+  return node;
+}
+
+const escapePointer = (name: string) => name.replaceAll('~', '~0').replaceAll('/', '~1');
+
+/**
+ * TypeBox 1.x reports errors the way Ajv does: a missing or unknown property on its parent object
+ * (params name the properties), and a failed union both as its own error and as one error per
+ * branch tried. The API names the failing field and says it plainly, so: one issue per missing or
+ * unknown property at that property's path, the union's own error only (with its allowed values
+ * when they are string literals), and TypeBox's message otherwise.
+ */
+function* issuesOf(schema: TSchema, errors: Iterable<TLocalizedValidationError>): Generator<Issue> {
+  let yielded = false;
+  let firstBranch: TLocalizedValidationError | undefined;
+  for (const issue of issuesOfErrors(schema, errors, (branch) => (firstBranch ??= branch))) {
+    yielded = true;
+    yield issue;
+  }
+  // Only branch errors were collected (the union's own error was past maxErrors): a 400 must still
+  // name a field, the nearest one a branch error names.
+  if (!yielded && firstBranch) {
+    const { keyword, instancePath, schemaPath } = firstBranch;
+    yield { keyword, instancePath, schemaPath, message: 'does not match any allowed form' };
+  }
+}
+
+function* issuesOfErrors(
+  schema: TSchema,
+  errors: Iterable<TLocalizedValidationError>,
+  onBranch: (error: TLocalizedValidationError) => void,
+): Generator<Issue> {
+  for (const error of errors) {
+    const { keyword, instancePath, schemaPath } = error;
+    // A branch of a union that did not match: the union's own error says it for the field.
+    if (/\/anyOf\/\d+/.test(schemaPath)) {
+      onBranch(error);
+      continue;
+    }
+    if (error.keyword === 'required') {
+      for (const name of error.params.requiredProperties) {
+        yield {
+          keyword,
+          schemaPath,
+          instancePath: `${instancePath}/${escapePointer(name)}`,
+          message: 'is required',
+        };
+      }
+    } else if (error.keyword === 'additionalProperties') {
+      for (const name of error.params.additionalProperties) {
+        const path = `${instancePath}/${escapePointer(name)}`;
+        yield { keyword, schemaPath, instancePath: path, message: 'is not a known field' };
+      }
+    } else if (keyword === 'boolean' && schemaPath.endsWith('/additionalProperties')) {
+      // The same unknown property again, as `additionalProperties: false` failing for it.
+      continue;
+    } else if (keyword === 'anyOf') {
+      const options = (schemaAt(schema, schemaPath) as { anyOf?: { const?: unknown }[] } | undefined)?.anyOf;
+      const literals = options?.length && options.every((o) => typeof o.const === 'string');
+      const message = literals
+        ? `must be one of ${options.map((o) => String(o.const)).join(', ')}`
+        : error.message;
+      yield { keyword, schemaPath, instancePath, message };
+    } else {
+      yield { keyword, schemaPath, instancePath, message: error.message };
+    }
+  }
 }
 
 /**
@@ -23,19 +103,13 @@ function messageOf(issue: ValueError): string {
  * sent; query strings and path parameters are converted from strings first.
  */
 export const validatorCompiler: FastifySchemaCompiler<TSchema> = ({ schema, httpPart }) => {
-  const check = TypeCompiler.Compile(schema);
+  const validator = Compile(schema);
   return (input: unknown) => {
-    const value = httpPart === 'body' ? input : Value.Convert(schema, input);
-    if (check.Check(value)) return { value };
+    const value = httpPart === 'body' ? input : validator.Convert(input);
+    if (validator.Check(value)) return { value };
     const error: FastifySchemaValidationError[] = [];
-    for (const issue of check.Errors(value)) {
-      error.push({
-        keyword: String(issue.type),
-        instancePath: issue.path,
-        schemaPath: '',
-        params: {},
-        message: messageOf(issue),
-      });
+    for (const issue of issuesOf(schema, validator.Errors(value))) {
+      error.push({ ...issue, params: {} });
       if (error.length >= MAX_ERRORS) break;
     }
     return { error };

@@ -108,6 +108,9 @@ export class Notifications {
     let set = this.waiters.get(channel);
     if (!set) this.waiters.set(channel, (set = new Set()));
     set.add(wake);
+    // Not AbortSignal.any([signal, timer]): a composite per wait on the long-lived stop signal is
+    // the pattern Node.js has leaked memory on (nodejs/node#54614, #64481); a listener removed in
+    // `finally` cannot leak.
     const timer = new AbortController();
     const onAbort = () => wake();
     signal.addEventListener('abort', onAbort, { once: true });

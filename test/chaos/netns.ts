@@ -39,7 +39,7 @@ async function sh(command: string, ...args: string[]): Promise<string> {
     return stdout;
   } catch (err) {
     const e = err as { stderr?: string; message: string };
-    throw new Error(`${command} ${args.join(' ')}: ${(e.stderr ?? '').trim() || e.message}`);
+    throw new Error(`${command} ${args.join(' ')}: ${(e.stderr ?? '').trim() || e.message}`, { cause: err });
   }
 }
 
@@ -90,7 +90,7 @@ export class ChaosNetwork {
   /** Deletes namespaces and the bridge named after `tag`, killing what still runs inside them. */
   static cleanLeftovers(tag: string): string[] {
     const removed: string[] = [];
-    let list = '';
+    let list: string;
     try {
       list = execFileSync('ip', ['netns', 'list'], { encoding: 'utf8' });
     } catch {

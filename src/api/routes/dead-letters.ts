@@ -1,4 +1,4 @@
-import { Type } from '@sinclair/typebox';
+import { Type } from 'typebox';
 import type { Api, ApiOptions } from '../context.js';
 import { COMMON_PROBLEMS, problems } from '../context.js';
 import { deadLetterState, listDeadLetters, type DeadLetterRecord } from '../../store/dead-letter-list.js';

@@ -1,0 +1,110 @@
+/**
+ * CPU per call of the workers' HttpExecutor: a client process makes `calls` calls, `window` at a
+ * time, to the recording target in this process, and reports its own CPU time (user + system,
+ * `process.cpuUsage()`) divided by the calls, after a warm-up. The target runs in another process
+ * so its CPU is not counted. Run it before and after a change to the executor or to undici.
+ *
+ *   npx tsx bench/http-cpu.ts [--calls 20000] [--window 200] [--repeat 3]
+ */
+import { fork } from 'node:child_process';
+import { once } from 'node:events';
+import { readFileSync } from 'node:fs';
+import { fileURLToPath, pathToFileURL } from 'node:url';
+import { parseArgs } from 'node:util';
+import { RecordingTarget } from './lib/target.js';
+import { machine, median } from './lib/stats.js';
+
+const WARMUP_CALLS = 2_000;
+
+/** One client: warm-up, then `calls` calls `window` at a time; sends µs of CPU per call and failures. */
+async function client(url: string, calls: number, window: number): Promise<void> {
+  const { HttpExecutor } = await import('../src/execution/http-executor.js');
+  const executor = new HttpExecutor();
+  let sent = 0;
+  let failed = 0;
+  let firstFailure: string | undefined;
+  const scheduledFor = new Date();
+  const one = async (i: number) => {
+    // Every call gets its own signal, as a worker gives it.
+    const report = await executor.execute(
+      {
+        id: `cpu-${i}`,
+        jobId: 'http-cpu',
+        attempt: 1,
+        scheduledFor,
+        target: { url: `${url}/tick`, method: 'POST', headers: {}, body: { bench: true } },
+        // Generous: a loaded machine must not turn a slow call into a failed run.
+        timeoutMs: 60_000,
+      },
+      new AbortController().signal,
+    );
+    if (report.outcome !== 'succeeded') {
+      failed++;
+      firstFailure ??= `call ${i}: ${report.outcome} ${report.error}`;
+    }
+  };
+  const batch = async (total: number) => {
+    const lane = async () => {
+      while (sent < total) await one(sent++);
+    };
+    await Promise.all(Array.from({ length: window }, lane));
+  };
+  await batch(WARMUP_CALLS);
+  sent = 0;
+  const before = process.cpuUsage();
+  await batch(calls);
+  const used = process.cpuUsage(before);
+  await executor.close();
+  process.send!({ perCall: (used.user + used.system) / calls, failed, firstFailure });
+}
+
+async function main(): Promise<void> {
+  const { values, positionals } = parseArgs({
+    allowPositionals: true,
+    options: {
+      client: { type: 'boolean', default: false },
+      calls: { type: 'string', default: '20000' },
+      window: { type: 'string', default: '200' },
+      repeat: { type: 'string', default: '3' },
+    },
+  });
+  if (values.client) return client(positionals[0]!, Number(positionals[1]), Number(positionals[2]));
+  // The target in a child process of its own, so only the client's CPU is counted.
+  const target = fork(fileURLToPath(import.meta.url), ['--target']);
+  const [url] = (await once(target, 'message')) as [string];
+  const figures: number[] = [];
+  try {
+    for (let r = 0; r < Number(values.repeat); r++) {
+      const child = fork(fileURLToPath(import.meta.url), ['--client', url, values.calls, values.window]);
+      let result: { perCall: number; failed: number; firstFailure?: string } | undefined;
+      child.once('message', (m: typeof result) => (result = m));
+      const [code] = (await once(child, 'exit')) as [number | null];
+      if (result === undefined) throw new Error(`client exited with ${code} before reporting`);
+      // A failed call costs less than a real one: say so rather than report a flattering figure.
+      if (result.failed > 0) console.log(`  ${result.failed} calls failed, first: ${result.firstFailure}`);
+      figures.push(result.perCall);
+    }
+  } finally {
+    target.kill();
+  }
+  const undici = new URL('../node_modules/undici/package.json', import.meta.url);
+  const { version } = JSON.parse(readFileSync(undici, 'utf8')) as { version: string };
+  console.log(
+    `HttpExecutor CPU per call (undici ${version}, ${values.calls} calls, ${values.window} at a time), ${machine()}: ` +
+      `median ${median(figures).toFixed(1)} µs (runs: ${figures.map((f) => f.toFixed(1)).join(', ')})`,
+  );
+}
+
+/** The target process: the benchmarks' recording server, its URL sent to the parent. */
+async function serve(): Promise<void> {
+  const target = new RecordingTarget();
+  process.send!(await target.start());
+  process.on('SIGTERM', () => void target.close().then(() => process.exit(0)));
+}
+
+if (import.meta.url === pathToFileURL(process.argv[1] ?? '').href) {
+  (process.argv.includes('--target') ? serve() : main()).catch((err: unknown) => {
+    console.error(err);
+    process.exitCode = 1;
+  });
+}
