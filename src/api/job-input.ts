@@ -2,7 +2,8 @@ import { InvalidCronError, parseCron, type CronSchedule } from '../scheduling/cr
 import { checkTargetUrl, type TargetPolicy } from '../security/target-policy.js';
 import { REDACTED } from '../security/sensitive-headers.js';
 import { headerProblem, isReservedHeader } from '../security/http-headers.js';
-import type { JobFields, JobRecord, StoredTarget } from '../store/jobs.js';
+import type { StoredTarget } from '../model.js';
+import type { JobFields, JobRecord } from '../store/jobs.js';
 import { badRequest, type FieldError } from './problems.js';
 import { JOB_DEFAULTS, type JobInput } from './schemas.js';
 

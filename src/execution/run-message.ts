@@ -1,13 +1,6 @@
-/** A run announcement from the dispatch topic (written by the dispatcher, a retry or a replay). */
-export interface RunMessage {
-  readonly runId: string;
-  readonly jobId: string;
-  /** The attempt the message announces (1 for a new run); a claim expects attempt − 1 done. */
-  readonly attempt: number;
-  readonly scheduledFor: Date;
-  /** The earliest instant the attempt may start, by the database clock. */
-  readonly notBefore: Date;
-}
+import type { RunMessage } from '../model.js';
+
+export type { RunMessage };
 
 const UUID = /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/i;
 
