@@ -71,3 +71,7 @@ export interface RunMessage {
   /** The earliest instant the attempt may start, by the database clock. */
   readonly notBefore: Date;
 }
+
+const UUID = /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/i;
+/** True for the text form of a UUID (job, run and dead-letter ids); job names never look like one. */
+export const isUuid = (text: string): boolean => UUID.test(text);

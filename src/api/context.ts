@@ -11,6 +11,7 @@ import type pg from 'pg';
 import type { ApiRole } from '../config.js';
 import type { Logger } from '../observability/logger.js';
 import type { TargetPolicy } from '../security/target-policy.js';
+import type { CommandOptions } from '../jobs/commands.js';
 import { Problem } from './schemas.js';
 
 /** What the v1 API needs from the node; every field comes from HeliosConfig or a started part. */
@@ -61,3 +62,12 @@ export function problems(...statuses: number[]): Record<number, typeof PROBLEM_R
 
 /** Statuses every /api/v1 route can answer with (auth, rate limit, server failure). */
 export const COMMON_PROBLEMS = [401, 403, 429, 500] as const;
+
+/** What the job commands need, from the API's options (one place for the defaults). */
+export function commandOptions(options: ApiOptions): CommandOptions {
+  return {
+    runsTopic: options.runsTopic,
+    misfireThresholdMs: options.misfireThresholdMs ?? 5000,
+    logger: options.logger,
+  };
+}

@@ -1,8 +1,6 @@
-import type { RunMessage } from '../model.js';
+import { isUuid, type RunMessage } from '../model.js';
 
 export type { RunMessage };
-
-const UUID = /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/i;
 
 /** A message that is not a run announcement; it is logged and dropped, never retried. */
 export class InvalidRunMessageError extends Error {
@@ -26,8 +24,8 @@ export function parseRunMessage(value: string | null): RunMessage {
   }
   if (typeof raw !== 'object' || raw === null) throw new InvalidRunMessageError('message is not an object');
   const m = raw as Record<string, unknown>;
-  if (typeof m.runId !== 'string' || !UUID.test(m.runId)) throw new InvalidRunMessageError('runId');
-  if (typeof m.jobId !== 'string' || !UUID.test(m.jobId)) throw new InvalidRunMessageError('jobId');
+  if (typeof m.runId !== 'string' || !isUuid(m.runId)) throw new InvalidRunMessageError('runId');
+  if (typeof m.jobId !== 'string' || !isUuid(m.jobId)) throw new InvalidRunMessageError('jobId');
   if (typeof m.attempt !== 'number' || !Number.isInteger(m.attempt) || m.attempt < 1) {
     throw new InvalidRunMessageError('attempt');
   }
