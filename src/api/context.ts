@@ -1,3 +1,4 @@
+import type { Database } from '../store/db.js';
 import type { TypeBoxTypeProvider } from '@fastify/type-provider-typebox';
 import type {
   FastifyBaseLogger,
@@ -6,8 +7,7 @@ import type {
   RawRequestDefaultExpression,
   RawServerDefault,
 } from 'fastify';
-import type { Etcd3 } from 'etcd3';
-import type pg from 'pg';
+import type { ClusterView } from '../coordination/cluster-view.js';
 import type { ApiRole } from '../config.js';
 import type { Logger } from '../observability/logger.js';
 import type { TargetPolicy } from '../security/target-policy.js';
@@ -16,10 +16,9 @@ import { Problem } from './schemas.js';
 
 /** What the v1 API needs from the node; every field comes from HeliosConfig or a started part. */
 export interface ApiOptions {
-  readonly pool: pg.Pool;
-  readonly etcd: Etcd3;
-  /** Prefix of the leader key and the node registry in etcd (HELIOS_ETCD_PREFIX). */
-  readonly etcdPrefix: string;
+  readonly pool: Database;
+  /** Leader and registered nodes, for GET /cluster (coordination/cluster-view.ts). */
+  readonly cluster: ClusterView;
   /** Topic of run messages written to the outbox by manual triggers and replays. */
   readonly runsTopic: string;
   /** Token → role; empty means the API is open (the node then binds loopback only). */

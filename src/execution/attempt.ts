@@ -1,9 +1,8 @@
 import { setTimeout as sleep } from 'node:timers/promises';
-import type pg from 'pg';
 import type { Logger } from '../observability/logger.js';
 import type { Metrics } from '../observability/metrics.js';
 import { ClaimLostError, toError } from '../errors.js';
-import { inTransaction } from '../store/db.js';
+import { inTransaction, type Database } from '../store/db.js';
 import { failAttempt, releaseClaim, type AttemptReport, type Topics } from '../store/attempts.js';
 import { replaceOlderRuns, type ClaimedRun } from '../store/runs.js';
 import { retryDelayMs } from './backoff.js';
@@ -17,7 +16,7 @@ export class WorkerStoppingError extends Error {
 
 /** What running one attempt needs; one per worker. */
 export interface AttemptContext {
-  readonly pool: pg.Pool;
+  readonly pool: Database;
   readonly nodeId: string;
   readonly executor: HttpExecutor;
   readonly topics: Topics;

@@ -1,6 +1,5 @@
-import type pg from 'pg';
 import { toError } from '../errors.js';
-import { isDatabaseUnavailable } from '../store/db.js';
+import { isDatabaseUnavailable, type Database } from '../store/db.js';
 import { completeSucceededMany, type Success } from '../store/attempts.js';
 import {
   claimRun,
@@ -69,7 +68,7 @@ export async function oneByOne<I, O>(
  * claimed one by one, so each gets its own answer.
  */
 export function createClaimBatcher(
-  pool: pg.Pool,
+  pool: Database,
   options: ClaimOptions,
 ): MicroBatcher<ClaimRequest, ClaimResult> {
   return new MicroBatcher(
@@ -98,7 +97,7 @@ export function createClaimBatcher(
  * by item, so a completion the database refuses costs no other run its completion (each item's
  * caller retries its own failure while its claim holds: see execution/attempt.ts).
  */
-export function createCompletionBatcher(pool: pg.Pool, nodeId: string): MicroBatcher<Success, boolean> {
+export function createCompletionBatcher(pool: Database, nodeId: string): MicroBatcher<Success, boolean> {
   return new MicroBatcher(
     async (items) => {
       try {

@@ -1,4 +1,4 @@
-import type pg from 'pg';
+import type { Database } from '../store/db.js';
 import { ClaimLostError, toError } from '../errors.js';
 import type { Logger } from '../observability/logger.js';
 import type { Notifications } from '../store/notifications.js';
@@ -13,7 +13,7 @@ export interface WatchedClaim {
 
 /** Options of {@link watchClaims}. */
 export interface ClaimWatchOptions {
-  readonly pool: pg.Pool;
+  readonly pool: Database;
   readonly nodeId: string;
   readonly notifications: Notifications;
   /** The claims currently executing on this node. */

@@ -1,5 +1,5 @@
+import type { Database } from '../store/db.js';
 import { setTimeout as sleep } from 'node:timers/promises';
-import type pg from 'pg';
 import type { Leadership } from '../coordination/election.js';
 import { NotLeaderError, StaleFencingTokenError, toError } from '../errors.js';
 import type { Logger } from '../observability/logger.js';
@@ -23,7 +23,7 @@ export const FORGIVEN_EXPIRIES = 2;
 
 /** Options of {@link Reaper}. */
 export interface ReaperOptions {
-  readonly pool: pg.Pool;
+  readonly pool: Database;
   readonly leadership: Leadership;
   readonly topics: Topics;
   /** Longest sleep between passes (HELIOS_REAPER_INTERVAL_MS, default 1000). */

@@ -1,4 +1,4 @@
-import type pg from 'pg';
+import type { Database } from '../store/db.js';
 import type { Metrics } from '../observability/metrics.js';
 import { explainClaimMiss, skipRun, type ClaimedRun, type ClaimRequest } from '../store/runs.js';
 import type { ClaimResult } from './batching.js';
@@ -22,7 +22,7 @@ export interface HoldState {
 
 /** Options of {@link RunClaimer}. */
 export interface RunClaimerOptions {
-  readonly pool: pg.Pool;
+  readonly pool: Database;
   /** Claims one run (batched with the others of this event-loop turn; execution/batching.ts). */
   readonly claim: (request: ClaimRequest) => Promise<ClaimResult>;
   /** A run may be claimed this long before its not_before (the claim's own tolerance). */

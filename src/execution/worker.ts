@@ -1,11 +1,10 @@
-import type pg from 'pg';
 import type { BrokerClient } from '../broker/index.js';
 import { LifecycleError, toError } from '../errors.js';
 import type { Logger } from '../observability/logger.js';
 import type { Metrics } from '../observability/metrics.js';
 import type { TargetPolicy } from '../security/target-policy.js';
 import type { Notifications } from '../store/notifications.js';
-import { inTransaction } from '../store/db.js';
+import { inTransaction, type Database } from '../store/db.js';
 import { claimOverdueRuns } from '../store/overdue.js';
 import type { ClaimedRun } from '../store/runs.js';
 import { runAttempt, WorkerStoppingError, type AttemptContext } from './attempt.js';
@@ -20,7 +19,7 @@ import { RunQueue } from './run-queue.js';
 
 /** Options of {@link Worker}; node.ts fills them from the config. */
 export interface WorkerOptions {
-  readonly pool: pg.Pool;
+  readonly pool: Database;
   readonly kafka: BrokerClient;
   readonly notifications: Notifications;
   readonly nodeId: string;

@@ -1,4 +1,4 @@
-import type pg from 'pg';
+import type { Database } from '../store/db.js';
 import type { Leadership } from '../coordination/election.js';
 import type { Logger } from '../observability/logger.js';
 import type { Metrics } from '../observability/metrics.js';
@@ -11,7 +11,7 @@ import { planOccurrences, type OccurrencePlan } from './occurrences.js';
 import { loopBackoffMs } from '../loop-backoff.js';
 
 export interface DispatcherOptions {
-  readonly pool: pg.Pool;
+  readonly pool: Database;
   readonly leadership: Leadership;
   readonly notifications: Notifications;
   readonly runsTopic: string;
