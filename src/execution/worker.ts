@@ -28,7 +28,7 @@ export interface WorkerOptions {
   readonly consumerGroup: string;
   /** Runs executing at once (HELIOS_WORKER_CONCURRENCY, default 64). */
   readonly concurrency: number;
-  /** Announcements held in memory until due; fetching pauses at this many (default 1000). */
+  /** Announcements held in memory until due; fetching pauses at this many (HELIOS_WORKER_PREFETCH, default 5000). */
   readonly prefetch: number;
   /** Claim deadline = now + the run's timeout + this (HELIOS_CLAIM_GRACE_MS, default 5000). */
   readonly claimGraceMs: number;
