@@ -1,23 +1,15 @@
 import { isDeepStrictEqual } from 'node:util';
 import type { Queryable } from './db.js';
-import {
-  RUN_SNAPSHOT_FIELDS,
-  type ConcurrencyPolicy,
-  type MisfirePolicy,
-  type StoredTarget,
-} from '../model.js';
+import { RUN_SNAPSHOT_FIELDS, type MisfirePolicy, type RunSnapshot } from '../model.js';
 
-/** Every column a job is written with (what the API validated and defaulted). */
-export interface JobFields {
+/**
+ * Every column a job is written with (what the API validated and defaulted): the ones its runs
+ * copy (RunSnapshot) and the ones only the job has.
+ */
+export interface JobFields extends RunSnapshot {
   readonly name: string;
   readonly schedule: string;
   readonly timezone: string;
-  readonly target: StoredTarget;
-  readonly timeoutMs: number;
-  readonly maxAttempts: number;
-  readonly backoffMs: number;
-  readonly backoffMultiplier: number;
-  readonly concurrency: ConcurrencyPolicy;
   readonly misfire: MisfirePolicy;
   readonly maxCatchUp: number;
   readonly enabled: boolean;
