@@ -2,17 +2,17 @@ import { hostname } from 'node:os';
 import { setTimeout as sleep } from 'node:timers/promises';
 import type { FastifyInstance } from 'fastify';
 import type { Etcd3 } from 'etcd3';
-import type pg from 'pg';
 import { apiUrlOf, type HeliosConfig } from './config.js';
 import { LifecycleError, toError, withTimeout } from './errors.js';
 import { createLogger, type Logger } from './observability/logger.js';
 import { createMetrics, type Metrics } from './observability/metrics.js';
-import { createPool } from './store/db.js';
+import { createPool, ping, type Database } from './store/db.js';
 import { PoolShare, poolStats } from './store/pool-share.js';
 import { migrate } from './store/migrate.js';
 import { Notifications } from './store/notifications.js';
 import { createEtcdClient } from './coordination/etcd.js';
 import { listNodes, NodeRegistry } from './coordination/registry.js';
+import { clusterView } from './coordination/cluster-view.js';
 import { endpointOfUrl } from './security/cluster-endpoints.js';
 import { LeaderElection, type Leadership } from './coordination/election.js';
 import {
@@ -59,9 +59,9 @@ export class HeliosNode {
   private starting?: Promise<void>;
   private stopping?: Promise<void>;
   private readonly cleanups: { name: string; run: () => Promise<void> }[] = [];
-  private pool?: pg.Pool;
+  private pool?: Database;
   /** The leader loops' own pool (scheduler role): dispatch never queues behind runs or the API. */
-  private leaderPool?: pg.Pool;
+  private leaderPool?: Database;
   private etcd?: Etcd3;
   private kafka?: BrokerClient;
   private notifications?: Notifications;
@@ -171,7 +171,7 @@ export class HeliosNode {
       // Only PostgreSQL is required for readiness; etcd and Kafka outages degrade the node (the
       // body names them) without taking it out of service. See registerHealthRoutes.
       probes: {
-        postgres: { required: true, check: async () => void (await pool.query('SELECT 1')) },
+        postgres: { required: true, check: () => ping(pool) },
         etcd: {
           required: false,
           check: async () => void (await etcd.get(`${config.etcdPrefix}/readyz`).string()),
@@ -190,8 +190,7 @@ export class HeliosNode {
       register: (server) =>
         registerApi(server, {
           pool,
-          etcd,
-          etcdPrefix: config.etcdPrefix,
+          cluster: clusterView(etcd, config.etcdPrefix),
           runsTopic: config.runsTopic,
           misfireThresholdMs: config.misfireThresholdMs,
           tokens: config.apiTokens,

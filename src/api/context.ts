@@ -1,3 +1,4 @@
+import type { Database } from '../store/db.js';
 import type { TypeBoxTypeProvider } from '@fastify/type-provider-typebox';
 import type {
   FastifyBaseLogger,
@@ -6,19 +7,18 @@ import type {
   RawRequestDefaultExpression,
   RawServerDefault,
 } from 'fastify';
-import type { Etcd3 } from 'etcd3';
-import type pg from 'pg';
+import type { ClusterView } from '../coordination/cluster-view.js';
 import type { ApiRole } from '../config.js';
 import type { Logger } from '../observability/logger.js';
 import type { TargetPolicy } from '../security/target-policy.js';
+import type { CommandOptions } from '../jobs/commands.js';
 import { Problem } from './schemas.js';
 
 /** What the v1 API needs from the node; every field comes from HeliosConfig or a started part. */
 export interface ApiOptions {
-  readonly pool: pg.Pool;
-  readonly etcd: Etcd3;
-  /** Prefix of the leader key and the node registry in etcd (HELIOS_ETCD_PREFIX). */
-  readonly etcdPrefix: string;
+  readonly pool: Database;
+  /** Leader and registered nodes, for GET /cluster (coordination/cluster-view.ts). */
+  readonly cluster: ClusterView;
   /** Topic of run messages written to the outbox by manual triggers and replays. */
   readonly runsTopic: string;
   /** Token → role; empty means the API is open (the node then binds loopback only). */
@@ -61,3 +61,12 @@ export function problems(...statuses: number[]): Record<number, typeof PROBLEM_R
 
 /** Statuses every /api/v1 route can answer with (auth, rate limit, server failure). */
 export const COMMON_PROBLEMS = [401, 403, 429, 500] as const;
+
+/** What the job commands need, from the API's options (one place for the defaults). */
+export function commandOptions(options: ApiOptions): CommandOptions {
+  return {
+    runsTopic: options.runsTopic,
+    misfireThresholdMs: options.misfireThresholdMs ?? 5000,
+    logger: options.logger,
+  };
+}

@@ -2,7 +2,8 @@ import { InvalidCronError, parseCron, type CronSchedule } from '../scheduling/cr
 import { checkTargetUrl, type TargetPolicy } from '../security/target-policy.js';
 import { REDACTED } from '../security/sensitive-headers.js';
 import { headerProblem, isReservedHeader } from '../security/http-headers.js';
-import type { JobFields, JobRecord, StoredTarget } from '../store/jobs.js';
+import { isUuid, type StoredTarget } from '../model.js';
+import type { JobFields, JobRecord } from '../store/jobs.js';
 import { badRequest, type FieldError } from './problems.js';
 import { JOB_DEFAULTS, type JobInput } from './schemas.js';
 
@@ -13,8 +14,7 @@ export interface JobRules {
   readonly sensitiveHeaders: ReadonlySet<string>;
 }
 
-const UUID = /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/i;
-export const isUuid = (text: string): boolean => UUID.test(text);
+export { isUuid };
 
 const LONE_SURROGATE = /[\uD800-\uDBFF](?![\uDC00-\uDFFF])|(?<![\uD800-\uDBFF])[\uDC00-\uDFFF]/;
 const unstorable = (text: string) => text.includes('\u0000') || LONE_SURROGATE.test(text);

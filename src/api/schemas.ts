@@ -1,4 +1,5 @@
 import { Type, type Static, type TLiteral, type TUnion } from 'typebox';
+import { CONCURRENCY_POLICIES, MISFIRE_POLICIES, RUN_STATES } from '../model.js';
 
 // Request and response schemas of /api/v1. They validate requests (src/api/validation.ts),
 // serialise responses, and are the OpenAPI document. Objects never accept unknown properties.
@@ -22,7 +23,6 @@ const Uuid = Type.String({ format: 'uuid' });
 export const NAME_PATTERN = '^[a-z0-9][a-z0-9._-]{0,127}$';
 export const HEADER_NAME_PATTERN = "^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,128}$";
 export const METHODS = ['GET', 'HEAD', 'POST', 'PUT', 'PATCH', 'DELETE', 'OPTIONS'] as const;
-export const RUN_STATES = ['queued', 'running', 'succeeded', 'failed', 'dead', 'skipped'] as const;
 
 /** What a job gets for each field the request leaves out. */
 export const JOB_DEFAULTS = Object.freeze({
@@ -38,8 +38,8 @@ export const JOB_DEFAULTS = Object.freeze({
 } as const);
 
 const Method = oneOf(METHODS, 'HTTP method; default POST with a body, else GET');
-const Concurrency = oneOf(['allow', 'forbid', 'replace'], 'while a run is active; default allow');
-const Misfire = oneOf(['fire-once', 'fire-all', 'skip'], 'missed occurrences; default fire-once');
+const Concurrency = oneOf(CONCURRENCY_POLICIES, 'while a run is active; default allow');
+const Misfire = oneOf(MISFIRE_POLICIES, 'missed occurrences; default fire-once');
 const RunState = oneOf(RUN_STATES);
 
 const Headers = Type.Record(

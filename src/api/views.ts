@@ -1,5 +1,6 @@
 import { REDACTED, redactHeaders } from '../security/sensitive-headers.js';
-import type { JobRecord, StoredTarget } from '../store/jobs.js';
+import type { StoredTarget } from '../model.js';
+import type { JobRecord } from '../store/jobs.js';
 import type { AttemptRecord, RunDetail as RunDetailRecord, RunSummary } from '../store/run-history.js';
 import type { Job, Run, RunDetail } from './schemas.js';
 

@@ -1,4 +1,5 @@
 import type { CliConfig } from '../config.js';
+import type { Cluster, DeadLetter, Job, JobInput, JobPatch, Run, RunDetail } from '../api/schemas.js';
 
 /** A problem body returned by the API (RFC 9457). */
 export interface Problem {
@@ -25,9 +26,60 @@ export class UnreachableError extends Error {
   override name = 'UnreachableError';
 }
 
-/** A small JSON client of /api/v1 for the CLI: bearer token, problem bodies become ApiError. */
+/** A request body not checked here (the server checks it and answers a 400 problem). */
+type UncheckedBody = Readonly<Record<string, unknown>>;
+
+const seg = (value: string) => encodeURIComponent(value);
+
+/**
+ * A small typed JSON client of /api/v1, used by the CLI and exported by the programmatic API:
+ * bearer token, problem bodies become ApiError. A job is named by its id or its name.
+ */
 export class ApiClient {
   constructor(private readonly config: CliConfig) {}
+
+  listJobs(max?: number): Promise<Job[]> {
+    return this.all<Job>('/jobs', max);
+  }
+  getJob(ref: string): Promise<Job> {
+    return this.request<Job>('GET', `/jobs/${seg(ref)}`);
+  }
+  /** The server validates the body: a document read from a file is sent as it is. */
+  createJob(input: JobInput | UncheckedBody): Promise<Job> {
+    return this.request<Job>('POST', '/jobs', input);
+  }
+  patchJob(ref: string, patch: JobPatch | UncheckedBody): Promise<Job> {
+    return this.request<Job>('PATCH', `/jobs/${seg(ref)}`, patch);
+  }
+  async deleteJob(ref: string): Promise<void> {
+    await this.request('DELETE', `/jobs/${seg(ref)}`);
+  }
+  triggerJob(ref: string): Promise<{ runId: string }> {
+    return this.request<{ runId: string }>('POST', `/jobs/${seg(ref)}/trigger`);
+  }
+  pauseJob(ref: string): Promise<Job> {
+    return this.request<Job>('POST', `/jobs/${seg(ref)}/pause`);
+  }
+  resumeJob(ref: string): Promise<Job> {
+    return this.request<Job>('POST', `/jobs/${seg(ref)}/resume`);
+  }
+  /** Runs of a job, newest first; `max` default all. */
+  listRuns(ref: string, options: { state?: string; max?: number } = {}): Promise<Run[]> {
+    const state = options.state ? `?state=${seg(options.state)}` : '';
+    return this.all<Run>(`/jobs/${seg(ref)}/runs${state}`, options.max);
+  }
+  getRun(id: string): Promise<RunDetail> {
+    return this.request<RunDetail>('GET', `/runs/${seg(id)}`);
+  }
+  listDeadLetters(options: { open?: boolean; max?: number } = {}): Promise<DeadLetter[]> {
+    return this.all<DeadLetter>(`/dead-letters${options.open ? '?open=true' : ''}`, options.max);
+  }
+  replayDeadLetter(id: string): Promise<{ runId: string }> {
+    return this.request<{ runId: string }>('POST', `/dead-letters/${seg(id)}/replay`);
+  }
+  cluster(): Promise<Cluster> {
+    return this.request<Cluster>('GET', '/cluster');
+  }
 
   async request<T>(method: string, path: string, body?: unknown): Promise<T> {
     // x-helios-client: an API without tokens takes writes only with a header a cross-site page

@@ -1,4 +1,3 @@
-import type { Cluster, DeadLetter, Run, RunDetail } from '../api/schemas.js';
 import type { ApiClient } from './client.js';
 import { details, json, table, type Output } from './output.js';
 import { UsageError, type CommandArgs } from './usage.js';
@@ -6,16 +5,15 @@ import { UsageError, type CommandArgs } from './usage.js';
 const required = (args: CommandArgs, what: string) => {
   const value = args.positionals[0];
   if (!value) throw new UsageError(`${what} is required`);
-  return encodeURIComponent(value);
+  return value;
 };
 
 /** `helios runs JOB [--state S] [--limit N]`: newest first, 20 unless --limit. */
 export async function runsCommand(client: ApiClient, args: CommandArgs, io: Output): Promise<void> {
-  const state = args.state ? `?state=${encodeURIComponent(args.state)}` : '';
-  const runs = await client.all<Run>(
-    `/jobs/${required(args, 'a job id or name')}/runs${state}`,
-    args.limit ?? 20,
-  );
+  const runs = await client.listRuns(required(args, 'a job id or name'), {
+    ...(args.state ? { state: args.state } : {}),
+    max: args.limit ?? 20,
+  });
   io.out(
     args.json
       ? json(runs)
@@ -36,7 +34,7 @@ export async function runsCommand(client: ApiClient, args: CommandArgs, io: Outp
 
 /** `helios run RUN`: one run and its attempts. */
 export async function runCommand(client: ApiClient, args: CommandArgs, io: Output): Promise<void> {
-  const run = await client.request<RunDetail>('GET', `/runs/${required(args, 'a run id')}`);
+  const run = await client.getRun(required(args, 'a run id'));
   if (args.json) return io.out(json(run));
   io.out(
     details([
@@ -72,7 +70,10 @@ export async function runCommand(client: ApiClient, args: CommandArgs, io: Outpu
 export async function deadLettersCommand(client: ApiClient, args: CommandArgs, io: Output): Promise<void> {
   const [action, ...rest] = args.positionals;
   if (action === 'list') {
-    const letters = await client.all<DeadLetter>(`/dead-letters${args.open ? '?open=true' : ''}`, args.limit);
+    const letters = await client.listDeadLetters({
+      open: args.open ?? false,
+      ...(args.limit ? { max: args.limit } : {}),
+    });
     io.out(
       args.json
         ? json(letters)
@@ -94,7 +95,7 @@ export async function deadLettersCommand(client: ApiClient, args: CommandArgs, i
   }
   if (action === 'replay') {
     const id = required({ ...args, positionals: rest }, 'a dead letter id');
-    const result = await client.request<{ runId: string }>('POST', `/dead-letters/${id}/replay`);
+    const result = await client.replayDeadLetter(id);
     io.out(args.json ? json(result) : `replayed: run ${result.runId} is queued again`);
     return;
   }
@@ -103,7 +104,7 @@ export async function deadLettersCommand(client: ApiClient, args: CommandArgs, i
 
 /** `helios cluster`: leader, nodes, queues. */
 export async function clusterCommand(client: ApiClient, args: CommandArgs, io: Output): Promise<void> {
-  const cluster = await client.request<Cluster>('GET', '/cluster');
+  const cluster = await client.cluster();
   if (args.json) return io.out(json(cluster));
   const leader = cluster.leader;
   io.out(

@@ -36,7 +36,8 @@ export async function runCli(
   command: string,
   argv: string[],
   io: Output = processOutput,
-  env: Record<string, string | undefined> = process.env,
+  /** Default: the process environment (read by config.ts). */
+  env?: Record<string, string | undefined>,
 ): Promise<number> {
   const run = CLI_COMMANDS[command];
   try {

@@ -104,13 +104,13 @@ export async function applyJob(
 ): Promise<{ outcome: ApplyOutcome; job: Job }> {
   let current: Job | null = null;
   try {
-    current = await client.request<Job>('GET', `/jobs/${encodeURIComponent(doc.name)}`);
+    current = await client.getJob(doc.name);
   } catch (err) {
     if (!(err instanceof ApiError && err.status === 404)) throw err;
   }
-  if (current === null) return { outcome: 'created', job: await client.request<Job>('POST', '/jobs', doc) };
+  if (current === null) return { outcome: 'created', job: await client.createJob(doc) };
   const desired = completed(doc);
   if (!differs(current, desired)) return { outcome: 'unchanged', job: current };
-  const job = await client.request<Job>('PATCH', `/jobs/${current.id}`, desired);
+  const job = await client.patchJob(current.id, desired);
   return { outcome: 'updated', job };
 }

@@ -7,7 +7,7 @@ import { UsageError, type CommandArgs } from './usage.js';
 const ref = (args: CommandArgs) => {
   const name = args.positionals[0];
   if (!name) throw new UsageError('a job id or name is required');
-  return encodeURIComponent(name);
+  return name;
 };
 
 const file = (args: CommandArgs) => {
@@ -41,7 +41,7 @@ export async function jobsCommand(client: ApiClient, args: CommandArgs, io: Outp
   const sub = { ...args, positionals: rest };
   switch (action) {
     case 'list': {
-      const jobs = await client.all<Job>('/jobs', args.limit);
+      const jobs = await client.listJobs(args.limit);
       io.out(
         args.json
           ? json(jobs)
@@ -53,14 +53,14 @@ export async function jobsCommand(client: ApiClient, args: CommandArgs, io: Outp
       return;
     }
     case 'get': {
-      const job = await client.request<Job>('GET', `/jobs/${ref(sub)}`);
+      const job = await client.getJob(ref(sub));
       io.out(args.json ? json(job) : showJob(job));
       return;
     }
     case 'create': {
       const created: Job[] = [];
       for (const { job } of await readJobDocuments(file(args))) {
-        created.push(await client.request<Job>('POST', '/jobs', job));
+        created.push(await client.createJob(job));
         if (!args.json) io.out(`created job ${created.at(-1)!.name} (${created.at(-1)!.id})`);
       }
       if (args.json) io.out(json(created.length === 1 ? created[0] : created));
@@ -77,17 +77,17 @@ export async function jobsCommand(client: ApiClient, args: CommandArgs, io: Outp
       return;
     }
     case 'delete':
-      await client.request('DELETE', `/jobs/${ref(sub)}`);
+      await client.deleteJob(ref(sub));
       if (!args.json) io.out(`deleted job ${sub.positionals[0]}`);
       return;
     case 'trigger': {
-      const result = await client.request<{ runId: string }>('POST', `/jobs/${ref(sub)}/trigger`);
+      const result = await client.triggerJob(ref(sub));
       io.out(args.json ? json(result) : `triggered job ${sub.positionals[0]}: run ${result.runId}`);
       return;
     }
     case 'pause':
     case 'resume': {
-      const job = await client.request<Job>('POST', `/jobs/${ref(sub)}/${action}`);
+      const job = await (action === 'pause' ? client.pauseJob(ref(sub)) : client.resumeJob(ref(sub)));
       io.out(
         args.json
           ? json(job)

@@ -1,5 +1,5 @@
+import type { Database } from '../store/db.js';
 import type { Etcd3 } from 'etcd3';
-import type pg from 'pg';
 import { readFence, setFence, type FenceRow } from '../store/fence.js';
 
 /**
@@ -38,7 +38,7 @@ export type FenceResetResult =
   | { readonly outcome: 'changed-meanwhile'; readonly status: FenceStatus };
 
 /** Reads the fence and, in one etcd request, the leader key and etcd's current revision. */
-export async function fenceStatus(pool: pg.Pool, etcd: Etcd3, leaderKey: string): Promise<FenceStatus> {
+export async function fenceStatus(pool: Database, etcd: Etcd3, leaderKey: string): Promise<FenceStatus> {
   const [fence, response] = await Promise.all([readFence(pool), etcd.get(leaderKey).exec()]);
   const kv = response.kvs[0];
   const leader = kv
@@ -63,7 +63,7 @@ export async function fenceStatus(pool: pg.Pool, etcd: Etcd3, leaderKey: string)
  * operator's procedure is to stop every scheduler first. The UPDATE is conditional on the token
  * read, so a write that raced the check is not undone.
  */
-export async function resetFence(pool: pg.Pool, etcd: Etcd3, leaderKey: string): Promise<FenceResetResult> {
+export async function resetFence(pool: Database, etcd: Etcd3, leaderKey: string): Promise<FenceResetResult> {
   const status = await fenceStatus(pool, etcd, leaderKey);
   if (status.leader) return { outcome: 'leader-present', status };
   if (!status.fenceAhead) return { outcome: 'not-needed', status };

@@ -1,5 +1,5 @@
 import { performance } from 'node:perf_hooks';
-import type { Queryable } from '../store/db.js';
+import { databaseEpochMs, type Queryable } from '../store/db.js';
 
 /**
  * This process's estimate of the database clock, the one clock for scheduling decisions.
@@ -33,11 +33,8 @@ export class DbClock {
     for (let i = 0; i < samples; i++) {
       const before = Date.now();
       const t0 = performance.now();
-      const { rows } = await db.query<{ ms: number }>(
-        `SELECT (extract(epoch FROM clock_timestamp()) * 1000)::float8 AS ms`,
-      );
+      const dbMs = await databaseEpochMs(db);
       const rtt = performance.now() - t0;
-      const dbMs = rows[0]?.ms;
       if (dbMs === undefined) continue;
       const offset = dbMs - (before + rtt / 2);
       if (!best || rtt < best.rtt) best = { rtt, offset };

@@ -1,18 +1,22 @@
 import { setTimeout as sleep } from 'node:timers/promises';
-import type { Connections } from '../store/pool-share.js';
 import { toError } from '../errors.js';
 import type { Logger } from '../observability/logger.js';
 import type { Metrics } from '../observability/metrics.js';
-import { inTransaction } from '../store/db.js';
-import { claimOverdueRuns } from '../store/overdue.js';
-import type { ClaimedRun, ClaimOptions } from '../store/runs.js';
-import type { DbClock } from './db-clock.js';
+import type { ClaimedRun } from '../store/runs.js';
 import { loopBackoffMs } from '../loop-backoff.js';
 
 /** Options of {@link pollOverdue}. */
 export interface PollerOptions {
-  readonly pool: Connections;
-  readonly claim: ClaimOptions;
+  /**
+   * Claims up to `limit` queued runs at least `overdueMs` overdue, in one transaction
+   * (store/overdue.ts claimOverdueRuns); `skipped` counts fresh `forbid` occurrences skipped.
+   */
+  readonly claimOverdue: (
+    overdueMs: number,
+    limit: number,
+  ) => Promise<{ claimed: ClaimedRun[]; skipped: number }>;
+  /** Re-samples the worker's estimate of the database clock when it is older than `maxAgeMs`. */
+  readonly syncClock: (maxAgeMs: number) => Promise<void>;
   /** Time between polls. */
   readonly intervalMs: number;
   /** A queued run is taken once it is this late: its message should have arrived long before. */
@@ -21,9 +25,8 @@ export interface PollerOptions {
   readonly capacity: () => number;
   /** Reserves `n` slots while a poll is claiming (so nothing else takes them meanwhile). */
   readonly reserve: (n: number) => () => void;
-  /** Takes the claimed runs (their slots were reserved). */
+  /** Takes the claimed runs into the slots reserved for them (before the reservation ends). */
   readonly execute: (runs: ClaimedRun[]) => void;
-  readonly clock: DbClock;
   readonly logger: Logger;
   readonly metrics: Metrics;
   readonly signal: AbortSignal;
@@ -39,28 +42,28 @@ const CLOCK_SYNC_MS = 30_000;
  * late. Also keeps the worker's estimate of the database clock fresh. Never rejects.
  */
 export async function pollOverdue(options: PollerOptions): Promise<void> {
-  const { pool, logger, metrics, signal, clock } = options;
+  const { logger, metrics, signal } = options;
   let failures = 0;
   while (!signal.aborted) {
     try {
-      await clock.sync(pool, CLOCK_SYNC_MS);
+      await options.syncClock(CLOCK_SYNC_MS);
       const capacity = options.capacity();
       if (capacity > 0) {
         const release = options.reserve(capacity);
         let claimed: ClaimedRun[] = [];
         try {
-          const result = await inTransaction(pool, (client) =>
-            claimOverdueRuns(client, options.overdueMs, capacity, options.claim),
-          );
+          const result = await options.claimOverdue(options.overdueMs, capacity);
           claimed = result.claimed;
           if (result.skipped > 0) metrics.runsSkipped.inc({ reason: 'concurrency-forbid' }, result.skipped);
+          // The claimed runs take their slots before the reservation is given back: released
+          // first, the slots went to announced runs that fell due meanwhile, and these ran on top.
+          if (claimed.length > 0) options.execute(claimed);
         } finally {
           release();
         }
         if (claimed.length > 0) {
           metrics.runClaims.inc({ source: 'poll', result: 'claimed' }, claimed.length);
           logger.info({ runs: claimed.length }, 'claimed overdue runs by polling');
-          options.execute(claimed);
           // A full batch means more may be waiting: poll again without sleeping.
           if (claimed.length === capacity) continue;
         }

@@ -1,7 +1,8 @@
+import type { Database } from '../store/db.js';
 import { setTimeout as sleep } from 'node:timers/promises';
-import type pg from 'pg';
 import type { Leadership } from '../coordination/election.js';
-import { NotLeaderError, StaleFencingTokenError, toError } from '../errors.js';
+import { NotLeaderError, type StaleFencingTokenError } from '../errors.js';
+import { runLeaderLoop } from '../coordination/leader-loop.js';
 import type { Logger } from '../observability/logger.js';
 import type { Metrics } from '../observability/metrics.js';
 import {
@@ -13,7 +14,6 @@ import {
 } from '../store/attempts.js';
 import { inFencedTransaction } from '../store/fence.js';
 import { retryDelayMs } from './backoff.js';
-import { loopBackoffMs } from '../loop-backoff.js';
 
 /**
  * Expired claims of one run re-queued without using up an attempt (see forgiveExpiredClaim);
@@ -23,7 +23,7 @@ export const FORGIVEN_EXPIRIES = 2;
 
 /** Options of {@link Reaper}. */
 export interface ReaperOptions {
-  readonly pool: pg.Pool;
+  readonly pool: Database;
   readonly leadership: Leadership;
   readonly topics: Topics;
   /** Longest sleep between passes (HELIOS_REAPER_INTERVAL_MS, default 1000). */
@@ -53,30 +53,25 @@ export class Reaper {
 
   /** Runs until leadership ends; never rejects. */
   async run(): Promise<void> {
-    const { leadership, logger, pool, intervalMs } = this.options;
-    const signal = leadership.signal;
-    let failures = 0;
-    while (!signal.aborted) {
-      try {
+    const { leadership, logger, pool, intervalMs, metrics, onFenced } = this.options;
+    const pause = (ms: number, signal: AbortSignal) =>
+      sleep(ms, undefined, { signal }).catch(() => undefined);
+    await runLeaderLoop({
+      leadership,
+      name: 'reaper',
+      pass: async () => {
         const { reaped, full } = await this.reapBatch();
-        failures = 0;
-        if (full) continue;
+        if (full) return;
         const untilExpiry = reaped > 0 ? 0 : await msUntilNextExpiry(pool);
         const sleepMs = untilExpiry === null ? intervalMs : Math.min(intervalMs, Math.max(untilExpiry, 10));
-        await sleep(sleepMs, undefined, { signal }).catch(() => undefined);
-      } catch (err) {
-        if (err instanceof StaleFencingTokenError) {
-          this.options.metrics.fenceRejections.inc();
-          logger.warn({ token: leadership.token.toString() }, 'reaper rejected by the fence; stepping down');
-          this.options.onFenced(err);
-          return;
-        }
-        if (err instanceof NotLeaderError || signal.aborted) return;
-        failures += 1;
-        logger.warn({ err: toError(err), failures }, 'reaper pass failed; retrying');
-        await sleep(loopBackoffMs(failures, 5000), undefined, { signal }).catch(() => undefined);
-      }
-    }
+        await pause(sleepMs, leadership.signal);
+      },
+      wait: pause,
+      maxBackoffMs: 5000,
+      onFenced,
+      logger,
+      metrics,
+    });
   }
 
   /** One fenced transaction over at most `batchSize` expired claims. */

@@ -1,15 +1,6 @@
-/** A run announcement from the dispatch topic (written by the dispatcher, a retry or a replay). */
-export interface RunMessage {
-  readonly runId: string;
-  readonly jobId: string;
-  /** The attempt the message announces (1 for a new run); a claim expects attempt − 1 done. */
-  readonly attempt: number;
-  readonly scheduledFor: Date;
-  /** The earliest instant the attempt may start, by the database clock. */
-  readonly notBefore: Date;
-}
+import { isUuid, type RunMessage } from '../model.js';
 
-const UUID = /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/i;
+export type { RunMessage };
 
 /** A message that is not a run announcement; it is logged and dropped, never retried. */
 export class InvalidRunMessageError extends Error {
@@ -33,8 +24,8 @@ export function parseRunMessage(value: string | null): RunMessage {
   }
   if (typeof raw !== 'object' || raw === null) throw new InvalidRunMessageError('message is not an object');
   const m = raw as Record<string, unknown>;
-  if (typeof m.runId !== 'string' || !UUID.test(m.runId)) throw new InvalidRunMessageError('runId');
-  if (typeof m.jobId !== 'string' || !UUID.test(m.jobId)) throw new InvalidRunMessageError('jobId');
+  if (typeof m.runId !== 'string' || !isUuid(m.runId)) throw new InvalidRunMessageError('runId');
+  if (typeof m.jobId !== 'string' || !isUuid(m.jobId)) throw new InvalidRunMessageError('jobId');
   if (typeof m.attempt !== 'number' || !Number.isInteger(m.attempt) || m.attempt < 1) {
     throw new InvalidRunMessageError('attempt');
   }

@@ -1,20 +1,16 @@
 import { setTimeout as sleep } from 'node:timers/promises';
-import type { Connections } from '../store/pool-share.js';
 import { toError, withTimeout } from '../errors.js';
 import type { Logger } from '../observability/logger.js';
 import type { Metrics } from '../observability/metrics.js';
-import { explainClaimMiss, skipRun, type ClaimedRun, type ClaimRequest } from '../store/runs.js';
-import type { ClaimResult } from './batching.js';
+import type { RunMessage } from '../model.js';
+import type { ClaimedRun } from '../store/runs.js';
 import type { DbClock } from './db-clock.js';
-import type { RunMessage } from './run-message.js';
+import type { ClaimOutcome, HoldState } from './run-claimer.js';
 
 /** Options of {@link RunQueue}. */
 export interface RunQueueOptions {
-  readonly pool: Connections;
-  /** Claims one run (batched with the others of this event-loop turn). */
-  readonly claim: (request: ClaimRequest) => Promise<ClaimResult>;
-  /** A run may be claimed this long before its not_before (the claim's own tolerance). */
-  readonly skewToleranceMs: number;
+  /** Tries to claim an announced run that is due (RunClaimer.claim in the worker). */
+  readonly claim: (message: RunMessage, hold: HoldState) => Promise<ClaimOutcome>;
   /**
    * Claims are tried this long before a run is due, so the round trip is not on the critical
    * path; the call itself waits for not_before (ClaimOptions.leadMs must be the same).
@@ -54,15 +50,13 @@ interface Execution {
   rehold?: { message: RunMessage; retries: number };
 }
 
-/** A claim that found the run not yet due, or a forbid retry blocked, holds it again at most this many times. */
-const MAX_REHOLDS = 3;
-/** A `forbid` retry blocked by a running sibling is tried again after this (doubling per try). */
-const FORBID_WAIT_MS = 500;
 /** Longest setTimeout Node accepts; a longer hold re-arms. */
 const MAX_TIMER_MS = 2_147_483_647;
 
 /**
- * The worker's in-memory pipeline: held announcements (a timer each, until not_before by the
+ * The worker's in-memory timing and execution slots, with no database of its own (unit-tested
+ * with fakes): the claim is a function it is given (run-claimer.ts).
+ * The pipeline: held announcements (a timer each, until not_before by the
  * database clock) → ready (due, waiting for a slot) → claiming/executing (at most `concurrency`).
  * Only the claim in PostgreSQL makes a run ours; this queue only decides *when* to try, so losing
  * it (a crash) loses nothing but time: the polling fallback claims what was held here.
@@ -237,70 +231,24 @@ export class RunQueue {
   }
 
   private async claimAndRun(entry: Held, execution: Execution): Promise<void> {
-    const { metrics } = this.options;
-    const message = entry.message;
-    const result = await this.options.claim({ runId: message.runId, expectedAttempt: message.attempt });
-    if (result === 'forbidden') {
-      // Another run of this `forbid` job is running: a fresh occurrence is skipped, a retry waits.
-      await this.skipOrWait(entry, execution);
+    const outcome = await this.options.claim(entry.message, entry);
+    if (outcome.kind === 'rehold') {
+      // Held again once this execution is gone (see track), without the lead.
+      execution.rehold ??= {
+        message: { ...entry.message, notBefore: outcome.notBefore },
+        retries: entry.retries + 1,
+      };
       return;
     }
-    if (result !== 'missed') {
-      metrics.runClaims.inc({ source: 'kafka', result: 'claimed' });
-      execution.attempt = result.attempt;
-      const signal = execution.controller.signal;
-      // Claimed ahead: the call starts when the run is due, not when the claim came back.
-      // Rounded up, so a call never starts before its time by our estimate of the database clock.
-      const wait = this.options.clock.msUntil(result.notBefore);
-      if (wait > 0) await sleep(Math.ceil(wait), undefined, { signal }).catch(() => undefined);
-      await this.options.run(result, signal);
-      return;
-    }
-    await this.afterMiss(entry, execution);
-  }
-
-  /** A claim returned nothing: another worker won (usual), it is not due yet (skew), or forbid. */
-  private async afterMiss(entry: Held, execution: Execution): Promise<void> {
-    const { pool, metrics, skewToleranceMs, claimLeadMs } = this.options;
-    const message = entry.message;
-    const miss = await explainClaimMiss(pool, message.runId);
-    const current = miss?.state === 'queued' && miss.attempt === message.attempt - 1;
-    if (current && miss.forbidBlocked && miss.dueInMs <= skewToleranceMs) {
-      await this.skipOrWait(entry, execution);
-      return;
-    }
-    if (current && miss.dueInMs > 0 && entry.retries < MAX_REHOLDS) {
-      // A forbid or replace run claimed ahead (expected), or our estimate of the database clock
-      // is off (then re-sample it): hold again for the database's own figure.
-      metrics.runClaims.inc({ source: 'kafka', result: 'early' });
-      const explained = entry.early && miss.dueInMs <= claimLeadMs + skewToleranceMs;
-      if (!explained) void this.options.clock.sync(pool).catch(() => undefined);
-      const dueAt = new Date(this.options.clock.now() + miss.dueInMs);
-      execution.rehold ??= { message: { ...message, notBefore: dueAt }, retries: entry.retries + 1 };
-      return;
-    }
-    metrics.runClaims.inc({ source: 'kafka', result: 'missed' });
-  }
-
-  /**
-   * A `forbid` run blocked by another run of its job. A fresh occurrence is skipped: that is what
-   * `forbid` means. A retry or a replay (attempt > 0) is owed and is never skipped (the SQL of
-   * skipRun refuses it too): it is held again and tried after a pause; once the reholds are used
-   * up, the polling fallback claims it when the other run has ended.
-   */
-  private async skipOrWait(entry: Held, execution: Execution): Promise<void> {
-    const { pool, metrics } = this.options;
-    const message = entry.message;
-    if (message.attempt === 1 && (await skipRun(pool, message.runId, 'concurrency-forbid'))) {
-      metrics.runsSkipped.inc({ reason: 'concurrency-forbid' });
-      metrics.runClaims.inc({ source: 'kafka', result: 'skipped' });
-      return;
-    }
-    metrics.runClaims.inc({ source: 'kafka', result: 'waiting' });
-    if (message.attempt > 1 && entry.retries < MAX_REHOLDS) {
-      const dueAt = new Date(this.options.clock.now() + FORBID_WAIT_MS * 2 ** entry.retries);
-      execution.rehold ??= { message: { ...message, notBefore: dueAt }, retries: entry.retries + 1 };
-    }
+    if (outcome.kind !== 'claimed') return;
+    const run = outcome.run;
+    execution.attempt = run.attempt;
+    const signal = execution.controller.signal;
+    // Claimed ahead: the call starts when the run is due, not when the claim came back.
+    // Rounded up, so a call never starts before its time by our estimate of the database clock.
+    const wait = this.options.clock.msUntil(run.notBefore);
+    if (wait > 0) await sleep(Math.ceil(wait), undefined, { signal }).catch(() => undefined);
+    await this.options.run(run, signal);
   }
 
   private checkIdle(): void {

@@ -5,6 +5,8 @@ import type { Logger } from '../observability/logger.js';
 import type { Metrics } from '../observability/metrics.js';
 import type { TargetPolicy } from '../security/target-policy.js';
 import type { Notifications } from '../store/notifications.js';
+import { inTransaction } from '../store/db.js';
+import { claimOverdueRuns } from '../store/overdue.js';
 import type { ClaimedRun } from '../store/runs.js';
 import { runAttempt, WorkerStoppingError, type AttemptContext } from './attempt.js';
 import { watchClaims } from './claim-watch.js';
@@ -13,6 +15,7 @@ import { DbClock } from './db-clock.js';
 import { HttpExecutor } from './http-executor.js';
 import { KafkaIntake } from './intake.js';
 import { pollOverdue } from './poller.js';
+import { RunClaimer } from './run-claimer.js';
 import { RunQueue } from './run-queue.js';
 
 /** Options of {@link Worker}; node.ts fills them from the config. */
@@ -26,7 +29,7 @@ export interface WorkerOptions {
   readonly consumerGroup: string;
   /** Runs executing at once (HELIOS_WORKER_CONCURRENCY, default 64). */
   readonly concurrency: number;
-  /** Announcements held in memory until due; fetching pauses at this many (default 1000). */
+  /** Announcements held in memory until due; fetching pauses at this many (HELIOS_WORKER_PREFETCH, default 5000). */
   readonly prefetch: number;
   /** Claim deadline = now + the run's timeout + this (HELIOS_CLAIM_GRACE_MS, default 5000). */
   readonly claimGraceMs: number;
@@ -87,10 +90,16 @@ export class Worker {
       logger,
       metrics: options.metrics,
     };
-    this.queue = new RunQueue({
+    const claimer = new RunClaimer({
       pool: options.pool,
       claim: (request) => claims.add(request),
       skewToleranceMs: options.skewToleranceMs,
+      claimLeadMs: options.claimLeadMs,
+      clock: this.clock,
+      metrics: options.metrics,
+    });
+    this.queue = new RunQueue({
+      claim: (message, hold) => claimer.claim(message, hold),
       claimLeadMs: options.claimLeadMs,
       concurrency: options.concurrency,
       prefetch: options.prefetch,
@@ -140,14 +149,16 @@ export class Worker {
     this.intake.start();
     this.loops.push(
       pollOverdue({
-        pool: options.pool,
-        claim: this.claimOptions(),
+        claimOverdue: (overdueMs, limit) =>
+          inTransaction(options.pool, (client) =>
+            claimOverdueRuns(client, overdueMs, limit, this.claimOptions()),
+          ),
+        syncClock: (maxAgeMs) => this.clock.sync(options.pool, maxAgeMs),
         intervalMs: options.pollIntervalMs,
         overdueMs: options.pollOverdueMs,
         capacity: () => this.queue.freeSlots(),
         reserve: (n) => this.queue.reserve(n),
         execute: (runs: ClaimedRun[]) => runs.forEach((run) => this.queue.execute(run)),
-        clock: this.clock,
         logger: logger.child({ loop: 'poller' }),
         metrics: options.metrics,
         signal,

@@ -1,10 +1,15 @@
+import { isUuid } from '../model.js';
 import type { Logger } from '../observability/logger.js';
 import type { CronSchedule } from '../scheduling/cron.js';
 import { parseCron } from '../scheduling/cron.js';
 import { inTransaction, type Database } from '../store/db.js';
-import { databaseClock } from '../store/dispatch.js';
+import { deadLetterState } from '../store/dead-letter-list.js';
+import { replayDeadLetter as requeueDeadLetter, type ReplayResult } from '../store/dead-letters.js';
+import { databaseClock, databaseNow } from '../store/dispatch.js';
 import {
+  deleteJob as deleteJobRow,
   findJob,
+  insertJob,
   runSnapshotChanged,
   updateJob,
   withdrawFutureRuns,
@@ -12,6 +17,7 @@ import {
   type JobRecord,
   type JobRef,
 } from '../store/jobs.js';
+import { createManualRun } from '../store/manual-run.js';
 import { createDueRuns } from './due-occurrences.js';
 
 // Job commands: each does its whole change in one transaction with the job row locked, so the
@@ -19,6 +25,9 @@ import { createDueRuns } from './due-occurrences.js';
 // line, the database clock once the lock is held: occurrences due up to it follow the job as it
 // was (and are created now if the dispatcher has not yet), occurrences after it follow the job as
 // it is now. That is what keeps contract item 10 whatever the order of pause, resume and edits.
+
+// Every caller (the REST routes, the programmatic API in src/index.ts) validates its input first
+// (api/job-input.ts compileJob), then calls one command, then renders what it returns.
 
 /** What the commands need besides the database. */
 export interface CommandOptions {
@@ -108,4 +117,69 @@ export async function patchJob(
     }
     return updateJob(client, current.id, { ...fields, nextRunAt });
   });
+}
+
+/**
+ * Creates a job; its first run is the first occurrence after the database clock.
+ * @throws DuplicateJobNameError when the name is taken (nothing written).
+ */
+export async function createJob(db: Database, change: JobChange): Promise<JobRecord> {
+  return inTransaction(db, async (client) => {
+    const now = await databaseNow(client);
+    return insertJob(client, { ...change.fields, nextRunAt: change.schedule.next(now) });
+  });
+}
+
+/** Deletes a job with its runs (cascading). False when there was no such job. */
+export async function deleteJob(db: Database, ref: JobRef): Promise<boolean> {
+  return inTransaction(db, async (client) => {
+    const job = await findJob(client, ref);
+    return job !== null && (await deleteJobRow(client, job.id));
+  });
+}
+
+/** What a trigger did: the new run, or why none was created. */
+export type TriggerResult =
+  | { readonly outcome: 'created'; readonly runId: string }
+  | { readonly outcome: 'no-job' }
+  /** The job was deleted meanwhile, or a run exists for this exact microsecond: nothing written. */
+  | { readonly outcome: 'conflict' };
+
+/**
+ * Creates a run of the job for now (`trigger = 'manual'`) and its dispatch message, in one
+ * statement (its own transaction: the statement's answer to a job deleted meanwhile is a foreign
+ * key error, which would abort an enclosing transaction). Paused jobs can be triggered.
+ */
+export async function triggerJob(
+  db: Database,
+  ref: JobRef,
+  options: Pick<CommandOptions, 'runsTopic'>,
+): Promise<TriggerResult> {
+  const job = await findJob(db, ref);
+  if (!job) return { outcome: 'no-job' };
+  const runId = await createManualRun(db, job.id, options.runsTopic);
+  return runId === null ? { outcome: 'conflict' } : { outcome: 'created', runId };
+}
+
+/** What a replay did: the re-queued run, or why nothing was. */
+export type ReplayOutcome =
+  | ({ readonly outcome: 'replayed' } & ReplayResult)
+  | { readonly outcome: 'no-dead-letter' }
+  | { readonly outcome: 'already-replayed' };
+
+/**
+ * Re-queues a dead run as a new attempt due now with a fresh attempt budget, marks its dead
+ * letter replayed and announces the attempt, in one transaction (store/dead-letters.ts).
+ */
+export async function replayDeadLetter(
+  db: Database,
+  deadLetterId: string,
+  options: Pick<CommandOptions, 'runsTopic'>,
+): Promise<ReplayOutcome> {
+  if (!isUuid(deadLetterId)) return { outcome: 'no-dead-letter' };
+  const result = await requeueDeadLetter(db, deadLetterId, options);
+  if (result) return { outcome: 'replayed', ...result };
+  // Read after the replay's transaction: only to tell the caller which of the two it was.
+  const state = await deadLetterState(db, deadLetterId);
+  return state === null ? { outcome: 'no-dead-letter' } : { outcome: 'already-replayed' };
 }

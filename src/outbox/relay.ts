@@ -1,4 +1,4 @@
-import type pg from 'pg';
+import type { Database } from '../store/db.js';
 import type { Logger } from '../observability/logger.js';
 import type { Metrics } from '../observability/metrics.js';
 import type { Notifications } from '../store/notifications.js';
@@ -19,7 +19,7 @@ export interface MessagePublisher {
 }
 
 export interface OutboxRelayOptions {
-  readonly pool: pg.Pool;
+  readonly pool: Database;
   readonly publisher: MessagePublisher;
   readonly notifications: Notifications;
   /** Ends the relay (the leader's epoch signal). */

@@ -1,23 +1,23 @@
-import type pg from 'pg';
+import type { Database } from '../store/db.js';
 import type { Leadership } from '../coordination/election.js';
 import type { Logger } from '../observability/logger.js';
 import type { Metrics } from '../observability/metrics.js';
 import type { Notifications } from '../store/notifications.js';
-import { NotLeaderError, StaleFencingTokenError, toError } from '../errors.js';
+import { NotLeaderError, toError, type StaleFencingTokenError } from '../errors.js';
+import { runLeaderLoop } from '../coordination/leader-loop.js';
 import { inFencedTransaction } from '../store/fence.js';
 import { advanceJobs, createRuns, msUntilNextDue, parkJobs, selectDueJobs } from '../store/dispatch.js';
 import { parseCron, type CronSchedule } from './cron.js';
 import { planOccurrences, type OccurrencePlan } from './occurrences.js';
-import { loopBackoffMs } from '../loop-backoff.js';
 
 export interface DispatcherOptions {
-  readonly pool: pg.Pool;
+  readonly pool: Database;
   readonly leadership: Leadership;
   readonly notifications: Notifications;
   readonly runsTopic: string;
-  /** Runs are created this long before they are due; default 1000 ms. */
+  /** Runs are created this long before they are due (HELIOS_DISPATCH_LOOKAHEAD_MS, default 5000). */
   readonly lookaheadMs: number;
-  /** Jobs per dispatch transaction; default 500. */
+  /** Jobs per dispatch transaction (HELIOS_DISPATCH_BATCH, default 500). */
   readonly batchSize: number;
   /** Occurrences older than this when seen are misfires (see planOccurrences); default 5000 ms. */
   readonly misfireThresholdMs: number;
@@ -46,34 +46,24 @@ export class Dispatcher {
 
   /** Runs until leadership ends; never rejects. */
   async run(): Promise<void> {
-    const { leadership, logger, notifications, lookaheadMs } = this.options;
-    const signal = leadership.signal;
-    let failures = 0;
-    while (!signal.aborted) {
-      try {
+    const { leadership, logger, notifications, lookaheadMs, metrics, onFenced } = this.options;
+    await runLeaderLoop({
+      leadership,
+      name: 'dispatch',
+      pass: async () => {
         const { jobs, full } = await this.dispatchBatch();
-        failures = 0;
-        if (full) continue; // more due jobs are waiting
+        if (full) return; // more due jobs are waiting
         const untilDue = await msUntilNextDue(this.options.pool);
         const sleepMs = untilDue === null ? MAX_SLEEP_MS : Math.min(MAX_SLEEP_MS, untilDue - lookaheadMs);
         // A due job that another transaction holds locked must not turn this into a busy loop.
-        await notifications.wait('helios_jobs', Math.max(sleepMs, jobs === 0 ? 20 : 0), signal);
-      } catch (err) {
-        if (err instanceof StaleFencingTokenError) {
-          this.options.metrics.fenceRejections.inc();
-          logger.warn(
-            { token: leadership.token.toString() },
-            'dispatch rejected by the fence; stepping down',
-          );
-          this.options.onFenced(err);
-          return;
-        }
-        if (err instanceof NotLeaderError || signal.aborted) return;
-        failures += 1;
-        logger.warn({ err: toError(err), failures }, 'dispatch pass failed; retrying');
-        await notifications.wait('helios_jobs', loopBackoffMs(failures, 2000), signal);
-      }
-    }
+        await notifications.wait('helios_jobs', Math.max(sleepMs, jobs === 0 ? 20 : 0), leadership.signal);
+      },
+      wait: (ms, signal) => notifications.wait('helios_jobs', ms, signal),
+      maxBackoffMs: 2000,
+      onFenced,
+      logger,
+      metrics,
+    });
   }
 
   /** One fenced transaction over at most `batchSize` due jobs. */

@@ -1,6 +1,5 @@
+import type { MisfirePolicy } from '../model.js';
 import type { CronSchedule } from './cron.js';
-
-export type MisfirePolicy = 'fire-once' | 'fire-all' | 'skip';
 
 /** What the dispatcher does with one due job in one pass. */
 export interface OccurrencePlan {

@@ -6,6 +6,9 @@ import type { Connections } from './pool-share.js';
 /** The node's connection pool, as the layers above store/ see it (they never import pg). */
 export type Database = pg.Pool;
 
+/** One connection checked out of the pool, inside a transaction (inTransaction). */
+export type DbClient = pg.PoolClient;
+
 /** Anything that can run a query: the pool or a client inside a transaction. */
 export type Queryable = Pick<pg.Pool, 'query'> | pg.PoolClient;
 
@@ -93,4 +96,20 @@ export async function inTransaction<T>(
     client.release(broken);
     client.removeListener('error', onConnectionError);
   }
+}
+
+/** The readiness probe's statement: the database answers at all. */
+export async function ping(db: Queryable): Promise<void> {
+  await db.query('SELECT 1');
+}
+
+/**
+ * The database clock as epoch milliseconds, read as the statement runs (clock_timestamp(), not
+ * the transaction's now()); the workers' clock estimate samples it (execution/db-clock.ts).
+ */
+export async function databaseEpochMs(db: Queryable): Promise<number | undefined> {
+  const { rows } = await db.query<{ ms: number }>(
+    `SELECT (extract(epoch FROM clock_timestamp()) * 1000)::float8 AS ms`,
+  );
+  return rows[0]?.ms;
 }

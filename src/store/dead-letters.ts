@@ -1,4 +1,5 @@
 import type pg from 'pg';
+import { isUuid } from '../model.js';
 import type { Queryable } from './db.js';
 import { inTransaction } from './db.js';
 import { enqueueAttempt } from './runs.js';
@@ -97,8 +98,6 @@ export interface ReplayResult {
 /** Thrown inside the replay transaction to roll it back. */
 class NothingToReplay extends Error {}
 
-const UUID = /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/i;
-
 /**
  * Replays a dead letter: the run goes back to `queued` as a new attempt with a fresh attempt
  * budget, the dead letter gets `replayed_at`, and an outbox row announces the attempt on
@@ -110,7 +109,7 @@ export async function replayDeadLetter(
   deadLetterId: string,
   options: { runsTopic: string },
 ): Promise<ReplayResult | null> {
-  if (!UUID.test(deadLetterId)) return null;
+  if (!isUuid(deadLetterId)) return null;
   return inTransaction(pool, async (client) => {
     await client.query(LOCK_JOB_OF_LETTER, [deadLetterId]);
     const marked = await client.query<{ runId: string }>(MARK_REPLAYED, [deadLetterId]);

@@ -1,5 +1,5 @@
 import type { Queryable } from './db.js';
-import type { MisfirePolicy } from '../scheduling/occurrences.js';
+import type { MisfirePolicy } from '../model.js';
 
 /** A job due for dispatch, locked by the dispatch transaction. */
 export interface DueJob {
@@ -51,6 +51,15 @@ export const FIRST_ATTEMPT_MESSAGE = `jsonb_build_object('runId', id, 'jobId', j
                             'scheduledFor', scheduled_for, 'notBefore', not_before)`;
 
 /**
+ * The `runs` columns a run copies from its job (RunSnapshot in model.ts), and the same columns of
+ * the job aliased `j`, in the same order: every statement that creates a run from a job uses both.
+ */
+export const RUN_SNAPSHOT_COLUMNS =
+  'max_attempts, target, timeout_ms, backoff_ms, backoff_multiplier, concurrency';
+export const JOB_SNAPSHOT_VALUES =
+  'j.max_attempts, j.target, j.timeout_ms, j.backoff_ms, j.backoff_multiplier, j.concurrency';
+
+/**
  * Creates one queued run per (job, occurrence) with a snapshot of the job, skipping occurrences
  * that already have a run, and one outbox row per created run, in one statement.
  * $1 = job ids, $2 = occurrences (parallel arrays), $3 = fencing token (NULL: created through the API),
@@ -58,10 +67,8 @@ export const FIRST_ATTEMPT_MESSAGE = `jsonb_build_object('runId', id, 'jobId', j
  */
 const CREATE_RUNS = `
   WITH created AS (
-    INSERT INTO runs (job_id, scheduled_for, trigger, state, max_attempts, target, timeout_ms,
-                      backoff_ms, backoff_multiplier, concurrency, not_before, created_epoch)
-    SELECT j.id, o.scheduled_for, 'schedule', 'queued', j.max_attempts, j.target, j.timeout_ms,
-           j.backoff_ms, j.backoff_multiplier, j.concurrency, o.scheduled_for, $3
+    INSERT INTO runs (job_id, scheduled_for, trigger, state, ${RUN_SNAPSHOT_COLUMNS}, not_before, created_epoch)
+    SELECT j.id, o.scheduled_for, 'schedule', 'queued', ${JOB_SNAPSHOT_VALUES}, o.scheduled_for, $3
     FROM unnest($1::uuid[], $2::timestamptz[]) AS o (job_id, scheduled_for)
     JOIN jobs j ON j.id = o.job_id
     ON CONFLICT (job_id, scheduled_for) DO NOTHING

@@ -1,29 +1,15 @@
 import { isDeepStrictEqual } from 'node:util';
 import type { Queryable } from './db.js';
-import type { MisfirePolicy } from '../scheduling/occurrences.js';
+import { RUN_SNAPSHOT_FIELDS, type MisfirePolicy, type RunSnapshot } from '../model.js';
 
-export type ConcurrencyPolicy = 'allow' | 'forbid' | 'replace';
-
-/** The HTTP call a job makes, as stored in `jobs.target` and snapshotted into each run. */
-export interface StoredTarget {
-  readonly url: string;
-  readonly method: string;
-  readonly headers: Readonly<Record<string, string>>;
-  /** Any JSON value, sent JSON-encoded; absent for no body. */
-  readonly body?: unknown;
-}
-
-/** Every column a job is written with (what the API validated and defaulted). */
-export interface JobFields {
+/**
+ * Every column a job is written with (what the API validated and defaulted): the ones its runs
+ * copy (RunSnapshot) and the ones only the job has.
+ */
+export interface JobFields extends RunSnapshot {
   readonly name: string;
   readonly schedule: string;
   readonly timezone: string;
-  readonly target: StoredTarget;
-  readonly timeoutMs: number;
-  readonly maxAttempts: number;
-  readonly backoffMs: number;
-  readonly backoffMultiplier: number;
-  readonly concurrency: ConcurrencyPolicy;
   readonly misfire: MisfirePolicy;
   readonly maxCatchUp: number;
   readonly enabled: boolean;
@@ -181,17 +167,7 @@ export async function withdrawFutureRuns(db: Queryable, jobId: string, after: Da
   return rows[0]?.earliest ?? null;
 }
 
-/** The fields every run copies from its job when it is created (CREATE_RUNS in store/dispatch.ts). */
-const SNAPSHOT_FIELDS = [
-  'target',
-  'timeoutMs',
-  'maxAttempts',
-  'backoffMs',
-  'backoffMultiplier',
-  'concurrency',
-] as const satisfies readonly (keyof JobFields)[];
-
 /** True when runs created from `after` would differ from runs created from `before`. */
 export function runSnapshotChanged(before: JobFields, after: Omit<JobFields, 'nextRunAt'>): boolean {
-  return SNAPSHOT_FIELDS.some((field) => !isDeepStrictEqual(before[field], after[field]));
+  return RUN_SNAPSHOT_FIELDS.some((field) => !isDeepStrictEqual(before[field], after[field]));
 }

@@ -1,5 +1,5 @@
 import type { Queryable } from './db.js';
-import { FIRST_ATTEMPT_MESSAGE } from './dispatch.js';
+import { FIRST_ATTEMPT_MESSAGE, JOB_SNAPSHOT_VALUES, RUN_SNAPSHOT_COLUMNS } from './dispatch.js';
 
 /**
  * Creates a queued run of job $1 for `now()` with a snapshot of the job, and its outbox row on
@@ -8,10 +8,8 @@ import { FIRST_ATTEMPT_MESSAGE } from './dispatch.js';
  */
 const CREATE_MANUAL_RUN = `
   WITH created AS (
-    INSERT INTO runs (job_id, scheduled_for, trigger, state, max_attempts, target, timeout_ms,
-                      backoff_ms, backoff_multiplier, concurrency, not_before)
-    SELECT j.id, now(), 'manual', 'queued', j.max_attempts, j.target, j.timeout_ms,
-           j.backoff_ms, j.backoff_multiplier, j.concurrency, now()
+    INSERT INTO runs (job_id, scheduled_for, trigger, state, ${RUN_SNAPSHOT_COLUMNS}, not_before)
+    SELECT j.id, now(), 'manual', 'queued', ${JOB_SNAPSHOT_VALUES}, now()
     FROM jobs j WHERE j.id = $1
     ON CONFLICT (job_id, scheduled_for) DO NOTHING
     RETURNING id, job_id, scheduled_for, not_before

@@ -1,13 +1,11 @@
 import type { Queryable } from './db.js';
-import type { StoredTarget } from './jobs.js';
-
-export type RunState = 'queued' | 'running' | 'succeeded' | 'failed' | 'dead' | 'skipped';
+import type { RunState, RunTrigger, StoredTarget } from '../model.js';
 
 export interface RunSummary {
   readonly id: string;
   readonly jobId: string;
   readonly scheduledFor: Date;
-  readonly trigger: 'schedule' | 'manual';
+  readonly trigger: RunTrigger;
   readonly state: RunState;
   readonly attempt: number;
   readonly maxAttempts: number;

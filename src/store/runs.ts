@@ -1,14 +1,5 @@
+import type { ConcurrencyPolicy, RunTarget } from '../model.js';
 import type { Queryable } from './db.js';
-
-/** What a run's HTTP call is made of: a snapshot of the job's `target` when the run was created. */
-export interface RunTarget {
-  readonly url: string;
-  readonly method?: string;
-  readonly headers?: Readonly<Record<string, string>>;
-  readonly body?: unknown;
-}
-
-export type ConcurrencyPolicy = 'allow' | 'forbid' | 'replace';
 
 /** A run this node has claimed: everything needed to execute the attempt and settle it. */
 export interface ClaimedRun {

@@ -5,6 +5,7 @@ import { after, before, test } from 'node:test';
 import { createEtcdClient } from '../../src/coordination/etcd.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
 import { serverEnv, uniqueId } from '../support/env.js';
+import { waitFor } from '../support/execution.js';
 import { TopicRecorder } from '../support/kafka.js';
 import {
   nodeEnvironment,
@@ -77,20 +78,6 @@ async function assertNoHolesNoDuplicates(jobId: string) {
   const { runs, distinct, span } = rows[0]!;
   assert.equal(runs, distinct, 'an occurrence has two runs');
   assert.equal(runs, span, `missing occurrences: ${span - runs} of ${span}`);
-}
-
-async function waitFor<T>(
-  what: string,
-  probe: () => Promise<T | undefined | null | false>,
-  timeoutMs = 15_000,
-) {
-  const deadline = Date.now() + timeoutMs;
-  for (;;) {
-    const value = await probe();
-    if (value) return value;
-    if (Date.now() > deadline) throw new Error(`timed out waiting for ${what}`);
-    await sleep(50);
-  }
 }
 
 test('a paused leader (SIGSTOP past its lease) has its pending write rejected by the fence', async () => {

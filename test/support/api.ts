@@ -5,6 +5,7 @@ import type { ApiRole } from '../../src/config.js';
 import { createEtcdClient } from '../../src/coordination/etcd.js';
 import { buildApiServer } from '../../src/api/server.js';
 import { registerApi } from '../../src/api/v1.js';
+import { clusterView } from '../../src/coordination/cluster-view.js';
 import { createLogger } from '../../src/observability/logger.js';
 import { compileTargetPolicy, type TargetPolicy } from '../../src/security/target-policy.js';
 import { sensitiveHeaderSet } from '../../src/security/sensitive-headers.js';
@@ -66,8 +67,7 @@ export async function startTestApi(
     register: (server) =>
       registerApi(server, {
         pool: db.pool,
-        etcd,
-        etcdPrefix,
+        cluster: clusterView(etcd, etcdPrefix),
         runsTopic,
         tokens: options.tokens ?? new Map(),
         targetPolicy: options.targetPolicy ?? compileTargetPolicy(),

@@ -11,10 +11,18 @@ export async function startNode(
   wait: { leader?: boolean; worker?: boolean } = { leader: true, worker: true },
 ): Promise<{ node: ManagedProcess; apiUrl: string }> {
   const node = spawnNode(name, env);
+  return { node, apiUrl: await untilServing(node, wait) };
+}
+
+/** Waits until a spawned node serves its API (and leads, and consumes, as `wait` says); its API URL. */
+export async function untilServing(
+  node: ManagedProcess,
+  wait: { leader?: boolean; worker?: boolean } = { leader: true, worker: true },
+): Promise<string> {
   const started = await node.waitForLog((l) => l.msg === 'node started', 30_000);
   if (wait.leader) await node.waitForLog((l) => l.msg === 'became leader', 30_000);
   if (wait.worker) await node.waitForLog((l) => l.msg === 'joined consumer group', 30_000);
-  return { node, apiUrl: started.apiUrl as string };
+  return started.apiUrl as string;
 }
 
 /** Calls a node's REST API (open mode) with a JSON body; fails the test unless it answers 2xx. */

@@ -1,13 +1,12 @@
 import assert from 'node:assert/strict';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { test } from 'node:test';
-import type pg from 'pg';
 import { DbClock } from '../../src/execution/db-clock.js';
 import { RunQueue } from '../../src/execution/run-queue.js';
 import type { RunMessage } from '../../src/execution/run-message.js';
 import { silentLogger } from '../../src/observability/logger.js';
 import { createMetrics } from '../../src/observability/metrics.js';
-import type { ClaimedRun, ClaimRequest } from '../../src/store/runs.js';
+import type { ClaimedRun } from '../../src/store/runs.js';
 
 // The queue's timing logic alone: claims and executions are fakes (the claim itself is tested
 // against PostgreSQL in test/integration/execution-claims.test.ts).
@@ -36,16 +35,14 @@ function claimed(attempt: number): ClaimedRun {
 }
 
 test('a retry announced while its previous attempt is still executing is claimed once that attempt ends', async () => {
-  const claims: ClaimRequest[] = [];
+  const claims: RunMessage[] = [];
   let finishFirst!: () => void;
   const executed: number[] = [];
   const queue = new RunQueue({
-    pool: {} as pg.Pool,
     claim: async (request) => {
       claims.push(request);
-      return claimed(request.expectedAttempt ?? 1);
+      return { kind: 'claimed', run: claimed(request.attempt) };
     },
-    skewToleranceMs: 10,
     claimLeadMs: 0,
     concurrency: 4,
     prefetch: 100,
@@ -67,7 +64,7 @@ test('a retry announced while its previous attempt is still executing is claimed
   finishFirst();
   await sleep(50);
   assert.deepEqual(
-    claims.map((c) => c.expectedAttempt),
+    claims.map((c) => c.attempt),
     [1, 2],
   );
   assert.deepEqual(executed, [1, 2]);

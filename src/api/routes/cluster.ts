@@ -1,7 +1,5 @@
 import type { Api, ApiOptions } from '../context.js';
 import { COMMON_PROBLEMS, problems } from '../context.js';
-import { readLeader } from '../../coordination/election.js';
-import { listNodes } from '../../coordination/registry.js';
 import { countPendingOutbox } from '../../store/outbox.js';
 import { countActiveRuns } from '../../store/run-history.js';
 import { withTimeout } from '../../errors.js';
@@ -10,7 +8,7 @@ import { Cluster } from '../schemas.js';
 
 /** GET /cluster: who leads (etcd), which nodes are alive (etcd), and the queues (PostgreSQL). */
 export function clusterRoutes(app: Api, options: ApiOptions): void {
-  const { pool, etcd, etcdPrefix } = options;
+  const { pool, cluster } = options;
 
   app.get(
     '/cluster',
@@ -25,7 +23,7 @@ export function clusterRoutes(app: Api, options: ApiOptions): void {
       const fromEtcd = async () => {
         try {
           return await withTimeout(
-            Promise.all([readLeader(etcd, `${etcdPrefix}/leader`), listNodes(etcd, etcdPrefix)]),
+            Promise.all([cluster.leader(), cluster.members()]),
             3000,
             'etcd cluster view',
           );

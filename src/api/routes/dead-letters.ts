@@ -1,11 +1,10 @@
 import { Type } from 'typebox';
 import type { Api, ApiOptions } from '../context.js';
 import { COMMON_PROBLEMS, problems } from '../context.js';
-import { deadLetterState, listDeadLetters, type DeadLetterRecord } from '../../store/dead-letter-list.js';
-import { replayDeadLetter } from '../../store/dead-letters.js';
+import { replayDeadLetter } from '../../jobs/commands.js';
+import { listDeadLetters, type DeadLetterRecord } from '../../store/dead-letter-list.js';
 import { decodeCursor, DEFAULT_LIMIT, toPage } from '../cursor.js';
 import { conflict, notFound } from '../problems.js';
-import { isUuid } from '../job-input.js';
 import { DeadLetter, IdParams, Page, PageQuery, RunCreated } from '../schemas.js';
 
 const DeadLettersQuery = Type.Object(
@@ -71,11 +70,9 @@ export function deadLetterRoutes(app: Api, options: ApiOptions): void {
     async (request, reply) => {
       const { id } = request.params;
       const result = await replayDeadLetter(pool, id, { runsTopic });
-      if (!result) {
-        const state = isUuid(id) ? await deadLetterState(pool, id) : null;
-        if (state === null) throw notFound(`dead letter "${id}"`);
+      if (result.outcome === 'no-dead-letter') throw notFound(`dead letter "${id}"`);
+      if (result.outcome === 'already-replayed')
         throw conflict('id', 'this dead letter was already replayed');
-      }
       return reply.code(202).send({ runId: result.runId });
     },
   );

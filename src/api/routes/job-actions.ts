@@ -1,20 +1,15 @@
 import type { Api, ApiOptions } from '../context.js';
-import { COMMON_PROBLEMS, problems } from '../context.js';
-import { pauseJob, resumeJob } from '../../jobs/commands.js';
-import { createManualRun } from '../../store/manual-run.js';
+import { commandOptions, COMMON_PROBLEMS, problems } from '../context.js';
+import { pauseJob, resumeJob, triggerJob } from '../../jobs/commands.js';
 import { notFound, ProblemError } from '../problems.js';
 import { IdParams, Job, RunCreated } from '../schemas.js';
 import { jobView } from '../views.js';
-import { requireJob } from './job-ref.js';
+import { jobRef } from './job-ref.js';
 
 /** POST /jobs/{id}/trigger, /pause, /resume. */
 export function jobActionRoutes(app: Api, options: ApiOptions): void {
-  const { pool, sensitiveHeaders, runsTopic } = options;
-  const commands = {
-    runsTopic,
-    misfireThresholdMs: options.misfireThresholdMs ?? 5000,
-    logger: options.logger,
-  };
+  const { pool, sensitiveHeaders } = options;
+  const commands = commandOptions(options);
 
   app.post(
     '/jobs/:id/trigger',
@@ -29,13 +24,12 @@ export function jobActionRoutes(app: Api, options: ApiOptions): void {
       },
     },
     async (request, reply) => {
-      const job = await requireJob(pool, request.params.id);
-      const runId = await createManualRun(pool, job.id, runsTopic);
-      if (runId === null) {
-        // The job was deleted in between, or a run exists for this exact microsecond.
+      const result = await triggerJob(pool, jobRef(request.params.id), commands);
+      if (result.outcome === 'no-job') throw notFound(`job "${request.params.id}"`);
+      if (result.outcome === 'conflict') {
         throw new ProblemError(409, 'conflict', 'Conflict', 'no run was created; try again');
       }
-      return reply.code(202).send({ runId });
+      return reply.code(202).send({ runId: result.runId });
     },
   );
 
@@ -52,8 +46,7 @@ export function jobActionRoutes(app: Api, options: ApiOptions): void {
       },
     },
     async (request) => {
-      const { id } = await requireJob(pool, request.params.id);
-      const job = await pauseJob(pool, { id }, commands);
+      const job = await pauseJob(pool, jobRef(request.params.id), commands);
       if (!job) throw notFound(`job "${request.params.id}"`);
       return jobView(job, sensitiveHeaders);
     },
@@ -72,8 +65,7 @@ export function jobActionRoutes(app: Api, options: ApiOptions): void {
       },
     },
     async (request) => {
-      const { id } = await requireJob(pool, request.params.id);
-      const job = await resumeJob(pool, { id });
+      const job = await resumeJob(pool, jobRef(request.params.id));
       if (!job) throw notFound(`job "${request.params.id}"`);
       return jobView(job, sensitiveHeaders);
     },

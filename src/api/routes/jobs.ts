@@ -1,24 +1,19 @@
 import { Type } from 'typebox';
 import type { Api, ApiOptions } from '../context.js';
-import { COMMON_PROBLEMS, problems } from '../context.js';
-import { patchJob } from '../../jobs/commands.js';
-import { databaseNow } from '../../store/dispatch.js';
-import { deleteJob, insertJob, listJobs } from '../../store/jobs.js';
+import { commandOptions, COMMON_PROBLEMS, problems } from '../context.js';
+import { createJob, deleteJob, patchJob } from '../../jobs/commands.js';
+import { listJobs } from '../../store/jobs.js';
 import { compileJob, inputOf } from '../job-input.js';
 import { decodeCursor, DEFAULT_LIMIT, toPage } from '../cursor.js';
 import { IdParams, Job, JobInput, JobPatch, Page, PageQuery } from '../schemas.js';
 import { jobView } from '../views.js';
-import { requireJob } from './job-ref.js';
+import { jobRef, requireJob } from './job-ref.js';
 import { notFound } from '../problems.js';
 
 /** POST /jobs, GET /jobs, GET/PATCH/DELETE /jobs/{id}. */
 export function jobRoutes(app: Api, options: ApiOptions): void {
   const { pool, sensitiveHeaders } = options;
-  const commands = {
-    runsTopic: options.runsTopic,
-    misfireThresholdMs: options.misfireThresholdMs ?? 5000,
-    logger: options.logger,
-  };
+  const commands = commandOptions(options);
   const view = (job: Parameters<typeof jobView>[0]) => jobView(job, sensitiveHeaders);
 
   app.post(
@@ -33,9 +28,7 @@ export function jobRoutes(app: Api, options: ApiOptions): void {
       },
     },
     async (request, reply) => {
-      const { fields, schedule } = compileJob(request.body, options);
-      const now = await databaseNow(pool);
-      const job = await insertJob(pool, { ...fields, nextRunAt: schedule.next(now) });
+      const job = await createJob(pool, compileJob(request.body, options));
       return reply.code(201).header('location', `/api/v1/jobs/${job.id}`).send(view(job));
     },
   );
@@ -84,10 +77,9 @@ export function jobRoutes(app: Api, options: ApiOptions): void {
       },
     },
     async (request) => {
-      const { id } = await requireJob(pool, request.params.id);
       const job = await patchJob(
         pool,
-        { id },
+        jobRef(request.params.id),
         (current) => compileJob({ ...inputOf(current), ...request.body }, options, current.target),
         commands,
       );
@@ -107,9 +99,7 @@ export function jobRoutes(app: Api, options: ApiOptions): void {
       },
     },
     async (request, reply) => {
-      const job = await requireJob(pool, request.params.id);
-      // Deleted by someone else in between: the outcome the caller wanted, but not by this call.
-      if (!(await deleteJob(pool, job.id))) throw notFound(`job "${request.params.id}"`);
+      if (!(await deleteJob(pool, jobRef(request.params.id)))) throw notFound(`job "${request.params.id}"`);
       return reply.code(204).send(null);
     },
   );

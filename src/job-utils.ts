@@ -1,0 +1,130 @@
+import type { HeliosConfig } from './config.js';
+import { createLogger, type Logger } from './observability/logger.js';
+import { createPool, type Database } from './store/db.js';
+import { migrate } from './store/migrate.js';
+import { findJob } from './store/jobs.js';
+import {
+  createJob,
+  deleteJob,
+  patchJob,
+  pauseJob,
+  replayDeadLetter,
+  resumeJob,
+  triggerJob,
+  type CommandOptions,
+} from './jobs/commands.js';
+import { compileJob, inputOf } from './api/job-input.js';
+import { jobRef } from './api/routes/job-ref.js';
+import { conflict, notFound, ProblemError } from './api/problems.js';
+import { JobInput, JobPatch, type Job } from './api/schemas.js';
+import { checkInput } from './api/validation.js';
+import { jobView } from './api/views.js';
+
+/**
+ * Job management from TypeScript without a running API: the same validation and the same job
+ * commands as the REST routes, on a small pool of its own (graphile-worker's makeWorkerUtils).
+ * Answers are the REST API's views (secrets masked); bad input and unknown jobs throw the
+ * ProblemError the API would have answered with (`status` 400, 404, 409).
+ */
+export class JobUtils {
+  private readonly commands: CommandOptions;
+  private readonly view = (job: Parameters<typeof jobView>[0]) => jobView(job, this.config.sensitiveHeaders);
+
+  constructor(
+    private readonly config: HeliosConfig,
+    /** The pool the commands run on; ended by release(). */
+    readonly db: Database,
+    logger: Logger,
+  ) {
+    this.commands = {
+      runsTopic: config.runsTopic,
+      misfireThresholdMs: config.misfireThresholdMs,
+      logger,
+    };
+  }
+
+  /** Applies pending migrations (a node does so when it starts). */
+  async migrate(): ReturnType<typeof migrate> {
+    return migrate(this.db);
+  }
+
+  /** @throws ProblemError 400 naming the bad fields, 409 when the name is taken. */
+  async createJob(input: JobInput): Promise<Job> {
+    const valid = checkInput(JobInput, input);
+    return this.view(await createJob(this.db, compileJob(valid, this.config)));
+  }
+
+  /** A job by id or name. @throws ProblemError 404. */
+  async getJob(idOrName: string): Promise<Job> {
+    const job = await findJob(this.db, jobRef(idOrName));
+    if (!job) throw notFound(`job "${idOrName}"`);
+    return this.view(job);
+  }
+
+  /** Replaces the given top-level fields. @throws ProblemError 400, 404, 409. */
+  async patchJob(idOrName: string, patch: JobPatch): Promise<Job> {
+    const valid = checkInput(JobPatch, patch);
+    const job = await patchJob(
+      this.db,
+      jobRef(idOrName),
+      (current) => compileJob({ ...inputOf(current), ...valid }, this.config, current.target),
+      this.commands,
+    );
+    if (!job) throw notFound(`job "${idOrName}"`);
+    return this.view(job);
+  }
+
+  /** @throws ProblemError 404. */
+  async pauseJob(idOrName: string): Promise<Job> {
+    const job = await pauseJob(this.db, jobRef(idOrName), this.commands);
+    if (!job) throw notFound(`job "${idOrName}"`);
+    return this.view(job);
+  }
+
+  /** @throws ProblemError 404. */
+  async resumeJob(idOrName: string): Promise<Job> {
+    const job = await resumeJob(this.db, jobRef(idOrName));
+    if (!job) throw notFound(`job "${idOrName}"`);
+    return this.view(job);
+  }
+
+  /** Deletes the job with its runs. @throws ProblemError 404. */
+  async deleteJob(idOrName: string): Promise<void> {
+    if (!(await deleteJob(this.db, jobRef(idOrName)))) throw notFound(`job "${idOrName}"`);
+  }
+
+  /** A run for now (`trigger = 'manual'`). @throws ProblemError 404, 409 (try again). */
+  async triggerJob(idOrName: string): Promise<{ runId: string }> {
+    const result = await triggerJob(this.db, jobRef(idOrName), this.commands);
+    if (result.outcome === 'no-job') throw notFound(`job "${idOrName}"`);
+    if (result.outcome === 'conflict') {
+      throw new ProblemError(409, 'conflict', 'Conflict', 'no run was created; try again');
+    }
+    return { runId: result.runId };
+  }
+
+  /** Re-queues a dead run as a new attempt. @throws ProblemError 404, 409 (already replayed). */
+  async replayDeadLetter(id: string): Promise<{ runId: string }> {
+    const result = await replayDeadLetter(this.db, id, this.commands);
+    if (result.outcome === 'no-dead-letter') throw notFound(`dead letter "${id}"`);
+    if (result.outcome === 'already-replayed') throw conflict('id', 'this dead letter was already replayed');
+    return { runId: result.runId };
+  }
+
+  /** Ends the pool. */
+  async release(): Promise<void> {
+    await this.db.end();
+  }
+}
+
+/** Opens JobUtils on the configured database (`config.databaseUrl`), with a pool of 4. */
+export function makeJobUtils(config: HeliosConfig, options: { logger?: Logger } = {}): JobUtils {
+  const logger = options.logger ?? createLogger({ level: config.logLevel, nodeId: config.nodeId });
+  const db = createPool({
+    connectionString: config.databaseUrl,
+    max: 4,
+    logger,
+    applicationName: 'helios-utils',
+  });
+  return new JobUtils(config, db, logger);
+}

@@ -1,0 +1,99 @@
+import assert from 'node:assert/strict';
+import { setTimeout as sleep } from 'node:timers/promises';
+import { test } from 'node:test';
+import { DbClock } from '../../src/execution/db-clock.js';
+import { pollOverdue } from '../../src/execution/poller.js';
+import { RunQueue } from '../../src/execution/run-queue.js';
+import type { RunMessage } from '../../src/execution/run-message.js';
+import { silentLogger } from '../../src/observability/logger.js';
+import { createMetrics } from '../../src/observability/metrics.js';
+import type { ClaimedRun } from '../../src/store/runs.js';
+
+// The polling fallback and the run queue share the worker's execution slots. Pure logic: the
+// claims are fakes (the SQL is tested in test/integration/execution-claims.test.ts).
+
+const CONCURRENCY = 2;
+const id = (n: number) => `00000000-0000-4000-8000-${String(n).padStart(12, '0')}`;
+
+function claimed(runId: string): ClaimedRun {
+  return {
+    id: runId,
+    jobId: runId,
+    attempt: 1,
+    maxAttempts: 3,
+    scheduledFor: new Date(),
+    target: { url: 'http://127.0.0.1:9/' },
+    timeoutMs: 1000,
+    backoffMs: 0,
+    backoffMultiplier: 2,
+    concurrency: 'allow',
+    notBefore: new Date(),
+    claimExpiresAt: new Date(Date.now() + 10_000),
+  };
+}
+
+test('runs the poller claimed take the slots it reserved: announced runs due meanwhile wait, concurrency holds', async () => {
+  let running = 0;
+  let most = 0;
+  let finish!: () => void;
+  const finished = new Promise<void>((resolve) => (finish = resolve));
+  const clock = new DbClock();
+  const metrics = createMetrics('test');
+  const queue = new RunQueue({
+    claim: async (message) => ({ kind: 'claimed', run: claimed(message.runId) }),
+    claimLeadMs: 0,
+    concurrency: CONCURRENCY,
+    prefetch: 100,
+    clock,
+    run: async () => {
+      running += 1;
+      most = Math.max(most, running);
+      await finished;
+      running -= 1;
+    },
+    onBackpressure: () => undefined,
+    logger: silentLogger,
+    metrics,
+  });
+  // Two announced runs fall due while the poll's claim is in flight (its slots are reserved).
+  const soon = new Date(Date.now() + 30);
+  for (const n of [1, 2]) {
+    const message: RunMessage = {
+      runId: id(n),
+      jobId: id(n),
+      attempt: 1,
+      scheduledFor: soon,
+      notBefore: soon,
+    };
+    queue.hold(message);
+  }
+  const abort = new AbortController();
+  let polls = 0;
+  const poller = pollOverdue({
+    claimOverdue: async (_overdueMs, limit) => {
+      polls += 1;
+      if (polls > 1) return { claimed: [], skipped: 0 };
+      await sleep(100);
+      return { claimed: [3, 4].slice(0, limit).map((n) => claimed(id(n))), skipped: 0 };
+    },
+    syncClock: async () => undefined,
+    intervalMs: 10_000,
+    overdueMs: 2000,
+    capacity: () => queue.freeSlots(),
+    reserve: (n) => queue.reserve(n),
+    execute: (runs) => runs.forEach((run) => queue.execute(run)),
+    logger: silentLogger,
+    metrics,
+    signal: abort.signal,
+  });
+  try {
+    await sleep(200);
+    assert.equal(polls >= 1 && running, CONCURRENCY, 'the slots are all in use');
+    assert.equal(most, CONCURRENCY, `at most ${CONCURRENCY} runs execute at once`);
+  } finally {
+    finish();
+    abort.abort();
+    await poller;
+    await queue.drain(1000, new Error('test over'));
+  }
+});
