@@ -8,6 +8,7 @@ import type { RunMessage } from '../../src/execution/run-message.js';
 import { silentLogger } from '../../src/observability/logger.js';
 import { createMetrics } from '../../src/observability/metrics.js';
 import type { ClaimedRun } from '../../src/store/runs.js';
+import { fakeClaimedRun } from '../support/claimed-run.js';
 
 // The polling fallback and the run queue share the worker's execution slots. Pure logic: the
 // claims are fakes (the SQL is tested in test/integration/execution-claims.test.ts).
@@ -16,20 +17,7 @@ const CONCURRENCY = 2;
 const id = (n: number) => `00000000-0000-4000-8000-${String(n).padStart(12, '0')}`;
 
 function claimed(runId: string): ClaimedRun {
-  return {
-    id: runId,
-    jobId: runId,
-    attempt: 1,
-    maxAttempts: 3,
-    scheduledFor: new Date(),
-    target: { url: 'http://127.0.0.1:9/' },
-    timeoutMs: 1000,
-    backoffMs: 0,
-    backoffMultiplier: 2,
-    concurrency: 'allow',
-    notBefore: new Date(),
-    claimExpiresAt: new Date(Date.now() + 10_000),
-  };
+  return fakeClaimedRun(runId);
 }
 
 test('runs the poller claimed take the slots it reserved: announced runs due meanwhile wait, concurrency holds', async () => {

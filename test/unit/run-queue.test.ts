@@ -7,6 +7,7 @@ import type { RunMessage } from '../../src/execution/run-message.js';
 import { silentLogger } from '../../src/observability/logger.js';
 import { createMetrics } from '../../src/observability/metrics.js';
 import type { ClaimedRun } from '../../src/store/runs.js';
+import { fakeClaimedRun } from '../support/claimed-run.js';
 
 // The queue's timing logic alone: claims and executions are fakes (the claim itself is tested
 // against PostgreSQL in test/integration/execution-claims.test.ts).
@@ -18,20 +19,7 @@ function message(attempt: number): RunMessage {
 }
 
 function claimed(attempt: number): ClaimedRun {
-  return {
-    id: RUN_ID,
-    jobId: RUN_ID,
-    attempt,
-    maxAttempts: 3,
-    scheduledFor: new Date(),
-    target: { url: 'http://127.0.0.1:9/' },
-    timeoutMs: 1000,
-    backoffMs: 0,
-    backoffMultiplier: 2,
-    concurrency: 'allow',
-    notBefore: new Date(),
-    claimExpiresAt: new Date(Date.now() + 10_000),
-  };
+  return fakeClaimedRun(RUN_ID, attempt);
 }
 
 test('a retry announced while its previous attempt is still executing is claimed once that attempt ends', async () => {
