@@ -10,6 +10,7 @@ import { createPool, ping, type Database } from './store/db.js';
 import { PoolShare, poolStats } from './store/pool-share.js';
 import { migrate } from './store/migrate.js';
 import { Notifications } from './store/notifications.js';
+import { endPredecessorSessions, leaderApplicationName } from './store/leader-sessions.js';
 import { createEtcdClient } from './coordination/etcd.js';
 import { listNodes, NodeRegistry } from './coordination/registry.js';
 import { clusterView } from './coordination/cluster-view.js';
@@ -270,7 +271,7 @@ export class HeliosNode {
         connectionString: config.databaseUrl,
         max: config.leaderPoolSize,
         logger,
-        applicationName: `helios-${config.nodeId}-leader`,
+        applicationName: leaderApplicationName(config.nodeId),
       }));
       this.onStop('leader postgres pool', () => leaderPool.end());
       this.metrics.trackPool('leader', poolStats(leaderPool, config.leaderPoolSize));
@@ -344,6 +345,19 @@ export class HeliosNode {
     });
   }
 
+  /** Ends the sessions an earlier leader left inside a transaction (see endPredecessorSessions). */
+  private async endPredecessorSessions(leadership: Leadership): Promise<void> {
+    const log = this.logger.child({ part: 'takeover' });
+    try {
+      const ended = await endPredecessorSessions(this.leaderPool!, leadership.token);
+      if (ended.length > 0) log.warn({ sessions: ended }, "ended an earlier leader's open transactions");
+    } catch (err) {
+      // Without the right to end another session (pg_signal_backend) or without the database,
+      // the predecessor's transaction ends on PostgreSQL's idle transaction timeout instead.
+      log.warn({ err: toError(err) }, "could not end an earlier leader's open transactions");
+    }
+  }
+
   /** Starts the leader's loops for one epoch; they end when the epoch's signal aborts. */
   private lead(leadership: Leadership): void {
     const { config, logger, metrics } = this;
@@ -358,6 +372,9 @@ export class HeliosNode {
     // leader is this node's next epoch, ending it would be wrong (see LeaderElection.stepDown).
     const stepDown = () => this.election?.stepDown('fenced', config.leaseTtlMs, leadership);
     const leaderPool = this.leaderPool!;
+    // A predecessor cut off inside a transaction still holds the fence and the rows it locked;
+    // end its sessions so this epoch's first writes do not wait for PostgreSQL to notice.
+    track('takeover', this.endPredecessorSessions(leadership));
     const dispatcher = new Dispatcher({
       pool: leaderPool,
       leadership,

@@ -1,0 +1,46 @@
+import type { Queryable } from './db.js';
+
+/**
+ * Every node names its leader pool's sessions with this prefix (PostgreSQL's application_name),
+ * so that a new leader can find the sessions of the leaders before it.
+ */
+const LEADER_SESSION_PREFIX = 'helios-leader:';
+
+/** The application_name of a node's leader pool (PostgreSQL cuts it at 63 bytes; the prefix stays). */
+export function leaderApplicationName(nodeId: string): string {
+  return `${LEADER_SESSION_PREFIX}${nodeId}`;
+}
+
+/**
+ * Ends the sessions of earlier leaders that are still inside a transaction, unless a newer leader
+ * than us has already written. Run on the new leader's own pool: its application_name is ours.
+ * $1 = our fencing token.
+ */
+const END_PREDECESSOR_SESSIONS = `
+  SELECT a.application_name AS "applicationName", pg_terminate_backend(a.pid) AS ended
+  FROM pg_stat_activity a
+  WHERE a.datname = current_database()
+    AND a.pid <> pg_backend_pid()
+    AND starts_with(a.application_name, '${LEADER_SESSION_PREFIX}')
+    AND a.application_name <> current_setting('application_name')
+    AND a.xact_start IS NOT NULL
+    AND (SELECT token FROM leader_fence WHERE id) <= $1`;
+
+/**
+ * A leader that lost its lease while inside a transaction (partitioned away, paused, killed
+ * without its socket closing) keeps that transaction open in PostgreSQL, and with it the fence
+ * row and the job and outbox rows it locked, until PostgreSQL notices: the idle transaction
+ * timeout, or TCP keep-alive. Its writes can no longer commit (the fence), but until then the new
+ * leader cannot raise the fence, and its dispatch skips the locked jobs; an occurrence held that
+ * long would be found late enough to misfire. So a new leader ends those sessions first.
+ *
+ * Only sessions of another node's leader pool that are inside a transaction are ended, and none
+ * once the fence holds a token above ours (a newer leader is writing: we are the stale one).
+ * Returns the application names of the sessions ended.
+ */
+export async function endPredecessorSessions(db: Queryable, token: bigint): Promise<string[]> {
+  const { rows } = await db.query<{ applicationName: string; ended: boolean }>(END_PREDECESSOR_SESSIONS, [
+    token.toString(),
+  ]);
+  return rows.filter((r) => r.ended).map((r) => r.applicationName);
+}
