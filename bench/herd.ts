@@ -13,6 +13,7 @@ import { parseArgs } from 'node:util';
 import { BenchCluster, profiled } from './lib/cluster.js';
 import { ActivitySampler, CpuMeter, summariseCpuProfiles } from './lib/profile.js';
 import { machine, max, median, ms, percentile } from './lib/stats.js';
+import { envArgs } from './lib/args.js';
 
 export interface HerdRun {
   /** Due instant → the last call arrived. */
@@ -138,7 +139,7 @@ async function main(): Promise<void> {
       env: { type: 'string', multiple: true },
     },
   });
-  const env = Object.fromEntries((values.env ?? []).map((kv) => kv.split('=', 2) as [string, string]));
+  const env = envArgs(values.env);
   const jobs = Number(values.jobs);
   console.log(`Helios herd: ${jobs} jobs due in one second, 3 nodes, ${machine()}`);
   const result = await herd(jobs, {

@@ -13,6 +13,7 @@ import { cpus } from 'node:os';
 import { BenchCluster, profiled } from './lib/cluster.js';
 import { ActivitySampler, CpuMeter, summariseCpuProfiles } from './lib/profile.js';
 import { machine, max, median, ms, percentile } from './lib/stats.js';
+import { envArgs } from './lib/args.js';
 
 /** Load ramps up over the first seconds (a quarter more each second), then warms up until this. */
 export const WARMUP_S = 10;
@@ -177,7 +178,7 @@ async function main(): Promise<void> {
       profile: { type: 'string' },
     },
   });
-  const env = Object.fromEntries((values.env ?? []).map((kv) => kv.split('=', 2) as [string, string]));
+  const env = envArgs(values.env);
   console.log(`lateness on 3 nodes, ${machine()}`);
   for (const rate of (values.rate ?? ['100', '500', '2000']).map(Number)) {
     const result = await lateness(rate, {

@@ -3,7 +3,7 @@
  * each firing once a minute at its own second (≈ 167 runs/s spread over the minute), after they
  * all fired at least once.
  *
- *   npm run build && npx tsx bench/memory.ts [--jobs 10000] [--seconds 65]
+ *   npm run build && npx tsx bench/memory.ts [--jobs 10000] [--seconds 65] [--env K=V]…
  */
 import { readFileSync } from 'node:fs';
 import { setTimeout as sleep } from 'node:timers/promises';
@@ -11,6 +11,7 @@ import { pathToFileURL } from 'node:url';
 import { parseArgs } from 'node:util';
 import { BenchCluster } from './lib/cluster.js';
 import { machine } from './lib/stats.js';
+import { envArgs } from './lib/args.js';
 
 export interface MemoryResult {
   readonly jobs: number;
@@ -25,8 +26,12 @@ function statusMb(pid: number, field: 'VmHWM' | 'VmRSS'): number {
   return match ? Number(match[1]) / 1024 : NaN;
 }
 
-export async function memory(jobs: number, seconds: number): Promise<MemoryResult> {
-  const cluster = await BenchCluster.start();
+export async function memory(
+  jobs: number,
+  seconds: number,
+  env: Record<string, string> = {},
+): Promise<MemoryResult> {
+  const cluster = await BenchCluster.start({ env });
   try {
     const start = await cluster.nextWholeSecond(2000);
     // Job n fires at second n mod 60 of every minute: the 10,000 jobs are spread evenly.
@@ -51,9 +56,14 @@ export async function memory(jobs: number, seconds: number): Promise<MemoryResul
 
 async function main(): Promise<void> {
   const { values } = parseArgs({
-    options: { jobs: { type: 'string', default: '10000' }, seconds: { type: 'string', default: '65' } },
+    options: {
+      jobs: { type: 'string', default: '10000' },
+      seconds: { type: 'string', default: '65' },
+      env: { type: 'string', multiple: true },
+    },
   });
-  const result = await memory(Number(values.jobs), Number(values.seconds));
+  const env = envArgs(values.env);
+  const result = await memory(Number(values.jobs), Number(values.seconds), env);
   console.log(`memory with ${result.jobs} jobs defined (${result.calls} calls made), ${machine()}`);
   for (const n of result.nodes)
     console.log(`  ${n.name}: peak RSS ${n.peakMb.toFixed(0)} MB, now ${n.rssMb.toFixed(0)} MB`);
