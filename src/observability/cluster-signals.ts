@@ -52,26 +52,34 @@ export class ClusterSignals {
     }
   }
 
-  /** One reading of the database counts and the Kafka lag (each on its own: one may fail alone). */
+  /**
+   * One reading of the database counts and the Kafka lag, each on its own: one may fail alone,
+   * and a slow one (the lag read waits up to its timeout while Kafka is down) must not hold the
+   * other's gauges back.
+   */
   async refresh(): Promise<void> {
     const { db, signal, overdueMs, metrics, logger } = this.options;
     const gauges = metrics.cluster;
-    const [counts, lag] = await Promise.allSettled([
-      readClusterCounts(db, overdueMs, CLUSTER_COUNT_CAP),
-      this.options.kafkaLag(),
-    ]);
-    // A reading that ends after the epoch must not show up in the next one.
-    if (signal.aborted) return;
-    if (lag.status === 'fulfilled') gauges.kafkaLag.set(lag.value);
-    else logger.debug({ err: toError(lag.reason) }, 'reading the Kafka consumer lag failed');
-    if (counts.status === 'rejected') throw counts.reason;
-    const c = counts.value;
-    gauges.outboxPending.set(c.outboxPending);
-    gauges.outboxOldestAge.set(c.outboxOldestAgeSeconds);
-    gauges.runsQueued.set(c.runsQueued);
-    gauges.runsOverdue.set(c.runsOverdue);
-    gauges.runsRunning.set(c.runsRunning);
-    gauges.deadLettersOpen.set(c.deadLettersOpen);
-    gauges.updated.set(Date.now() / 1000);
+    const lag = this.options.kafkaLag().then(
+      (value) => {
+        // A reading that ends after the epoch must not show up in the next one.
+        if (!signal.aborted) gauges.kafkaLag.set(value);
+      },
+      (err: unknown) => logger.debug({ err: toError(err) }, 'reading the Kafka consumer lag failed'),
+    );
+    try {
+      const c = await readClusterCounts(db, overdueMs, CLUSTER_COUNT_CAP);
+      if (signal.aborted) return;
+      gauges.outboxPending.set(c.outboxPending);
+      gauges.outboxOldestAge.set(c.outboxOldestAgeSeconds);
+      gauges.runsQueued.set(c.runsQueued);
+      gauges.runsOverdue.set(c.runsOverdue);
+      gauges.runsRunning.set(c.runsRunning);
+      gauges.deadLettersOpen.set(c.deadLettersOpen);
+      gauges.updated.set(Date.now() / 1000);
+    } finally {
+      // The next interval starts once both readings ended: never two lag reads at once.
+      await lag;
+    }
   }
 }
