@@ -355,8 +355,12 @@ export class HeliosNode {
     const log = this.logger.child({ part: 'takeover' });
     try {
       await this.options.beforeTakeover?.();
-      const ended = await endPredecessorSessions(this.leaderPool!, leadership.token);
-      if (ended.length > 0) log.warn({ sessions: ended }, "ended an earlier leader's open transactions");
+      const ended = await endPredecessorSessions(this.leaderPool!, leadership.token, () =>
+        leadership.isValid(),
+      );
+      if (ended === null)
+        log.info({ token: leadership.token.toString() }, 'epoch ended before the takeover; no session ended');
+      else if (ended.length > 0) log.warn({ sessions: ended }, "ended an earlier leader's open transactions");
     } catch (err) {
       // Without the right to end another session (pg_signal_backend) or without the database,
       // the predecessor's transaction ends on PostgreSQL's idle transaction timeout instead.

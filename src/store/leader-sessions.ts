@@ -1,4 +1,4 @@
-import type { Queryable } from './db.js';
+import type { Connections } from './pool-share.js';
 
 /**
  * Every node names its leader pool's sessions with this prefix (PostgreSQL's application_name),
@@ -36,11 +36,30 @@ const END_PREDECESSOR_SESSIONS = `
  *
  * Only sessions of another node's leader pool that are inside a transaction are ended, and none
  * once the fence holds a token above ours (a newer leader is writing: we are the stale one).
- * Returns the application names of the sessions ended.
+ * The fence says so only after the newer leader's first commit; before it, only our own epoch
+ * can tell: `stillLeading` (the epoch's isValid) is asked on a connection already checked out,
+ * right before the statement goes out, as every leader write asks it. A leader paused between
+ * winning and this statement would otherwise wake up and end its successor's first transaction.
+ * Returns the application names of the sessions ended, or null when the epoch had ended.
  */
-export async function endPredecessorSessions(db: Queryable, token: bigint): Promise<string[]> {
-  const { rows } = await db.query<{ applicationName: string; ended: boolean }>(END_PREDECESSOR_SESSIONS, [
-    token.toString(),
-  ]);
-  return rows.filter((r) => r.ended).map((r) => r.applicationName);
+export async function endPredecessorSessions(
+  pool: Connections,
+  token: bigint,
+  stillLeading: () => boolean,
+): Promise<string[] | null> {
+  const client = await pool.connect();
+  let broken = false;
+  try {
+    if (!stillLeading()) return null;
+    const { rows } = await client.query<{ applicationName: string; ended: boolean }>(
+      END_PREDECESSOR_SESSIONS,
+      [token.toString()],
+    );
+    return rows.filter((r) => r.ended).map((r) => r.applicationName);
+  } catch (err) {
+    broken = true;
+    throw err;
+  } finally {
+    client.release(broken);
+  }
 }
