@@ -1,3 +1,4 @@
+import { createHash } from 'node:crypto';
 import type { Connections } from './pool-share.js';
 
 /**
@@ -6,9 +7,20 @@ import type { Connections } from './pool-share.js';
  */
 const LEADER_SESSION_PREFIX = 'helios-leader:';
 
-/** The application_name of a node's leader pool (PostgreSQL cuts it at 63 bytes; the prefix stays). */
+/** PostgreSQL keeps this many bytes of an application_name (NAMEDATALEN - 1). */
+const APPLICATION_NAME_BYTES = 63;
+
+/**
+ * The application_name of a node's leader pool. Node ids (ASCII, up to 64 characters) can be
+ * longer than PostgreSQL keeps after the prefix, and ids built from a long host name share their
+ * beginning: cut by PostgreSQL, two nodes would carry one name and each would spare the other's
+ * sessions as its own. A name too long keeps its beginning and ends with a hash of the whole id.
+ */
 export function leaderApplicationName(nodeId: string): string {
-  return `${LEADER_SESSION_PREFIX}${nodeId}`;
+  const name = `${LEADER_SESSION_PREFIX}${nodeId}`;
+  if (Buffer.byteLength(name) <= APPLICATION_NAME_BYTES) return name;
+  const hash = createHash('sha256').update(nodeId).digest('hex').slice(0, 12);
+  return `${name.slice(0, APPLICATION_NAME_BYTES - hash.length - 1)}~${hash}`;
 }
 
 /**
