@@ -46,6 +46,11 @@ export interface HeliosNodeOptions {
   readonly beforeLeaderWrite?: () => Promise<void>;
   /** Fault injection for outbox tests; see OutboxRelayOptions.beforePublish. */
   readonly beforePublish?: () => Promise<void>;
+  /**
+   * Fault injection for takeover tests: awaited once an epoch began and before it ends its
+   * predecessor's sessions, where a pause right after winning would hurt most.
+   */
+  readonly beforeTakeover?: () => Promise<void>;
 }
 
 /**
@@ -349,8 +354,13 @@ export class HeliosNode {
   private async endPredecessorSessions(leadership: Leadership): Promise<void> {
     const log = this.logger.child({ part: 'takeover' });
     try {
-      const ended = await endPredecessorSessions(this.leaderPool!, leadership.token);
-      if (ended.length > 0) log.warn({ sessions: ended }, "ended an earlier leader's open transactions");
+      await this.options.beforeTakeover?.();
+      const ended = await endPredecessorSessions(this.leaderPool!, leadership.token, () =>
+        leadership.isValid(),
+      );
+      if (ended === null)
+        log.info({ token: leadership.token.toString() }, 'epoch ended before the takeover; no session ended');
+      else if (ended.length > 0) log.warn({ sessions: ended }, "ended an earlier leader's open transactions");
     } catch (err) {
       // Without the right to end another session (pg_signal_backend) or without the database,
       // the predecessor's transaction ends on PostgreSQL's idle transaction timeout instead.

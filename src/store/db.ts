@@ -28,7 +28,17 @@ export function isDatabaseUnavailable(err: unknown): boolean {
   return /^(08|53|57|58)/.test(code);
 }
 
-/** Opens the node's pool. Errors on idle clients are logged, not thrown (they would crash the process). */
+/** Names the session (the pool's applicationName). $1 = the name. */
+const SET_APPLICATION_NAME = `SELECT set_config('application_name', $1, false)`;
+
+/**
+ * Opens the node's pool. Errors on idle clients are logged, not thrown (they would crash the process).
+ *
+ * The session is named again once connected: pg lets an application_name in the connection
+ * string win over the pool's option, and the leader takeover finds the leader pools of other
+ * nodes by name (store/leader-sessions.ts); renamed by the URL, they would be left to the idle
+ * transaction timeout.
+ */
 export function createPool(options: {
   connectionString: string;
   max: number;
@@ -49,6 +59,9 @@ export function createPool(options: {
     keepAlive: true,
     // One clock and one zone for every timestamp we format in SQL.
     options: '-c TimeZone=UTC',
+    onConnect: async (client) => {
+      await client.query(SET_APPLICATION_NAME, [options.applicationName]);
+    },
   });
   pool.on('error', (err) => options.logger.warn({ err }, 'idle PostgreSQL client failed'));
   return pool;

@@ -1,4 +1,5 @@
-import type { Queryable } from './db.js';
+import { createHash } from 'node:crypto';
+import type { Connections } from './pool-share.js';
 
 /**
  * Every node names its leader pool's sessions with this prefix (PostgreSQL's application_name),
@@ -6,9 +7,20 @@ import type { Queryable } from './db.js';
  */
 const LEADER_SESSION_PREFIX = 'helios-leader:';
 
-/** The application_name of a node's leader pool (PostgreSQL cuts it at 63 bytes; the prefix stays). */
+/** PostgreSQL keeps this many bytes of an application_name (NAMEDATALEN - 1). */
+const APPLICATION_NAME_BYTES = 63;
+
+/**
+ * The application_name of a node's leader pool. Node ids (ASCII, up to 64 characters) can be
+ * longer than PostgreSQL keeps after the prefix, and ids built from a long host name share their
+ * beginning: cut by PostgreSQL, two nodes would carry one name and each would spare the other's
+ * sessions as its own. A name too long keeps its beginning and ends with a hash of the whole id.
+ */
 export function leaderApplicationName(nodeId: string): string {
-  return `${LEADER_SESSION_PREFIX}${nodeId}`;
+  const name = `${LEADER_SESSION_PREFIX}${nodeId}`;
+  if (Buffer.byteLength(name) <= APPLICATION_NAME_BYTES) return name;
+  const hash = createHash('sha256').update(nodeId).digest('hex').slice(0, 12);
+  return `${name.slice(0, APPLICATION_NAME_BYTES - hash.length - 1)}~${hash}`;
 }
 
 /**
@@ -36,11 +48,30 @@ const END_PREDECESSOR_SESSIONS = `
  *
  * Only sessions of another node's leader pool that are inside a transaction are ended, and none
  * once the fence holds a token above ours (a newer leader is writing: we are the stale one).
- * Returns the application names of the sessions ended.
+ * The fence says so only after the newer leader's first commit; before it, only our own epoch
+ * can tell: `stillLeading` (the epoch's isValid) is asked on a connection already checked out,
+ * right before the statement goes out, as every leader write asks it. A leader paused between
+ * winning and this statement would otherwise wake up and end its successor's first transaction.
+ * Returns the application names of the sessions ended, or null when the epoch had ended.
  */
-export async function endPredecessorSessions(db: Queryable, token: bigint): Promise<string[]> {
-  const { rows } = await db.query<{ applicationName: string; ended: boolean }>(END_PREDECESSOR_SESSIONS, [
-    token.toString(),
-  ]);
-  return rows.filter((r) => r.ended).map((r) => r.applicationName);
+export async function endPredecessorSessions(
+  pool: Connections,
+  token: bigint,
+  stillLeading: () => boolean,
+): Promise<string[] | null> {
+  const client = await pool.connect();
+  let broken = false;
+  try {
+    if (!stillLeading()) return null;
+    const { rows } = await client.query<{ applicationName: string; ended: boolean }>(
+      END_PREDECESSOR_SESSIONS,
+      [token.toString()],
+    );
+    return rows.filter((r) => r.ended).map((r) => r.applicationName);
+  } catch (err) {
+    broken = true;
+    throw err;
+  } finally {
+    client.release(broken);
+  }
 }
