@@ -159,7 +159,7 @@ test('a leader killed after commit and before publish: the run is published afte
 
   const b = spawnNode('outbox-b', env);
   processes.push(b);
-  await b.waitForLog((l) => l.msg === 'became leader', 10_000);
+  await b.waitForLog((l) => l.msg === 'became leader', 20_000);
   await waitFor(
     'the pending runs on Kafka',
     async () => {
