@@ -5,7 +5,7 @@ import { mkdir, mkdtemp, rm, writeFile } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, before, test } from 'node:test';
-import type { ApiRole } from '../../src/config.js';
+import type { ApiRole } from '../../src/config/index.js';
 import { REPO_ROOT } from '../support/env.js';
 import { ADMIN, startTestApi, VIEWER, type TestApi } from '../support/api.js';
 
