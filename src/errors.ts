@@ -4,17 +4,6 @@ export function toError(value: unknown): Error {
   return new Error(typeof value === 'string' ? value : JSON.stringify(value));
 }
 
-/** A setting from the environment is missing or invalid; the message names the variable. */
-export class ConfigError extends Error {
-  override name = 'ConfigError';
-  constructor(
-    readonly variable: string,
-    message: string,
-  ) {
-    super(`${variable}: ${message}`);
-  }
-}
-
 /** A leader write was attempted by a node that does not (or no longer) hold leadership. */
 export class NotLeaderError extends Error {
   override name = 'NotLeaderError';

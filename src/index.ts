@@ -1,17 +1,18 @@
 // The programmatic API (package.json `main`): embed a node, manage jobs from TypeScript, or talk
 // to a running cluster with the typed REST client the CLI uses. Exported by name; nothing else
 // under src/ is part of the public surface.
-import { loadConfig, type HeliosConfig } from './config.js';
+import { loadConfig, type HeliosConfig } from './config/index.js';
 import { HeliosNode, type HeliosNodeOptions } from './node.js';
 
 export {
+  ConfigError,
   loadConfig,
   loadCliConfig,
   type HeliosConfig,
   type CliConfig,
   type Role,
   type ApiRole,
-} from './config.js';
+} from './config/index.js';
 export { HeliosNode, type HeliosNodeOptions } from './node.js';
 export { JobUtils, makeJobUtils } from './job-utils.js';
 export { ApiClient, ApiError, UnreachableError, type Problem } from './cli/client.js';
@@ -33,7 +34,6 @@ export { ProblemError, type FieldError } from './api/problems.js';
 export type { Job, JobInput, JobPatch, Run, RunDetail, DeadLetter, Cluster } from './api/schemas.js';
 export {
   ClaimLostError,
-  ConfigError,
   LifecycleError,
   NotLeaderError,
   StaleFencingTokenError,

@@ -1,4 +1,4 @@
-import type { HeliosConfig } from './config.js';
+import type { HeliosConfig } from './config/index.js';
 import { createLogger, type Logger } from './observability/logger.js';
 import { createPool, type Database } from './store/db.js';
 import { migrate } from './store/migrate.js';
@@ -13,7 +13,7 @@ import {
   triggerJob,
   type CommandOptions,
 } from './jobs/commands.js';
-import { compileJob, inputOf } from './api/job-input.js';
+import { compileJob, inputOf, type JobRules } from './api/job-input.js';
 import { jobRef } from './api/routes/job-ref.js';
 import { conflict, notFound, ProblemError } from './api/problems.js';
 import { JobInput, JobPatch, type Job } from './api/schemas.js';
@@ -28,7 +28,9 @@ import { jobView } from './api/views.js';
  */
 export class JobUtils {
   private readonly commands: CommandOptions;
-  private readonly view = (job: Parameters<typeof jobView>[0]) => jobView(job, this.config.sensitiveHeaders);
+  private readonly rules: JobRules;
+  private readonly view = (job: Parameters<typeof jobView>[0]) =>
+    jobView(job, this.config.targets.sensitiveHeaders);
 
   constructor(
     private readonly config: HeliosConfig,
@@ -36,9 +38,10 @@ export class JobUtils {
     readonly db: Database,
     logger: Logger,
   ) {
+    this.rules = { targetPolicy: config.targets.policy, sensitiveHeaders: config.targets.sensitiveHeaders };
     this.commands = {
-      runsTopic: config.runsTopic,
-      misfireThresholdMs: config.misfireThresholdMs,
+      runsTopic: config.kafka.runsTopic,
+      misfireThresholdMs: config.leader.misfireThresholdMs,
       logger,
     };
   }
@@ -51,7 +54,7 @@ export class JobUtils {
   /** @throws ProblemError 400 naming the bad fields, 409 when the name is taken. */
   async createJob(input: JobInput): Promise<Job> {
     const valid = checkInput(JobInput, input);
-    return this.view(await createJob(this.db, compileJob(valid, this.config)));
+    return this.view(await createJob(this.db, compileJob(valid, this.rules)));
   }
 
   /** A job by id or name. @throws ProblemError 404. */
@@ -67,7 +70,7 @@ export class JobUtils {
     const job = await patchJob(
       this.db,
       jobRef(idOrName),
-      (current) => compileJob({ ...inputOf(current), ...valid }, this.config, current.target),
+      (current) => compileJob({ ...inputOf(current), ...valid }, this.rules, current.target),
       this.commands,
     );
     if (!job) throw notFound(`job "${idOrName}"`);
@@ -117,11 +120,11 @@ export class JobUtils {
   }
 }
 
-/** Opens JobUtils on the configured database (`config.databaseUrl`), with a pool of 4. */
+/** Opens JobUtils on the configured database (`config.database.url`), with a pool of 4. */
 export function makeJobUtils(config: HeliosConfig, options: { logger?: Logger } = {}): JobUtils {
-  const logger = options.logger ?? createLogger({ level: config.logLevel, nodeId: config.nodeId });
+  const logger = options.logger ?? createLogger({ level: config.node.logLevel, nodeId: config.node.id });
   const db = createPool({
-    connectionString: config.databaseUrl,
+    connectionString: config.database.url,
     max: 4,
     logger,
     applicationName: 'helios-utils',

@@ -1,6 +1,6 @@
 #!/usr/bin/env node
-import { loadConfig } from './config.js';
-import { ConfigError, toError } from './errors.js';
+import { ConfigError, loadConfig } from './config/index.js';
+import { toError } from './errors.js';
 import { createLogger } from './observability/logger.js';
 import { HeliosNode } from './node.js';
 import { createPool } from './store/db.js';
@@ -48,8 +48,8 @@ async function runNode(): Promise<void> {
 /** What a one-off node-side command (`migrate`, `fence`) needs: the config, a logger, a small pool. */
 function commandContext(applicationName: string) {
   const config = loadConfig();
-  const logger = createLogger({ level: config.logLevel, nodeId: config.nodeId });
-  const pool = createPool({ connectionString: config.databaseUrl, max: 2, logger, applicationName });
+  const logger = createLogger({ level: config.node.logLevel, nodeId: config.node.id });
+  const pool = createPool({ connectionString: config.database.url, max: 2, logger, applicationName });
   return { config, logger, pool };
 }
 
@@ -76,8 +76,8 @@ async function runFence(sub: string | undefined): Promise<void> {
     return;
   }
   const { config, pool } = commandContext('helios-fence');
-  const etcd = createEtcdClient(config.etcdEndpoints);
-  const leaderKey = `${config.etcdPrefix}/leader`;
+  const etcd = createEtcdClient(config.etcd.endpoints);
+  const leaderKey = `${config.etcd.prefix}/leader`;
   const out = (line: string) => process.stdout.write(`${line}\n`);
   try {
     const describe = (status: FenceStatus) => {

@@ -2,7 +2,7 @@ import { hostname } from 'node:os';
 import { setTimeout as sleep } from 'node:timers/promises';
 import type { FastifyInstance } from 'fastify';
 import type { Etcd3 } from 'etcd3';
-import { apiUrlOf, type HeliosConfig } from './config.js';
+import { apiUrlOf, type HeliosConfig } from './config/index.js';
 import { LifecycleError, toError, withTimeout } from './errors.js';
 import { createLogger, type Logger } from './observability/logger.js';
 import { createMetrics, type Metrics } from './observability/metrics.js';
@@ -40,7 +40,7 @@ const CLUSTER_ENDPOINTS_REFRESH_MS = 10_000;
 
 export interface HeliosNodeOptions {
   readonly config: HeliosConfig;
-  /** Default: a pino logger on stdout at `config.logLevel`. */
+  /** Default: a pino logger on stdout at `config.node.logLevel`. */
   readonly logger?: Logger;
   /** Fault injection for fence tests; see DispatcherOptions.beforeWrite. */
   readonly beforeLeaderWrite?: () => Promise<void>;
@@ -83,11 +83,11 @@ export class HeliosNode {
     this.logger =
       options.logger ??
       createLogger({
-        level: options.config.logLevel,
-        nodeId: options.config.nodeId,
-        sensitiveHeaders: options.config.sensitiveHeaders,
+        level: options.config.node.logLevel,
+        nodeId: options.config.node.id,
+        sensitiveHeaders: options.config.targets.sensitiveHeaders,
       });
-    this.metrics = createMetrics(options.config.nodeId);
+    this.metrics = createMetrics(options.config.node.id);
   }
 
   /** The URL of this node's HTTP server once started (null without the api role's server). */
@@ -123,33 +123,33 @@ export class HeliosNode {
 
   private async startParts(): Promise<void> {
     const { config, logger } = this;
-    logger.info({ roles: [...config.roles] }, 'starting node');
+    logger.info({ roles: [...config.node.roles] }, 'starting node');
 
     const pool = (this.pool = createPool({
-      connectionString: config.databaseUrl,
-      max: config.databasePoolSize,
+      connectionString: config.database.url,
+      max: config.database.poolSize,
       logger,
-      applicationName: `helios-${config.nodeId}`,
+      applicationName: `helios-${config.node.id}`,
     }));
     this.onStop('postgres pool', () => pool.end());
-    this.metrics.trackPool('main', poolStats(pool, config.databasePoolSize));
+    this.metrics.trackPool('main', poolStats(pool, config.database.poolSize));
     const applied = await migrate(pool);
     if (applied.length > 0) logger.info({ applied }, 'applied migrations');
 
     const notifications = (this.notifications = new Notifications(
-      config.databaseUrl,
+      config.database.url,
       ['helios_jobs', 'helios_outbox', 'helios_runs'],
       logger,
     ));
     notifications.start();
     this.onStop('notifications', () => notifications.stop());
 
-    const etcd = (this.etcd = createEtcdClient(config.etcdEndpoints));
+    const etcd = (this.etcd = createEtcdClient(config.etcd.endpoints));
     this.onStop('etcd client', () => etcd.close());
 
     const kafka = (this.kafka = createKafka({
-      brokers: [...config.kafkaBrokers],
-      clientId: config.nodeId,
+      brokers: [...config.kafka.brokers],
+      clientId: config.node.id,
       logger,
     }));
     const probe = new KafkaProbe(kafka);
@@ -160,11 +160,15 @@ export class HeliosNode {
       kafka,
       topics: [
         {
-          name: config.runsTopic,
-          partitions: config.topicPartitions,
-          replicationFactor: config.topicReplicationFactor,
+          name: config.kafka.runsTopic,
+          partitions: config.kafka.partitions,
+          replicationFactor: config.kafka.replicationFactor,
         },
-        { name: config.deadLetterTopic, partitions: 1, replicationFactor: config.topicReplicationFactor },
+        {
+          name: config.kafka.deadLetterTopic,
+          partitions: 1,
+          replicationFactor: config.kafka.replicationFactor,
+        },
       ],
       logger,
     }));
@@ -180,7 +184,7 @@ export class HeliosNode {
         postgres: { required: true, check: () => ping(pool) },
         etcd: {
           required: false,
-          check: async () => void (await etcd.get(`${config.etcdPrefix}/readyz`).string()),
+          check: async () => void (await etcd.get(`${config.etcd.prefix}/readyz`).string()),
         },
         kafka: {
           required: false,
@@ -190,79 +194,71 @@ export class HeliosNode {
           },
         },
       },
-      bodyLimit: config.apiBodyLimit,
+      bodyLimit: config.api.bodyLimit,
       // Any node with the api role serves the operator API (writes go to PostgreSQL); the others
       // serve only health, readiness and (token-checked) metrics.
       register: (server) =>
         registerApi(server, {
           pool,
-          cluster: clusterView(etcd, config.etcdPrefix),
-          runsTopic: config.runsTopic,
-          misfireThresholdMs: config.misfireThresholdMs,
-          tokens: config.apiTokens,
-          targetPolicy: config.targetPolicy,
-          sensitiveHeaders: config.sensitiveHeaders,
-          metricsPublic: config.metricsPublic,
-          ...(config.apiRateLimit ? { rateLimit: config.apiRateLimit } : {}),
-          routes: config.roles.has('api'),
+          cluster: clusterView(etcd, config.etcd.prefix),
+          runsTopic: config.kafka.runsTopic,
+          misfireThresholdMs: config.leader.misfireThresholdMs,
+          tokens: config.api.tokens,
+          targetPolicy: config.targets.policy,
+          sensitiveHeaders: config.targets.sensitiveHeaders,
+          metricsPublic: config.api.metricsPublic,
+          ...(config.api.rateLimit ? { rateLimit: config.api.rateLimit } : {}),
+          routes: config.node.roles.has('api'),
           logger,
         }),
     }));
-    if (config.apiTokens.size === 0) {
+    if (config.api.tokens.size === 0) {
       // loadConfig refused any non-loopback HELIOS_HTTP_HOST without tokens.
       logger.warn(
-        { host: config.httpHost },
+        { host: config.api.host },
         'HELIOS_API_TOKENS is empty: the API is open to every local user; binding loopback only',
       );
     }
-    await app.listen({ host: config.httpHost, port: config.httpPort });
+    await app.listen({ host: config.api.host, port: config.api.port });
     this.onStop('http server', () => app.close());
     const address = app.server.address();
-    const port = typeof address === 'object' && address ? address.port : config.httpPort;
-    this._apiUrl = apiUrlOf(config, port);
-    await this.watchClusterEndpoints(etcd, { host: config.httpHost, port, what: 'node API' });
+    const port = typeof address === 'object' && address ? address.port : config.api.port;
+    this._apiUrl = apiUrlOf(config.api, port);
+    await this.watchClusterEndpoints(etcd, { host: config.api.host, port, what: 'node API' });
 
     const registry = new NodeRegistry({
       client: etcd,
-      prefix: config.etcdPrefix,
+      prefix: config.etcd.prefix,
       info: {
-        id: config.nodeId,
+        id: config.node.id,
         host: hostname(),
         pid: process.pid,
         apiUrl: this._apiUrl,
-        roles: [...config.roles],
+        roles: [...config.node.roles],
       },
       logger,
     });
     await registry.start();
     this.onStop('node registration', () => registry.stop());
 
-    if (config.roles.has('worker')) {
+    if (config.node.roles.has('worker')) {
       // The worker's runs use at most this share of the pool: a herd of settling attempts waits
       // here, and the API and readiness probe keep their connections.
-      const share = new PoolShare(pool, config.workerDbConnections);
+      const share = new PoolShare(pool, config.worker.dbConnections);
       this.metrics.trackPool('worker', share);
       const worker = new Worker({
         pool: share,
         kafka,
         notifications,
-        nodeId: config.nodeId,
-        runsTopic: config.runsTopic,
-        deadLetterTopic: config.deadLetterTopic,
-        consumerGroup: config.consumerGroup,
-        concurrency: config.workerConcurrency,
-        prefetch: config.workerPrefetch,
-        claimGraceMs: config.claimGraceMs,
-        skewToleranceMs: config.clockSkewToleranceMs,
-        claimLeadMs: config.claimLeadMs,
-        pollIntervalMs: config.pollIntervalMs,
-        pollOverdueMs: config.pollOverdueMs,
-        claimCheckIntervalMs: config.claimCheckIntervalMs,
+        nodeId: config.node.id,
+        runsTopic: config.kafka.runsTopic,
+        deadLetterTopic: config.kafka.deadLetterTopic,
+        consumerGroup: config.kafka.consumerGroup,
+        settings: config.worker,
         // The node gives each part shutdownTimeoutMs; keep a second of it for aborting and
         // handing back the claims of calls that did not finish.
-        drainTimeoutMs: Math.max(0, config.shutdownTimeoutMs - 1000),
-        maxExcerptBytes: config.responseExcerptBytes,
-        targetPolicy: config.targetPolicy,
+        drainTimeoutMs: Math.max(0, config.node.shutdownTimeoutMs - 1000),
+        targetPolicy: config.targets.policy,
         logger,
         metrics: this.metrics,
       });
@@ -270,16 +266,16 @@ export class HeliosNode {
       this.onStop('worker', () => worker.stop());
     }
 
-    if (config.roles.has('scheduler')) {
+    if (config.node.roles.has('scheduler')) {
       // Opens connections only when used, i.e. while this node leads; ended after the leader tasks.
       const leaderPool = (this.leaderPool = createPool({
-        connectionString: config.databaseUrl,
-        max: config.leaderPoolSize,
+        connectionString: config.database.url,
+        max: config.leader.poolSize,
         logger,
-        applicationName: leaderApplicationName(config.nodeId),
+        applicationName: leaderApplicationName(config.node.id),
       }));
       this.onStop('leader postgres pool', () => leaderPool.end());
-      this.metrics.trackPool('leader', poolStats(leaderPool, config.leaderPoolSize));
+      this.metrics.trackPool('leader', poolStats(leaderPool, config.leader.poolSize));
       const publisher = (this.publisher = new RunPublisher({ kafka, logger }));
       this.onStop('kafka publisher', () => publisher.disconnect());
       // Connect early so a wrong broker address shows at start; publish() reconnects by itself.
@@ -289,10 +285,10 @@ export class HeliosNode {
         .catch((err: unknown) => logger.warn({ err: toError(err) }, 'publisher connect failed'));
       const election = (this.election = new LeaderElection({
         client: etcd,
-        key: `${config.etcdPrefix}/leader`,
-        nodeId: config.nodeId,
-        ttlMs: config.leaseTtlMs,
-        safetyMarginMs: config.leaderSafetyMarginMs,
+        key: `${config.etcd.prefix}/leader`,
+        nodeId: config.node.id,
+        ttlMs: config.leader.leaseTtlMs,
+        safetyMarginMs: config.leader.safetyMarginMs,
         logger,
         onElected: (leadership) => this.lead(leadership),
         onDemoted: () => {
@@ -318,14 +314,14 @@ export class HeliosNode {
     ownApi: { host: string; port: number; what: string },
   ): Promise<void> {
     const { config, logger } = this;
-    const cluster = config.targetPolicy.cluster;
+    const cluster = config.targets.policy.cluster;
     if (!cluster) return;
     const own = endpointOfUrl(this._apiUrl ?? '', 'node API');
     cluster.add(own ? [ownApi, own] : [ownApi]);
     const pass = async () => {
       try {
         const nodes = await withTimeout(
-          listNodes(etcd, config.etcdPrefix),
+          listNodes(etcd, config.etcd.prefix),
           3000,
           'reading the node registry',
         );
@@ -380,7 +376,7 @@ export class HeliosNode {
     };
     // Bound to this epoch: a fenced write of this epoch proves a newer leader, but if that newer
     // leader is this node's next epoch, ending it would be wrong (see LeaderElection.stepDown).
-    const stepDown = () => this.election?.stepDown('fenced', config.leaseTtlMs, leadership);
+    const stepDown = () => this.election?.stepDown('fenced', config.leader.leaseTtlMs, leadership);
     const leaderPool = this.leaderPool!;
     // A predecessor cut off inside a transaction still holds the fence and the rows it locked;
     // end its sessions so this epoch's first writes do not wait for PostgreSQL to notice.
@@ -389,10 +385,10 @@ export class HeliosNode {
       pool: leaderPool,
       leadership,
       notifications: this.notifications!,
-      runsTopic: config.runsTopic,
-      lookaheadMs: config.dispatchLookaheadMs,
-      batchSize: config.dispatchBatchSize,
-      misfireThresholdMs: config.misfireThresholdMs,
+      runsTopic: config.kafka.runsTopic,
+      lookaheadMs: config.leader.lookaheadMs,
+      batchSize: config.leader.batchSize,
+      misfireThresholdMs: config.leader.misfireThresholdMs,
       logger: logger.child({ part: 'dispatcher' }),
       metrics,
       onFenced: stepDown,
@@ -421,8 +417,8 @@ export class HeliosNode {
     const reaper = new Reaper({
       pool: leaderPool,
       leadership,
-      topics: { runsTopic: config.runsTopic, deadLetterTopic: config.deadLetterTopic },
-      intervalMs: config.reaperIntervalMs,
+      topics: { runsTopic: config.kafka.runsTopic, deadLetterTopic: config.kafka.deadLetterTopic },
+      intervalMs: config.leader.reaperIntervalMs,
       logger: logger.child({ part: 'reaper' }),
       metrics,
       onFenced: stepDown,
@@ -431,9 +427,7 @@ export class HeliosNode {
     const pruner = new Pruner({
       pool: leaderPool,
       signal: leadership.signal,
-      runRetentionMs: config.retention.runsMs,
-      keepPerJob: config.retention.keepPerJob,
-      outboxRetentionMs: config.retention.outboxMs,
+      retention: config.leader.retention,
       logger: logger.child({ part: 'pruner' }),
       metrics,
     });
@@ -443,16 +437,16 @@ export class HeliosNode {
     const signals = new ClusterSignals({
       db: leaderPool,
       signal: leadership.signal,
-      intervalMs: config.signalsIntervalMs,
-      overdueMs: config.misfireThresholdMs,
-      kafkaLag: () => consumerGroupLag(kafka, config.consumerGroup, config.runsTopic),
+      intervalMs: config.leader.signalsIntervalMs,
+      overdueMs: config.leader.misfireThresholdMs,
+      kafkaLag: () => consumerGroupLag(kafka, config.kafka.consumerGroup, config.kafka.runsTopic),
       logger: logger.child({ part: 'cluster-signals' }),
       metrics,
     });
     track('cluster signals', signals.run());
   }
 
-  /** Graceful stop within `config.shutdownTimeoutMs` per part. Safe to call twice. */
+  /** Graceful stop within `config.node.shutdownTimeoutMs` per part. Safe to call twice. */
   stop(): Promise<void> {
     this.stopping ??= (async () => {
       this.state = 'stopping';
@@ -461,7 +455,7 @@ export class HeliosNode {
         try {
           await withTimeout(
             cleanup.run(),
-            Math.max(this.config.shutdownTimeoutMs, 1000),
+            Math.max(this.config.node.shutdownTimeoutMs, 1000),
             `stopping ${cleanup.name}`,
           );
         } catch (err) {

@@ -1,6 +1,6 @@
 import { createHash, timingSafeEqual } from 'node:crypto';
 import type { FastifyRequest } from 'fastify';
-import type { ApiRole } from '../config.js';
+import type { ApiRole } from '../config/index.js';
 import { ProblemError } from './problems.js';
 
 const digest = (token: string) => createHash('sha256').update(token, 'utf8').digest();

@@ -8,7 +8,7 @@ import type {
   RawServerDefault,
 } from 'fastify';
 import type { ClusterView } from '../coordination/cluster-view.js';
-import type { ApiRole } from '../config.js';
+import type { ApiRole } from '../config/index.js';
 import type { Logger } from '../observability/logger.js';
 import type { TargetPolicy } from '../security/target-policy.js';
 import type { CommandOptions } from '../jobs/commands.js';

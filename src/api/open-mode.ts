@@ -1,5 +1,5 @@
 import type { FastifyRequest } from 'fastify';
-import { isLoopbackHost } from '../config.js';
+import { isLoopbackHost } from '../config/index.js';
 import { ProblemError } from './problems.js';
 
 // Without tokens the API trusts whoever reaches it, and it binds loopback only. Two ways around

@@ -1,6 +1,6 @@
 import type { TypeBoxTypeProvider } from '@fastify/type-provider-typebox';
 import type { FastifyInstance } from 'fastify';
-import type { ApiRole } from '../config.js';
+import type { ApiRole } from '../config/index.js';
 import { TokenVerifier } from './auth.js';
 import { viewerView } from './views.js';
 import type { Api, ApiOptions } from './context.js';

@@ -1,4 +1,4 @@
-import type { CliConfig } from '../config.js';
+import type { CliConfig } from '../config/index.js';
 import type { Cluster, DeadLetter, Job, JobInput, JobPatch, Run, RunDetail } from '../api/schemas.js';
 
 /** A problem body returned by the API (RFC 9457). */

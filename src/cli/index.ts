@@ -1,5 +1,4 @@
-import { loadCliConfig } from '../config.js';
-import { ConfigError } from '../errors.js';
+import { ConfigError, loadCliConfig } from '../config/index.js';
 import { ApiClient, ApiError, UnreachableError } from './client.js';
 import { clusterCommand, deadLettersCommand, runCommand, runsCommand } from './commands.js';
 import { JobFileError } from './job-files.js';
@@ -36,7 +35,7 @@ export async function runCli(
   command: string,
   argv: string[],
   io: Output = processOutput,
-  /** Default: the process environment (read by config.ts). */
+  /** Default: the process environment (read by src/config/). */
   env?: Record<string, string | undefined>,
 ): Promise<number> {
   const run = CLI_COMMANDS[command];

@@ -4,6 +4,7 @@ import { LifecycleError, toError } from '../errors.js';
 import type { Logger } from '../observability/logger.js';
 import type { Metrics } from '../observability/metrics.js';
 import type { TargetPolicy } from '../security/target-policy.js';
+import type { WorkerConfig } from '../config/index.js';
 import type { Notifications } from '../store/notifications.js';
 import { inTransaction } from '../store/db.js';
 import { claimOverdueRuns } from '../store/overdue.js';
@@ -27,26 +28,10 @@ export interface WorkerOptions {
   readonly runsTopic: string;
   readonly deadLetterTopic: string;
   readonly consumerGroup: string;
-  /** Runs executing at once (HELIOS_WORKER_CONCURRENCY, default 64). */
-  readonly concurrency: number;
-  /** Announcements held in memory until due; fetching pauses at this many (HELIOS_WORKER_PREFETCH, default 5000). */
-  readonly prefetch: number;
-  /** Claim deadline = now + the run's timeout + this (HELIOS_CLAIM_GRACE_MS, default 5000). */
-  readonly claimGraceMs: number;
-  /** A run may be claimed this long before not_before (HELIOS_CLOCK_SKEW_TOLERANCE_MS, default 10). */
-  readonly skewToleranceMs: number;
-  /** `allow` runs are claimed this long before due, the call waiting for its time (HELIOS_CLAIM_LEAD_MS, default 50). */
-  readonly claimLeadMs: number;
-  /** Polling fallback period (HELIOS_POLL_INTERVAL_MS, default 1000). */
-  readonly pollIntervalMs: number;
-  /** Polling fallback takes runs this overdue (HELIOS_POLL_OVERDUE_MS, default 2000). */
-  readonly pollOverdueMs: number;
-  /** Lost claims are looked for this often (HELIOS_CLAIM_CHECK_INTERVAL_MS, default 1000). */
-  readonly claimCheckIntervalMs: number;
+  /** The worker's tunables (config.worker); `dbConnections` is the node's to apply (the pool share). */
+  readonly settings: WorkerConfig;
   /** `stop()` waits this long for in-flight runs before aborting them. */
   readonly drainTimeoutMs: number;
-  /** Bytes of a response body kept (HELIOS_RESPONSE_EXCERPT_BYTES, default 2048). */
-  readonly maxExcerptBytes: number;
   /** Default: `compileTargetPolicy()`. */
   readonly targetPolicy?: TargetPolicy;
   readonly logger: Logger;
@@ -75,7 +60,7 @@ export class Worker {
   constructor(private readonly options: WorkerOptions) {
     const logger = options.logger.child({ part: 'worker' });
     this.executor = new HttpExecutor({
-      maxExcerptBytes: options.maxExcerptBytes,
+      maxExcerptBytes: options.settings.maxExcerptBytes,
       targetPolicy: options.targetPolicy,
     });
     const completions = createCompletionBatcher(options.pool, options.nodeId);
@@ -93,16 +78,16 @@ export class Worker {
     const claimer = new RunClaimer({
       pool: options.pool,
       claim: (request) => claims.add(request),
-      skewToleranceMs: options.skewToleranceMs,
-      claimLeadMs: options.claimLeadMs,
+      skewToleranceMs: options.settings.skewToleranceMs,
+      claimLeadMs: options.settings.claimLeadMs,
       clock: this.clock,
       metrics: options.metrics,
     });
     this.queue = new RunQueue({
       claim: (message, hold) => claimer.claim(message, hold),
-      claimLeadMs: options.claimLeadMs,
-      concurrency: options.concurrency,
-      prefetch: options.prefetch,
+      claimLeadMs: options.settings.claimLeadMs,
+      concurrency: options.settings.concurrency,
+      prefetch: options.settings.prefetch,
       clock: this.clock,
       run: (run, signal) => runAttempt(context, run, signal),
       onBackpressure: (full) => (full ? this.intake.pause() : this.intake.resume()),
@@ -154,8 +139,8 @@ export class Worker {
             claimOverdueRuns(client, overdueMs, limit, this.claimOptions()),
           ),
         syncClock: (maxAgeMs) => this.clock.sync(options.pool, maxAgeMs),
-        intervalMs: options.pollIntervalMs,
-        overdueMs: options.pollOverdueMs,
+        intervalMs: options.settings.pollIntervalMs,
+        overdueMs: options.settings.pollOverdueMs,
         capacity: () => this.queue.freeSlots(),
         reserve: (n) => this.queue.reserve(n),
         execute: (runs: ClaimedRun[]) => runs.forEach((run) => this.queue.execute(run)),
@@ -168,13 +153,13 @@ export class Worker {
         nodeId: options.nodeId,
         notifications: options.notifications,
         claims: () => this.queue.claims(),
-        intervalMs: options.claimCheckIntervalMs,
+        intervalMs: options.settings.claimCheckIntervalMs,
         logger: logger.child({ loop: 'claim-watch' }),
         signal: this.queue.watchSignal,
       }),
     );
     logger.info(
-      { concurrency: options.concurrency, clockOffsetMs: Math.round(this.clock.offset) },
+      { concurrency: options.settings.concurrency, clockOffsetMs: Math.round(this.clock.offset) },
       'worker started',
     );
   }
@@ -219,9 +204,9 @@ export class Worker {
   private claimOptions() {
     return {
       nodeId: this.options.nodeId,
-      graceMs: this.options.claimGraceMs,
-      skewToleranceMs: this.options.skewToleranceMs,
-      leadMs: this.options.claimLeadMs,
+      graceMs: this.options.settings.claimGraceMs,
+      skewToleranceMs: this.options.settings.skewToleranceMs,
+      leadMs: this.options.settings.claimLeadMs,
     };
   }
 }

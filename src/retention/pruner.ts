@@ -4,6 +4,7 @@ import { toError } from '../errors.js';
 import type { Logger } from '../observability/logger.js';
 import type { Metrics } from '../observability/metrics.js';
 import type { Database } from '../store/db.js';
+import type { RetentionConfig } from '../config/index.js';
 import { databaseCutoff, pruneOutbox, pruneRuns } from '../store/retention.js';
 import { loopBackoffMs } from '../loop-backoff.js';
 
@@ -12,12 +13,8 @@ export interface PrunerOptions {
   readonly pool: Database;
   /** Ends the loop (the leader's epoch signal: one node prunes). */
   readonly signal: AbortSignal;
-  /** Finished runs older than this are pruned (HELIOS_RUN_RETENTION, default 30 days). */
-  readonly runRetentionMs: number;
-  /** The newest runs of each job are kept whatever their age (HELIOS_RUN_KEEP_PER_JOB, default 100). */
-  readonly keepPerJob: number;
-  /** Published outbox rows older than this are deleted (HELIOS_OUTBOX_RETENTION, default 10 minutes). */
-  readonly outboxRetentionMs: number;
+  /** What is kept, and for how long (config.leader.retention). */
+  readonly retention: RetentionConfig;
   /** Pause between outbox passes; default 5000 ms. Runs are swept every `runSweepMs` (60000). */
   readonly intervalMs?: number;
   readonly runSweepMs?: number;
@@ -67,10 +64,10 @@ export class Pruner {
 
   /** Deletes published outbox rows past the retention, batch after batch until none is left. */
   async pruneOutbox(): Promise<number> {
-    const { pool, signal, metrics, outboxRetentionMs } = this.options;
+    const { pool, signal, metrics, retention } = this.options;
     let total = 0;
     while (!signal.aborted) {
-      const deleted = await pruneOutbox(pool, outboxRetentionMs, OUTBOX_BATCH);
+      const deleted = await pruneOutbox(pool, retention.outboxMs, OUTBOX_BATCH);
       total += deleted;
       if (deleted > 0) metrics.pruned.inc({ table: 'outbox' }, deleted);
       if (deleted < OUTBOX_BATCH) break;
@@ -80,14 +77,14 @@ export class Pruner {
 
   /** One pass over every job, pruning its finished runs past the retention. */
   async sweepRuns(): Promise<number> {
-    const { pool, signal, metrics, runRetentionMs, keepPerJob } = this.options;
-    const cutoff = await databaseCutoff(pool, runRetentionMs);
+    const { pool, signal, metrics, retention } = this.options;
+    const cutoff = await databaseCutoff(pool, retention.runsMs);
     let afterJob: string | null = null;
     let total = 0;
     while (!signal.aborted) {
       const { lastJob, pruned } = await pruneRuns(pool, {
         cutoff,
-        keepPerJob,
+        keepPerJob: retention.keepPerJob,
         afterJob,
         jobs: JOBS_PER_BATCH,
         perJob: RUNS_PER_JOB,

@@ -29,7 +29,7 @@ import {
   type NodeEnv,
 } from '../support/processes.js';
 import { ChaosApi } from './api-client.js';
-import { checkRunTopic, closeWindow, deliveriesOf, judge, loadDatabase, settle } from './checker.js';
+import { closeWindow, judgeRun, settle } from './checker.js';
 import { holdNextWrite, releaseWrite } from './cluster.js';
 import type { FaultRecord } from './faults.js';
 import type { Findings } from './observations.js';
@@ -145,24 +145,16 @@ async function pausedLeaderScenario(fence: 'intact' | 'disabled'): Promise<Findi
     const jobIds = nemesis.jobs.map((j) => j.id);
     const windowEnd = await closeWindow(db.pool, jobIds);
     await settle(db.pool, 30_000);
-    const loaded = await loadDatabase(db.pool, jobIds);
-    const faults = [fault];
-    const result = judge({
+    return judgeRun(db.pool, env.topic, {
       windowStart,
       windowEnd,
       jobs: nemesis.jobs,
-      ...loaded,
-      deliveries: deliveriesOf(target.requests),
-      faults,
+      requests: target.requests,
+      faults: [fault],
       processes,
       ops: nemesis.ops,
       settings: chaosSettings(4000),
     });
-    const topic = await checkRunTopic(db.pool, env.topic, faults);
-    return {
-      violations: [...result.violations, ...topic.violations],
-      lines: [...result.lines, ...topic.lines],
-    };
   } finally {
     await stopAll(processes);
     await target.close();

@@ -22,6 +22,38 @@ export function judge(obs: Observations): Findings {
   };
 }
 
+/** What a finished chaos run saw, beside the database and the run topic that judgeRun reads. */
+export type RunRecord = Omit<Observations, 'runs' | 'attempts' | 'deadLetters' | 'deliveries'> & {
+  /** Every request the target received. */
+  readonly requests: readonly TargetRequest[];
+};
+
+/**
+ * Judges a finished run (window closed, runs settled): loads its jobs' rows, runs the pure checks
+ * and reads the run topic. The chaos run and the checker's live test judge the same way. Returns
+ * the findings with what was loaded, for the post-mortem files.
+ */
+export async function judgeRun(
+  pool: pg.Pool,
+  runsTopic: string,
+  run: RunRecord,
+): Promise<Findings & { database: Awaited<ReturnType<typeof loadDatabase>>; deliveries: Delivery[] }> {
+  const { requests, ...seen } = run;
+  const database = await loadDatabase(
+    pool,
+    run.jobs.map((j) => j.id),
+  );
+  const deliveries = deliveriesOf(requests);
+  const result = judge({ ...seen, ...database, deliveries });
+  const topic = await checkRunTopic(pool, runsTopic, run.faults);
+  return {
+    violations: [...result.violations, ...topic.violations],
+    lines: [...result.lines, ...topic.lines],
+    database,
+    deliveries,
+  };
+}
+
 /**
  * Ends the judged window: its end is the last whole second the dispatcher has passed for every
  * job (waiting up to 30 s for it to catch up), then the jobs stop as an API edit would stop them.

@@ -24,7 +24,7 @@ import { TargetServer } from '../support/execution.js';
 import { infra } from '../support/processes.js';
 import { ChaosApi } from './api-client.js';
 import { ChaosCluster } from './cluster.js';
-import { checkRunTopic, closeWindow, deliveriesOf, judge, loadDatabase, settle } from './checker.js';
+import { closeWindow, judgeRun, settle } from './checker.js';
 import { injectFault, planFaults, type FaultRecord } from './faults.js';
 import { Nemesis, OP_KINDS } from './operations.js';
 import { seededRandom } from './random.js';
@@ -124,20 +124,17 @@ try {
   log('faults and operations done; scheduling stopped; settling');
   await settle(db.pool, 60_000);
 
-  const loaded = await loadDatabase(db.pool, jobIds);
-  const result = judge({
+  const findings = await judgeRun(db.pool, env.topic, {
     windowStart,
     windowEnd,
     jobs: nemesis.jobs,
-    ...loaded,
-    deliveries: deliveriesOf(target.requests),
+    requests: target.requests,
     faults,
     processes: cluster.history,
     ops: nemesis.ops,
     settings: SETTINGS,
   });
-  const topic = await checkRunTopic(db.pool, env.topic, faults);
-  const violations = [...result.violations, ...topic.violations];
+  const violations = [...findings.violations];
   for (const kind of OP_KINDS)
     if (!nemesis.ops.some((o) => o.kind === kind && o.outcome === 'ok'))
       violations.push(`no ${kind} operation succeeded: the run did not exercise it`);
@@ -156,7 +153,7 @@ try {
     console.log(`  ${kind.padEnd(16)} ${n('ok')}/${n('refused')}/${n('unknown')}`);
   }
   console.log(`\nwindow ${new Date(windowStart).toISOString()} … ${new Date(windowEnd).toISOString()}`);
-  for (const line of [...result.lines, ...topic.lines]) console.log(line);
+  for (const line of findings.lines) console.log(line);
   // Every node's log, the operations and the requests, for the post-mortem of a failed run.
   const logDir = `${REPO_ROOT}.helios/chaos-logs/${seed}-${uniqueId()}`;
   mkdirSync(logDir, { recursive: true });
@@ -175,13 +172,13 @@ try {
   );
   writeFileSync(
     `${logDir}/database.json`,
-    JSON.stringify(loaded, (_key, value: unknown) => (typeof value === 'bigint' ? value.toString() : value)),
+    JSON.stringify(findings.database, (_key, value: unknown) =>
+      typeof value === 'bigint' ? value.toString() : value,
+    ),
   );
   writeFileSync(
     `${logDir}/deliveries.jsonl`,
-    deliveriesOf(target.requests)
-      .map((d) => JSON.stringify(d))
-      .join('\n') + '\n',
+    findings.deliveries.map((d) => JSON.stringify(d)).join('\n') + '\n',
   );
   console.log(`node logs, operations and deliveries: ${logDir}`);
   if (violations.length === 0) {

@@ -1,6 +1,6 @@
 import assert from 'node:assert/strict';
 import { after, before, test } from 'node:test';
-import type { ApiRole } from '../../src/config.js';
+import type { ApiRole } from '../../src/config/index.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
 import { uniqueId } from '../support/env.js';
 import { spawnNode, type ManagedProcess } from '../support/processes.js';

@@ -1,6 +1,6 @@
 import assert from 'node:assert/strict';
 import { after, before, test } from 'node:test';
-import type { ApiRole } from '../../src/config.js';
+import type { ApiRole } from '../../src/config/index.js';
 import { ADMIN, jobBody, startTestApi, VIEWER, type TestApi } from '../support/api.js';
 
 // The per-token rate limit of /api/v1 on a real API server and database.

@@ -16,6 +16,7 @@ import {
 } from '../../src/broker/index.js';
 import { createLogger } from '../../src/observability/logger.js';
 import { serverEnv } from '../support/env.js';
+import { percentile, waitFor } from '../support/execution.js';
 
 // Real Kafka from `scripts/infra.sh up` (source .helios/env). HELIOS_TEST_LOG=debug shows client logs.
 const brokers = serverEnv().kafkaBrokers.split(',').filter(Boolean);
@@ -29,20 +30,6 @@ const TOPICS = {
   latency: { name: topicName('latency'), partitions: 1 },
   lostAck: { name: topicName('lost-ack'), partitions: 1 },
 };
-
-/** Polls `predicate` until it holds; fails with `what` after `timeoutMs`. */
-async function waitFor(what: string, predicate: () => boolean, timeoutMs = 15_000): Promise<void> {
-  const deadline = Date.now() + timeoutMs;
-  while (!predicate()) {
-    if (Date.now() > deadline) assert.fail(`timed out waiting for ${what}`);
-    await sleep(10);
-  }
-}
-
-function percentile(values: number[], p: number): number {
-  const sorted = [...values].sort((a, b) => a - b);
-  return sorted[Math.min(sorted.length - 1, Math.floor((p / 100) * sorted.length))] ?? NaN;
-}
 
 const round = (ms: number) => Math.round(ms * 100) / 100;
 
@@ -245,7 +232,7 @@ describe('broker (@platformatic/kafka against the local Kafka 4 broker)', { time
       const t0 = performance.now();
       await publisher.publish(topic, [{ key: 'lat', value }]);
       publishAck.push(performance.now() - t0);
-      await waitFor(value, () => arrivals.has(value), 5_000);
+      await waitFor(value, () => arrivals.has(value), 5_000, 10);
       endToEnd.push((arrivals.get(value) ?? NaN) - t0);
     }
     console.log(

@@ -1,13 +1,11 @@
 import assert from 'node:assert/strict';
-import { spawn } from 'node:child_process';
-import { once } from 'node:events';
 import { mkdir, mkdtemp, rm, writeFile } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, before, test } from 'node:test';
-import type { ApiRole } from '../../src/config.js';
-import { REPO_ROOT } from '../support/env.js';
+import type { ApiRole } from '../../src/config/index.js';
 import { ADMIN, startTestApi, VIEWER, type TestApi } from '../support/api.js';
+import { runCli } from '../support/processes.js';
 
 // The real CLI (`dist/main.js`, built by `npm run build`) against a real API server.
 
@@ -27,17 +25,13 @@ after(async () => {
   await rm(dir, { recursive: true, force: true });
 });
 
-async function helios(args: string[], env: Record<string, string> = {}) {
-  const child = spawn(process.execPath, [`${REPO_ROOT}dist/main.js`, ...args], {
-    env: { PATH: process.env.PATH ?? '', HELIOS_API_URL: api.url, HELIOS_API_TOKEN: ADMIN, ...env },
-    stdio: ['ignore', 'pipe', 'pipe'],
+function helios(args: string[], env: Record<string, string> = {}) {
+  return runCli(args, {
+    PATH: process.env.PATH ?? '',
+    HELIOS_API_URL: api.url,
+    HELIOS_API_TOKEN: ADMIN,
+    ...env,
   });
-  let stdout = '';
-  let stderr = '';
-  child.stdout.on('data', (chunk: Buffer) => (stdout += chunk.toString()));
-  child.stderr.on('data', (chunk: Buffer) => (stderr += chunk.toString()));
-  const [code] = (await once(child, 'exit')) as [number | null];
-  return { code, stdout, stderr };
 }
 
 async function jobFile(name: string, job: unknown): Promise<string> {

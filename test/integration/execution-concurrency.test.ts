@@ -1,67 +1,42 @@
 import assert from 'node:assert/strict';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { after, before, test } from 'node:test';
-import { createEtcdClient } from '../../src/coordination/etcd.js';
-import { createTestDatabase, type TestDatabase } from '../support/database.js';
-import { serverEnv, uniqueId } from '../support/env.js';
-import {
-  attemptsOf,
-  insertJob,
-  nextWholeSecond,
-  runsOf,
-  stopJobs,
-  TargetServer,
-} from '../support/execution.js';
-import { spawnNode, stopAll, type ManagedProcess } from '../support/processes.js';
+import { integrationFixture, type IntegrationFixture } from '../support/fixture.js';
+import { uniqueId } from '../support/env.js';
+import { attemptsOf, insertJob, nextWholeSecond, runsOf, stopJobs } from '../support/execution.js';
 
-const etcd = createEtcdClient(serverEnv().etcdEndpoints.split(','));
-const prefix = `/helios-test/${uniqueId()}`;
-const topic = `helios.test.${uniqueId()}`;
-const nodes: ManagedProcess[] = [];
-let db: TestDatabase;
-
-const target = new TargetServer((request) =>
-  request.path === '/slow' ? { status: 200, delayMs: 2500 } : { hang: true },
-);
+let fx: IntegrationFixture;
 
 before(async () => {
-  db = await createTestDatabase();
-  await target.start();
+  fx = await integrationFixture({
+    behaviour: (request) => (request.path === '/slow' ? { status: 200, delayMs: 2500 } : { hang: true }),
+  });
   // Two workers, so the runs of one job really are claimed by different processes.
   for (const [name, roles] of [
     ['conc-1', 'scheduler,worker'],
     ['conc-2', 'worker'],
   ] as const) {
-    nodes.push(
-      spawnNode(name, { databaseUrl: db.url, etcdPrefix: prefix, topic, extra: { HELIOS_ROLES: roles } }),
-    );
+    fx.spawn(name, { HELIOS_ROLES: roles });
   }
-  await nodes[0]!.waitForLog((l) => l.msg === 'became leader', 30_000);
-  await Promise.all(nodes.map((n) => n.waitForLog((l) => l.msg === 'joined consumer group', 30_000)));
+  await fx.nodes[0]!.waitForLog((l) => l.msg === 'became leader', 30_000);
+  await Promise.all(fx.nodes.map((n) => n.waitForLog((l) => l.msg === 'joined consumer group', 30_000)));
 });
-after(async () => {
-  await db.pool.query('UPDATE jobs SET enabled = false').catch(() => undefined);
-  await stopAll(nodes);
-  await target.close();
-  await db.drop();
-  await etcd.delete().prefix(prefix);
-  etcd.close();
-});
+after(() => fx.teardown());
 
 /** An every-second job that runs for `seconds` and is then disabled. */
 async function everySecond(path: string, concurrency: 'forbid' | 'replace', seconds: number) {
-  const start = await nextWholeSecond(db.pool, 1500);
-  const jobId = await insertJob(db.pool, {
+  const start = await nextWholeSecond(fx.db.pool, 1500);
+  const jobId = await insertJob(fx.db.pool, {
     name: `${concurrency}-${uniqueId()}`,
     schedule: '* * * * * *',
-    target: { url: `${target.url}${path}` },
+    target: { url: `${fx.target.url}${path}` },
     nextRunAt: start,
     concurrency,
     timeoutMs: 5000,
     maxAttempts: 1,
   });
   await sleep(start.getTime() - Date.now() + seconds * 1000 - 500);
-  await stopJobs(db.pool, [jobId]);
+  await stopJobs(fx.db.pool, [jobId]);
   return jobId;
 }
 
@@ -72,7 +47,7 @@ test(
     // Every second, but each call takes 2.5 s.
     const jobId = await everySecond('/slow', 'forbid', 8);
     await sleep(3500); // let the last call finish
-    const calls = target.forJob(jobId).sort((a, b) => a.arrivedAt - b.arrivedAt);
+    const calls = fx.target.forJob(jobId).sort((a, b) => a.arrivedAt - b.arrivedAt);
     assert.ok(calls.length >= 2, `calls: ${calls.length}`);
     for (let i = 1; i < calls.length; i++) {
       assert.ok(
@@ -80,7 +55,7 @@ test(
         `call ${i} started ${(calls[i - 1]!.endedAt! - calls[i]!.arrivedAt).toFixed(0)} ms before call ${i - 1} ended`,
       );
     }
-    const runs = await runsOf(db.pool, jobId);
+    const runs = await runsOf(fx.db.pool, jobId);
     const skipped = runs.filter((r) => r.state === 'skipped');
     assert.ok(skipped.length >= 3, `skipped: ${skipped.length} of ${runs.length}`);
     assert.ok(skipped.every((r) => r.reason === 'concurrency-forbid'));
@@ -99,12 +74,12 @@ test(
     // Every second, and the target never answers: each run is still running when the next is due.
     const jobId = await everySecond('/never', 'replace', 4);
     await sleep(300);
-    const runs = await runsOf(db.pool, jobId);
-    const calls = target.forJob(jobId).sort((a, b) => a.arrivedAt - b.arrivedAt);
+    const runs = await runsOf(fx.db.pool, jobId);
+    const calls = fx.target.forJob(jobId).sort((a, b) => a.arrivedAt - b.arrivedAt);
     assert.ok(calls.length >= 3, `calls: ${calls.length}`);
     const replaced = runs.filter((r) => r.state === 'failed' && r.reason === 'replaced');
     assert.ok(replaced.length >= calls.length - 1, JSON.stringify(runs.map((r) => [r.state, r.reason])));
-    for (const run of replaced) assert.equal((await attemptsOf(db.pool, run.id))[0]?.outcome, 'replaced');
+    for (const run of replaced) assert.equal((await attemptsOf(fx.db.pool, run.id))[0]?.outcome, 'replaced');
     // Each call but the newest was aborted by its worker right after the next run started.
     for (let i = 0; i < calls.length - 1; i++) {
       assert.ok(calls[i]!.aborted, `call ${i} was not aborted`);

@@ -1,86 +1,76 @@
 import assert from 'node:assert/strict';
 import { after, before, test } from 'node:test';
-import { createEtcdClient } from '../../src/coordination/etcd.js';
-import { createTestDatabase, type TestDatabase } from '../support/database.js';
-import { serverEnv, uniqueId } from '../support/env.js';
+import { uniqueId } from '../support/env.js';
 import {
   attemptsOf,
   insertJob,
   nextWholeSecond,
   oncePerMinuteAt,
   runsOf,
-  TargetServer,
   waitFor,
 } from '../support/execution.js';
-import { spawnNode, stopAll, type ManagedProcess } from '../support/processes.js';
+import { integrationFixture, type IntegrationFixture } from '../support/fixture.js';
+import type { ManagedProcess } from '../support/processes.js';
 
-const etcd = createEtcdClient(serverEnv().etcdEndpoints.split(','));
-const prefix = `/helios-test/${uniqueId()}`;
-const topic = `helios.test.${uniqueId()}`;
-const nodes = new Map<string, ManagedProcess>();
-let db: TestDatabase;
-
-// The first call of a run never gets an answer (its worker is killed or stopped meanwhile); later
-// ones do. `/slow` answers after a second.
-const target = new TargetServer((request, nth) =>
-  request.path === '/slow' ? { status: 200, delayMs: 1000 } : nth === 1 ? { hang: true } : { status: 200 },
-);
+let fx: IntegrationFixture;
 
 before(async () => {
-  db = await createTestDatabase();
-  await target.start();
+  fx = await integrationFixture({
+    // The first call of a run never gets an answer (its worker is killed or stopped meanwhile);
+    // later ones do. `/slow` answers after a second.
+    behaviour: (request, nth) =>
+      request.path === '/slow'
+        ? { status: 200, delayMs: 1000 }
+        : nth === 1
+          ? { hang: true }
+          : { status: 200 },
+  });
 });
-after(async () => {
-  await stopAll([...nodes.values()]);
-  await target.close();
-  await db.drop();
-  await etcd.delete().prefix(prefix);
-  etcd.close();
-});
+after(() => fx.teardown());
+
+/** The node of this file named `name` (node ids are the names). */
+const node = (name: string): ManagedProcess => fx.nodes.find((n) => n.name === name)!;
 
 test(
   'kill -9 of a worker mid-call: the reaper recovers the run, another worker completes it with the same Idempotency-Key',
   { timeout: 90_000 },
   async () => {
-    const env = (roles: string) => ({
-      databaseUrl: db.url,
-      etcdPrefix: prefix,
-      topic,
-      // A short grace so the claim expires soon after the run's 3 s timeout.
-      extra: { HELIOS_ROLES: roles, HELIOS_CLAIM_GRACE_MS: '1000' },
-    });
-    nodes.set('leader', spawnNode('recover-leader', env('scheduler')));
-    for (const name of ['recover-w1', 'recover-w2']) nodes.set(name, spawnNode(name, env('worker')));
-    await nodes.get('leader')!.waitForLog((l) => l.msg === 'became leader', 30_000);
+    // A short grace so the claim expires soon after the run's 3 s timeout.
+    const env = (roles: string) => ({ HELIOS_ROLES: roles, HELIOS_CLAIM_GRACE_MS: '1000' });
+    fx.spawn('recover-leader', env('scheduler'));
+    for (const name of ['recover-w1', 'recover-w2']) fx.spawn(name, env('worker'));
+    await node('recover-leader').waitForLog((l) => l.msg === 'became leader', 30_000);
     for (const name of ['recover-w1', 'recover-w2']) {
-      await nodes.get(name)!.waitForLog((l) => l.msg === 'joined consumer group', 30_000);
+      await node(name).waitForLog((l) => l.msg === 'joined consumer group', 30_000);
     }
 
-    const at = await nextWholeSecond(db.pool, 1500);
-    const jobId = await insertJob(db.pool, {
+    const at = await nextWholeSecond(fx.db.pool, 1500);
+    const jobId = await insertJob(fx.db.pool, {
       name: `victim-${uniqueId()}`,
       schedule: oncePerMinuteAt(at),
-      target: { url: `${target.url}/work` },
+      target: { url: `${fx.target.url}/work` },
       nextRunAt: at,
       timeoutMs: 3000,
       maxAttempts: 3,
       backoffMs: 200,
     });
-    const first = await waitFor('the first call', () => target.forJob(jobId)[0], 15_000);
-    const [attempt1] = await attemptsOf(db.pool, first.runId);
-    const victim = nodes.get(attempt1!.nodeId)!;
-    const survivor = [...nodes.keys()].find((n) => n.startsWith('recover-w') && n !== attempt1!.nodeId)!;
+    const first = await waitFor('the first call', () => fx.target.forJob(jobId)[0], 15_000);
+    const [attempt1] = await attemptsOf(fx.db.pool, first.runId);
+    const victim = node(attempt1!.nodeId);
+    const survivor = fx.nodes
+      .map((n) => n.name)
+      .find((n) => n.startsWith('recover-w') && n !== attempt1!.nodeId)!;
     victim.signal('SIGKILL');
     await victim.exited;
     const killedAt = Date.now();
 
     await waitFor(
       'the run to succeed',
-      async () => (await runsOf(db.pool, jobId))[0]?.state === 'succeeded',
+      async () => (await runsOf(fx.db.pool, jobId))[0]?.state === 'succeeded',
       30_000,
       100,
     );
-    const calls = target.forJob(jobId);
+    const calls = fx.target.forJob(jobId);
     assert.equal(calls.length, 2);
     assert.equal(calls[0]!.aborted, true, 'the killed worker dropped the first call');
     assert.equal(calls[1]!.idempotencyKey, calls[0]!.idempotencyKey, 'the target sees the same key again');
@@ -89,7 +79,7 @@ test(
       calls.map((c) => c.attempt),
       [1, 2],
     );
-    const attempts = await attemptsOf(db.pool, first.runId);
+    const attempts = await attemptsOf(fx.db.pool, first.runId);
     assert.deepEqual(
       attempts.map((a) => [a.attempt, a.nodeId, a.outcome]),
       [
@@ -98,7 +88,7 @@ test(
       ],
     );
     assert.ok(
-      nodes.get('leader')!.hasLog((l) => l.msg === 'claim expired; run recovered' && l.id === first.runId),
+      node('recover-leader').hasLog((l) => l.msg === 'claim expired; run recovered' && l.id === first.runId),
     );
     console.log(`# recovered ${((calls[1]!.arrivedAt - killedAt) / 1000).toFixed(1)} s after the kill`);
   },
@@ -106,31 +96,25 @@ test(
 
 /** Starts a fresh worker and waits until it has joined the group. */
 async function addWorker(name: string): Promise<void> {
-  const node = spawnNode(name, {
-    databaseUrl: db.url,
-    etcdPrefix: prefix,
-    topic,
-    // HELIOS_SHUTDOWN_TIMEOUT_MS is 3000 in tests: in-flight calls get 2 s to finish.
-    extra: { HELIOS_ROLES: 'worker', HELIOS_CLAIM_GRACE_MS: '1000' },
-  });
-  nodes.set(name, node);
-  await node.waitForLog((l) => l.msg === 'joined consumer group', 30_000);
+  // HELIOS_SHUTDOWN_TIMEOUT_MS is 3000 in tests: in-flight calls get 2 s to finish.
+  const worker = fx.spawn(name, { HELIOS_ROLES: 'worker', HELIOS_CLAIM_GRACE_MS: '1000' });
+  await worker.waitForLog((l) => l.msg === 'joined consumer group', 30_000);
 }
 
 /** A one-shot job on `path`; returns its first call, once it arrived. */
 async function callOf(path: string) {
-  const at = await nextWholeSecond(db.pool, 1500);
-  const jobId = await insertJob(db.pool, {
+  const at = await nextWholeSecond(fx.db.pool, 1500);
+  const jobId = await insertJob(fx.db.pool, {
     name: `graceful-${uniqueId()}`,
     schedule: oncePerMinuteAt(at),
-    target: { url: `${target.url}${path}` },
+    target: { url: `${fx.target.url}${path}` },
     nextRunAt: at,
     timeoutMs: 20_000,
     maxAttempts: 1,
   });
-  const first = await waitFor('the first call', () => target.forJob(jobId)[0], 15_000);
-  const [attempt] = await attemptsOf(db.pool, first.runId);
-  return { jobId, first, worker: nodes.get(attempt!.nodeId)! };
+  const first = await waitFor('the first call', () => fx.target.forJob(jobId)[0], 15_000);
+  const [attempt] = await attemptsOf(fx.db.pool, first.runId);
+  return { jobId, first, worker: node(attempt!.nodeId) };
 }
 
 test(
@@ -142,10 +126,9 @@ test(
     const { jobId, worker } = await callOf('/slow');
     worker.signal('SIGTERM');
     assert.equal((await worker.exited).code, 0);
-    const [run] = await runsOf(db.pool, jobId);
+    const [run] = await runsOf(fx.db.pool, jobId);
     assert.equal(run?.state, 'succeeded');
-    assert.equal(target.forJob(jobId).length, 1);
-    nodes.delete(worker.name);
+    assert.equal(fx.target.forJob(jobId).length, 1);
   },
 );
 
@@ -162,9 +145,9 @@ test(
     assert.ok(exitedAfter >= 1900 && exitedAfter < 5000, `the worker exited ${exitedAfter} ms after SIGTERM`);
     await waitFor(
       'the run to succeed elsewhere',
-      async () => (await runsOf(db.pool, jobId))[0]?.state === 'succeeded',
+      async () => (await runsOf(fx.db.pool, jobId))[0]?.state === 'succeeded',
     );
-    const calls = target.forJob(jobId);
+    const calls = fx.target.forJob(jobId);
     assert.equal(calls.length, 2);
     assert.ok(calls[0]!.aborted);
     // Handed back, not expired: the second call comes well before the claim (20 s + grace) could expire.
@@ -172,7 +155,7 @@ test(
       calls[1]!.arrivedAt - stoppedAt < 6000,
       `re-run ${calls[1]!.arrivedAt - stoppedAt} ms after SIGTERM`,
     );
-    const attempts = await attemptsOf(db.pool, first.runId);
+    const attempts = await attemptsOf(fx.db.pool, first.runId);
     assert.deepEqual(
       attempts.map((a) => [a.attempt, a.nodeId, a.outcome]),
       [
@@ -182,6 +165,5 @@ test(
     );
     assert.notEqual(attempts[1]!.nodeId, worker.name);
     // A shutdown does not use up the run's attempts: maxAttempts was 1 and it still ran again.
-    nodes.delete(worker.name);
   },
 );

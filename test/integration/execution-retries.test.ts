@@ -1,10 +1,8 @@
 import assert from 'node:assert/strict';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { after, before, test } from 'node:test';
-import { createEtcdClient } from '../../src/coordination/etcd.js';
 import type { DeadLetterMessage } from '../../src/store/dead-letters.js';
-import { createTestDatabase, type TestDatabase } from '../support/database.js';
-import { serverEnv, uniqueId } from '../support/env.js';
+import { uniqueId } from '../support/env.js';
 import {
   attemptsOf,
   insertJob,
@@ -12,22 +10,18 @@ import {
   oncePerMinuteAt,
   runsOf,
   stopJobs,
-  TargetServer,
   waitFor,
+  type Behaviour,
   type JobSpec,
 } from '../support/execution.js';
+import { integrationFixture, type IntegrationFixture } from '../support/fixture.js';
 import { TopicRecorder } from '../support/kafka.js';
-import { spawnNode, stopAll, type ManagedProcess } from '../support/processes.js';
 
-const etcd = createEtcdClient(serverEnv().etcdEndpoints.split(','));
-const prefix = `/helios-test/${uniqueId()}`;
-const topic = `helios.test.${uniqueId()}`;
-const dlq = new TopicRecorder(`${topic}.dlq`);
-const nodes: ManagedProcess[] = [];
-let db: TestDatabase;
+let fx: IntegrationFixture;
+let dlq: TopicRecorder;
 
 // The target's behaviour is chosen by the path of each job's URL.
-const target = new TargetServer((request, nth) => {
+const behaviour: Behaviour = (request, nth) => {
   switch (request.path) {
     case '/flaky':
       return { status: nth <= 2 ? 500 : 200, body: nth <= 2 ? 'not yet' : 'done' };
@@ -40,40 +34,27 @@ const target = new TargetServer((request, nth) => {
     default:
       return { status: 200 };
   }
-});
+};
 
 before(async () => {
-  db = await createTestDatabase();
-  await target.start();
+  fx = await integrationFixture({ behaviour });
   // One partition: the poison job's messages and the healthy job's share it.
-  const node = spawnNode('retry-1', {
-    databaseUrl: db.url,
-    etcdPrefix: prefix,
-    topic,
-    extra: { HELIOS_KAFKA_PARTITIONS: '1' },
-  });
-  nodes.push(node);
-  await node.waitForLog((l) => l.msg === 'became leader', 30_000);
-  await node.waitForLog((l) => l.msg === 'joined consumer group', 30_000);
+  await fx.start('retry-1', { HELIOS_KAFKA_PARTITIONS: '1' });
+  dlq = new TopicRecorder(`${fx.topic}.dlq`);
   await dlq.start();
 });
 after(async () => {
-  await db.pool.query('UPDATE jobs SET enabled = false').catch(() => undefined);
-  await stopAll(nodes);
-  await dlq.stop();
-  await target.close();
-  await db.drop();
-  await etcd.delete().prefix(prefix);
-  etcd.close();
+  await dlq?.stop();
+  await fx.teardown();
 });
 
 /** A job that fires once, at a whole second about two seconds from now. */
 async function oneShot(path: string, spec: Partial<JobSpec>): Promise<{ jobId: string; at: Date }> {
-  const at = await nextWholeSecond(db.pool, 1500);
-  const jobId = await insertJob(db.pool, {
+  const at = await nextWholeSecond(fx.db.pool, 1500);
+  const jobId = await insertJob(fx.db.pool, {
     name: `${path.slice(1)}-${uniqueId()}`,
     schedule: oncePerMinuteAt(at),
-    target: { url: `${target.url}${path}` },
+    target: { url: `${fx.target.url}${path}` },
     nextRunAt: at,
     ...spec,
   });
@@ -85,7 +66,7 @@ async function deadRunOf(jobId: string) {
   const [run] = await waitFor(
     'the run to be dead',
     async () => {
-      const runs = await runsOf(db.pool, jobId);
+      const runs = await runsOf(fx.db.pool, jobId);
       return runs[0]?.state === 'dead' ? runs : null;
     },
     15_000,
@@ -101,12 +82,12 @@ test(
     const [run] = await waitFor(
       'the run to succeed',
       async () => {
-        const runs = await runsOf(db.pool, jobId);
+        const runs = await runsOf(fx.db.pool, jobId);
         return runs[0]?.state === 'succeeded' ? runs : null;
       },
       20_000,
     );
-    const calls = target.forJob(jobId);
+    const calls = fx.target.forJob(jobId);
     assert.deepEqual(
       calls.map((c) => [c.attempt, c.idempotencyKey]),
       [
@@ -119,7 +100,7 @@ test(
     const gaps = [calls[1]!.arrivedAt - calls[0]!.arrivedAt, calls[2]!.arrivedAt - calls[1]!.arrivedAt];
     assert.ok(gaps[0]! >= 1000 && gaps[0]! < 1000 * 1.2 + 500, `first gap ${gaps[0]} ms`);
     assert.ok(gaps[1]! >= 2000 && gaps[1]! < 2000 * 1.2 + 500, `second gap ${gaps[1]} ms`);
-    const attempts = await attemptsOf(db.pool, run!.id);
+    const attempts = await attemptsOf(fx.db.pool, run!.id);
     assert.deepEqual(
       attempts.map((a) => [a.attempt, a.outcome, a.statusCode, a.responseExcerpt]),
       [
@@ -138,11 +119,15 @@ test(
   async () => {
     const { jobId } = await oneShot('/broken', { maxAttempts: 2, backoffMs: 200 });
     const run = await deadRunOf(jobId);
-    assert.equal(target.forJob(jobId).length, 2);
-    const { rows } = await db.pool.query<{ id: string; attempt: number; statusCode: number; error: string }>(
-      `SELECT id, attempt, status_code AS "statusCode", error FROM dead_letters WHERE run_id = $1`,
-      [run.id],
-    );
+    assert.equal(fx.target.forJob(jobId).length, 2);
+    const { rows } = await fx.db.pool.query<{
+      id: string;
+      attempt: number;
+      statusCode: number;
+      error: string;
+    }>(`SELECT id, attempt, status_code AS "statusCode", error FROM dead_letters WHERE run_id = $1`, [
+      run.id,
+    ]);
     assert.deepEqual(
       rows.map((r) => [r.attempt, r.statusCode, r.error]),
       [[2, 500, 'HTTP 500']],
@@ -172,7 +157,7 @@ test(
     });
     const run = await deadRunOf(jobId);
     assert.equal(run.attempt, 1, 'no second attempt');
-    const { rows } = await db.pool.query<{ attempt: number; error: string }>(
+    const { rows } = await fx.db.pool.query<{ attempt: number; error: string }>(
       'SELECT attempt, error FROM dead_letters WHERE run_id = $1',
       [run.id],
     );
@@ -184,40 +169,40 @@ test(
 test('a target that never answers is aborted at timeoutMs', { timeout: 30_000 }, async () => {
   const { jobId } = await oneShot('/silent', { timeoutMs: 1000, maxAttempts: 1 });
   const run = await deadRunOf(jobId);
-  const [call] = target.forJob(jobId);
+  const [call] = fx.target.forJob(jobId);
   assert.ok(call?.aborted, 'the worker closed the connection');
   const heldOpen = call.endedAt! - call.arrivedAt;
   assert.ok(heldOpen >= 950 && heldOpen < 1300, `connection held ${heldOpen} ms`);
-  const [attempt] = await attemptsOf(db.pool, run.id);
+  const [attempt] = await attemptsOf(fx.db.pool, run.id);
   assert.equal(attempt?.outcome, 'timeout');
   assert.ok(attempt.durationMs! >= 1000 && attempt.durationMs! < 1300, `duration ${attempt.durationMs}`);
   assert.match(attempt.error ?? '', /timed out after 1000 ms/);
 });
 
 test("a poison job does not delay a healthy job's runs", { timeout: 40_000 }, async () => {
-  const start = await nextWholeSecond(db.pool, 1500);
+  const start = await nextWholeSecond(fx.db.pool, 1500);
   const every = { schedule: '* * * * * *', nextRunAt: start };
-  const poison = await insertJob(db.pool, {
+  const poison = await insertJob(fx.db.pool, {
     ...every,
     name: `poison-${uniqueId()}`,
-    target: { url: `${target.url}/poison` },
+    target: { url: `${fx.target.url}/poison` },
     maxAttempts: 3,
     backoffMs: 100,
     timeoutMs: 2000,
   });
-  const healthy = await insertJob(db.pool, {
+  const healthy = await insertJob(fx.db.pool, {
     ...every,
     name: `healthy-${uniqueId()}`,
-    target: { url: `${target.url}/healthy` },
+    target: { url: `${fx.target.url}/healthy` },
   });
   await sleep(start.getTime() - Date.now() + 6_000);
-  await stopJobs(db.pool, [poison, healthy]);
+  await stopJobs(fx.db.pool, [poison, healthy]);
   await sleep(1500);
 
-  const poisonRuns = await runsOf(db.pool, poison);
-  assert.ok(target.forJob(poison).length >= 10, 'the poison job kept failing and retrying meanwhile');
+  const poisonRuns = await runsOf(fx.db.pool, poison);
+  assert.ok(fx.target.forJob(poison).length >= 10, 'the poison job kept failing and retrying meanwhile');
   assert.ok(poisonRuns.filter((r) => r.state === 'dead').length >= 3, 'and its runs were dead-lettered');
-  const healthyCalls = target.forJob(healthy);
+  const healthyCalls = fx.target.forJob(healthy);
   assert.ok(healthyCalls.length >= 6, `healthy calls: ${healthyCalls.length}`);
   assert.ok(healthyCalls.every((c) => c.attempt === 1));
   const lateness = healthyCalls.map((c) => c.arrivedAt - Date.parse(c.scheduledFor));
@@ -226,5 +211,5 @@ test("a poison job does not delay a healthy job's runs", { timeout: 40_000 }, as
     Math.max(...lateness) < 200,
     `healthy lateness ms: ${lateness.map((l) => l.toFixed(1)).join(', ')}`,
   );
-  assert.ok((await runsOf(db.pool, healthy)).every((r) => r.state === 'succeeded'));
+  assert.ok((await runsOf(fx.db.pool, healthy)).every((r) => r.state === 'succeeded'));
 });

@@ -11,6 +11,7 @@ import { REPO_ROOT, serverEnv, uniqueId } from '../support/env.js';
 import { insertJob, nextWholeSecond, runsOf, stopJobs, TargetServer, waitFor } from '../support/execution.js';
 import {
   nodeEnvironment,
+  runCli,
   spawnNode,
   stopAll,
   type ManagedProcess,
@@ -100,17 +101,8 @@ function startNode(name: string, etcdUrl: string): ManagedProcess {
 }
 
 /** Runs `helios fence <sub>` against the fresh etcd, as an operator would. */
-async function fence(sub: string): Promise<{ code: number | null; stdout: string; stderr: string }> {
-  const child = spawn(process.execPath, [`${REPO_ROOT}dist/main.js`, 'fence', sub], {
-    env: nodeEnvironment('operator', env(freshUrl)),
-    stdio: ['ignore', 'pipe', 'pipe'],
-  });
-  let stdout = '';
-  let stderr = '';
-  child.stdout.on('data', (chunk: Buffer) => (stdout += chunk.toString()));
-  child.stderr.on('data', (chunk: Buffer) => (stderr += chunk.toString()));
-  const [code] = (await once(child, 'exit')) as [number | null];
-  return { code, stdout, stderr };
+function fence(sub: string) {
+  return runCli(['fence', sub], nodeEnvironment('operator', env(freshUrl)));
 }
 
 test(

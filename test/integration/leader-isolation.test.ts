@@ -1,11 +1,8 @@
 import assert from 'node:assert/strict';
 import { after, before, test } from 'node:test';
-import { createEtcdClient } from '../../src/coordination/etcd.js';
-import { createTestDatabase, type TestDatabase } from '../support/database.js';
-import { serverEnv, uniqueId } from '../support/env.js';
-import { nextWholeSecond, oncePerMinuteAt, percentile, TargetServer, waitFor } from '../support/execution.js';
+import { nextWholeSecond, oncePerMinuteAt, percentile, waitFor } from '../support/execution.js';
+import { integrationFixture, type IntegrationFixture } from '../support/fixture.js';
 import { scrapeMetrics } from '../support/metrics.js';
-import { spawnNode, stopAll, type ManagedProcess } from '../support/processes.js';
 
 // Issue 13, leader work isolated: a herd of failing calls settling on one node must not starve
 // the leader's dispatch on that same node. The node's pool is made small and its worker wide, so
@@ -21,33 +18,21 @@ const HEALTHY_JOBS = 10;
 /** Seconds of every-second occurrences checked, from one second before the burst. */
 const WINDOW_S = 40;
 
-const etcd = createEtcdClient(serverEnv().etcdEndpoints.split(','));
-const prefix = `/helios-test/${uniqueId()}`;
-const topic = `helios.test.${uniqueId()}`;
-const nodes: ManagedProcess[] = [];
-let db: TestDatabase;
+let fx: IntegrationFixture;
 let apiUrl: string;
 
-const target = new TargetServer((request) =>
-  request.path === '/fail' ? { status: 500, delayMs: 300, body: 'failing slowly' } : { status: 200 },
-);
-
 before(async () => {
-  db = await createTestDatabase();
-  await target.start();
-  const node = spawnNode('isolation-1', {
-    databaseUrl: db.url,
-    etcdPrefix: prefix,
-    topic,
-    extra: {
-      HELIOS_DATABASE_POOL_SIZE: String(POOL_SIZE),
-      HELIOS_WORKER_CONCURRENCY: String(WORKER_CONCURRENCY),
-      // A log line per failed attempt would cost the node (and this process, which parses them)
-      // more CPU than the herd itself on a small machine.
-      HELIOS_LOG_LEVEL: 'warn',
-    },
+  fx = await integrationFixture({
+    behaviour: (request) =>
+      request.path === '/fail' ? { status: 500, delayMs: 300, body: 'failing slowly' } : { status: 200 },
   });
-  nodes.push(node);
+  fx.spawn('isolation-1', {
+    HELIOS_DATABASE_POOL_SIZE: String(POOL_SIZE),
+    HELIOS_WORKER_CONCURRENCY: String(WORKER_CONCURRENCY),
+    // A log line per failed attempt would cost the node (and this process, which parses them)
+    // more CPU than the herd itself on a small machine.
+    HELIOS_LOG_LEVEL: 'warn',
+  });
   apiUrl = await waitFor('the node in the registry', () => registeredApiUrl(), 30_000, 200);
   await waitFor(
     'leadership',
@@ -56,41 +41,34 @@ before(async () => {
     200,
   );
 });
-after(async () => {
-  await db.pool.query('UPDATE jobs SET enabled = false').catch(() => undefined);
-  await stopAll(nodes);
-  await target.close();
-  await db.drop();
-  await etcd.delete().prefix(prefix);
-  etcd.close();
-});
+after(() => fx.teardown());
 
 async function registeredApiUrl(): Promise<string | null> {
-  const entries = await etcd.getAll().prefix(`${prefix}/nodes/`).strings();
+  const entries = await fx.etcd.getAll().prefix(`${fx.etcdPrefix}/nodes/`).strings();
   const info = Object.values(entries).map((v) => JSON.parse(v) as { apiUrl?: string | null });
   return info.find((i) => i.apiUrl)?.apiUrl ?? null;
 }
 
 test('a burst of 2,000 failing calls on the leader does not delay dispatch of other jobs past the misfire threshold', async () => {
   // The herd is created by the dispatcher, ahead of its time, like any job.
-  const burstAt = await nextWholeSecond(db.pool, LOOKAHEAD_MS + 3000);
+  const burstAt = await nextWholeSecond(fx.db.pool, LOOKAHEAD_MS + 3000);
   const windowFrom = new Date(burstAt.getTime() - 1000);
   // Healthy every-second jobs, already running before the burst.
-  const { rows: healthy } = await db.pool.query<{ id: string }>(
+  const { rows: healthy } = await fx.db.pool.query<{ id: string }>(
     `INSERT INTO jobs (name, schedule, target, timeout_ms, max_attempts, next_run_at)
      SELECT 'healthy-' || i, '* * * * * *', jsonb_build_object('url', $1::text), 5000, 1,
             date_trunc('second', now()) + interval '1 second'
      FROM generate_series(1, $2::int) AS i RETURNING id`,
-    [`${target.url}/ok`, HEALTHY_JOBS],
+    [`${fx.target.url}/ok`, HEALTHY_JOBS],
   );
   // The herd: every failing job fires once, at the same second, and is retried once. A long
   // timeout keeps the claims of attempts waiting to settle from expiring (that would repeat calls).
-  await db.pool.query(
+  await fx.db.pool.query(
     `INSERT INTO jobs (name, schedule, target, timeout_ms, max_attempts, backoff_ms, backoff_multiplier,
                        next_run_at)
      SELECT 'failing-' || i, $1, jsonb_build_object('url', $2::text), 60000, 2, 200, 1, $3
      FROM generate_series(1, $4::int) AS i`,
-    [oncePerMinuteAt(burstAt), `${target.url}/fail`, burstAt, FAILING_RUNS],
+    [oncePerMinuteAt(burstAt), `${fx.target.url}/fail`, burstAt, FAILING_RUNS],
   );
 
   // Dispatch is judged over the herd's first WINDOW_S seconds, once an occurrence due at the end
@@ -99,7 +77,7 @@ test('a burst of 2,000 failing calls on the leader does not delay dispatch of ot
   await waitFor(
     'the end of the window',
     async () => {
-      const { rows } = await db.pool.query<{ past: boolean }>(
+      const { rows } = await fx.db.pool.query<{ past: boolean }>(
         `SELECT now() > $1::timestamptz + $2 * interval '1 millisecond' AS past`,
         [windowTo, MISFIRE_THRESHOLD_MS + 1000],
       );
@@ -109,11 +87,11 @@ test('a burst of 2,000 failing calls on the leader does not delay dispatch of ot
     250,
   );
   const windowS = WINDOW_S;
-  const failedCalls = target.requests.filter(
+  const failedCalls = fx.target.requests.filter(
     (r) => r.path === '/fail' && r.arrivedAt < windowTo.getTime(),
   ).length;
 
-  const { rows } = await db.pool.query<{
+  const { rows } = await fx.db.pool.query<{
     scheduledFor: Date;
     lateMs: number;
     startLateMs: number | null;

@@ -2,7 +2,7 @@ import assert from 'node:assert/strict';
 import { after, before, test } from 'node:test';
 import pg from 'pg';
 import { createKafka, RunPublisher } from '../../src/broker/index.js';
-import { loadConfig } from '../../src/config.js';
+import { loadConfig } from '../../src/config/index.js';
 import { createEtcdClient } from '../../src/coordination/etcd.js';
 import { HeliosNode } from '../../src/node.js';
 import { silentLogger } from '../../src/observability/logger.js';

@@ -1,10 +1,9 @@
 import assert from 'node:assert/strict';
-import { spawn } from 'node:child_process';
-import { once } from 'node:events';
 import { after, before, test } from 'node:test';
 import { loadMigrations } from '../../src/store/migrate.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
 import { REPO_ROOT, serverEnv } from '../support/env.js';
+import { runCli } from '../support/processes.js';
 
 let db: TestDatabase;
 before(async () => {
@@ -15,21 +14,13 @@ after(async () => {
 });
 
 /** Runs `helios migrate` (the built CLI) against the test database. */
-async function runMigrateCli(): Promise<{ code: number | null; output: string }> {
-  const child = spawn(process.execPath, [`${REPO_ROOT}dist/main.js`, 'migrate'], {
-    env: {
-      PATH: process.env.PATH,
-      HELIOS_DATABASE_URL: db.url,
-      HELIOS_ETCD_ENDPOINTS: serverEnv().etcdEndpoints,
-      HELIOS_KAFKA_BROKERS: serverEnv().kafkaBrokers,
-    },
-    stdio: ['ignore', 'pipe', 'pipe'],
+function runMigrateCli() {
+  return runCli(['migrate'], {
+    PATH: process.env.PATH,
+    HELIOS_DATABASE_URL: db.url,
+    HELIOS_ETCD_ENDPOINTS: serverEnv().etcdEndpoints,
+    HELIOS_KAFKA_BROKERS: serverEnv().kafkaBrokers,
   });
-  let output = '';
-  child.stdout.on('data', (c: Buffer) => (output += c.toString()));
-  child.stderr.on('data', (c: Buffer) => (output += c.toString()));
-  const [code] = (await once(child, 'exit')) as [number | null];
-  return { code, output };
 }
 
 test('two processes migrating an empty database at once end in one schema', async () => {

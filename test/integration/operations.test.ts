@@ -1,22 +1,16 @@
 import assert from 'node:assert/strict';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { after, before, test } from 'node:test';
-import { createEtcdClient } from '../../src/coordination/etcd.js';
-import { createTestDatabase, type TestDatabase } from '../support/database.js';
-import { serverEnv, uniqueId } from '../support/env.js';
-import { TargetServer, waitFor } from '../support/execution.js';
+import { createTestDatabase } from '../support/database.js';
+import { uniqueId } from '../support/env.js';
+import { waitFor } from '../support/execution.js';
+import { integrationFixture, type IntegrationFixture } from '../support/fixture.js';
 import { apiCall, startNode } from '../support/node-api.js';
-import { stopAll, type ManagedProcess } from '../support/processes.js';
 
 // What users do to a job while it runs (pause, resume, PATCH) must leave every occurrence that
 // fell due while the job was enabled with exactly one run that executes (contract item 10).
 
-const etcd = createEtcdClient(serverEnv().etcdEndpoints.split(','));
-const prefix = `/helios-test/${uniqueId()}`;
-const topic = `helios.test.${uniqueId()}`;
-const target = new TargetServer(() => ({ status: 200 }));
-const nodes: ManagedProcess[] = [];
-let db: TestDatabase;
+let fx: IntegrationFixture;
 let leaderApi: string;
 let workerApi: string;
 
@@ -32,23 +26,12 @@ const call = (api: string, method: string, path: string, body?: unknown) =>
   apiCall<JobAnswer>(api, method, path, body);
 
 before(async () => {
-  db = await createTestDatabase();
-  await target.start();
-  const env = { databaseUrl: db.url, etcdPrefix: prefix, topic };
+  fx = await integrationFixture();
   // A leader with every role; the last test adds a worker/api node without the scheduler role: a
   // job created on a database that no leader dispatches stands for a dispatcher that lags.
-  const leader = await startNode('ops-leader', env);
-  nodes.push(leader.node);
-  leaderApi = leader.apiUrl;
+  leaderApi = (await fx.start('ops-leader')).apiUrl;
 });
-after(async () => {
-  await db.pool.query('UPDATE jobs SET enabled = false').catch(() => undefined);
-  await stopAll(nodes);
-  await target.close();
-  await db.drop();
-  await etcd.delete().prefix(prefix);
-  etcd.close();
-});
+after(() => fx.teardown());
 
 /** Intervals in which a job was enabled, from the API's own answers (database time). */
 type Interval = { from: number; to: number };
@@ -60,12 +43,12 @@ type Interval = { from: number; to: number };
  */
 async function checkOccurrences(jobId: string, enabled: Interval[], start: number, end: number) {
   const marginMs = 150;
-  const { rows } = await db.pool.query<{ id: string; state: string; at: Date }>(
+  const { rows } = await fx.db.pool.query<{ id: string; state: string; at: Date }>(
     `SELECT id, state, scheduled_for AS at FROM runs WHERE job_id = $1 AND trigger = 'schedule'`,
     [jobId],
   );
   const runs = new Map(rows.map((r) => [r.at.getTime(), r]));
-  const calls = target.forJob(jobId);
+  const calls = fx.target.forJob(jobId);
   const problems: string[] = [];
   let due = 0;
   for (let s = Math.ceil(start / 1000) * 1000; s <= end; s += 1000) {
@@ -94,7 +77,7 @@ test(
     const created = await call(leaderApi, 'POST', '/jobs', {
       name: `pause-resume-${uniqueId()}`,
       schedule: '* * * * * *',
-      target: { url: `${target.url}/pause-resume`, method: 'POST' },
+      target: { url: `${fx.target.url}/pause-resume`, method: 'POST' },
       timeoutMs: 5000,
     });
     const enabled: Interval[] = [];
@@ -124,7 +107,7 @@ test(
     const created = await call(leaderApi, 'POST', '/jobs', {
       name: `patch-${uniqueId()}`,
       schedule: '* * * * * *',
-      target: { url: `${target.url}/patch/v0`, method: 'POST' },
+      target: { url: `${fx.target.url}/patch/v0`, method: 'POST' },
     });
     const enabled: Interval[] = [];
     let from = Date.parse(created.createdAt);
@@ -133,7 +116,7 @@ test(
     await sleep(1700);
     for (let i = 1; i <= 2; i++) {
       const edited = await call(leaderApi, 'PATCH', `/jobs/${created.id}`, {
-        target: { url: `${target.url}/patch/v${i}`, method: 'POST' },
+        target: { url: `${fx.target.url}/patch/v${i}`, method: 'POST' },
       });
       paths.push({ from: Date.parse(edited.updatedAt), path: `/patch/v${i}` });
       await sleep(1300);
@@ -153,7 +136,7 @@ test(
     enabled.push({ from, to: Date.parse(last.updatedAt) });
     await sleep(1500);
     await checkOccurrences(created.id, enabled, Date.parse(created.createdAt), Date.parse(last.updatedAt));
-    const wrongPath = target.forJob(created.id).filter((c) => {
+    const wrongPath = fx.target.forJob(created.id).filter((c) => {
       const at = Date.parse(c.scheduledFor);
       const expected = paths.filter((p) => p.from < at - 150).at(-1);
       const next = paths.find((p) => p.from > at - 150 && p.from < at + 150);
@@ -177,13 +160,13 @@ test(
       'ops-worker',
       {
         databaseUrl: lagging.url,
-        etcdPrefix: `${prefix}-lag`,
-        topic: `${topic}.lag`,
+        etcdPrefix: `${fx.etcdPrefix}-lag`,
+        topic: `${fx.topic}.lag`,
         extra: { HELIOS_ROLES: 'worker,api' },
       },
       {},
     );
-    nodes.push(node);
+    fx.nodes.push(node);
     try {
       workerApi = apiUrl;
       const created = await fetch(`${workerApi}/api/v1/jobs`, {
@@ -192,7 +175,7 @@ test(
         body: JSON.stringify({
           name: `lagging-${uniqueId()}`,
           schedule: '* * * * * *',
-          target: { url: `${target.url}/lagging`, method: 'POST' },
+          target: { url: `${fx.target.url}/lagging`, method: 'POST' },
         }),
       }).then(async (r) => (await r.json()) as JobAnswer);
       await sleep(2500);
@@ -206,7 +189,7 @@ test(
       const calls = await waitFor(
         'the occurrences due before the pause to be called',
         () => {
-          const seen = target.forJob(created.id).map((c) => c.scheduledFor);
+          const seen = fx.target.forJob(created.id).map((c) => c.scheduledFor);
           return due.every((d) => seen.includes(d)) ? seen : null;
         },
         15_000,

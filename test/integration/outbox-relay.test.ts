@@ -39,16 +39,31 @@ after(async () => {
 // Each test starts from an empty outbox: they count rows by key.
 beforeEach(() => db.pool.query('DELETE FROM outbox'));
 
-test('a row the broker refuses is put off; the rows behind it are published', async () => {
-  // Larger than the broker's message.max.bytes (1 MiB by default): Kafka refuses it for good.
-  await db.pool.query(
-    `INSERT INTO outbox (topic, key, payload) VALUES ($1, 'poison', jsonb_build_object('pad', repeat('x', 2000000)))`,
-    [topic],
+/** Outbox rows with these keys, in this order; a key starting with `poison` gets a payload the broker refuses. */
+const insert = (keys: string[]) =>
+  db.pool.query(
+    // Larger than the broker's message.max.bytes (1 MiB by default): Kafka refuses it for good.
+    `INSERT INTO outbox (topic, key, payload)
+     SELECT $1, k, CASE WHEN k LIKE 'poison%' THEN jsonb_build_object('pad', repeat('x', 2000000))
+                        ELSE jsonb_build_object('k', k) END
+     FROM unnest($2::text[]) WITH ORDINALITY AS u (k, n) ORDER BY n`,
+    [topic, keys],
   );
-  await db.pool.query(
-    `INSERT INTO outbox (topic, key, payload) SELECT $1, 'k' || i, jsonb_build_object('i', i) FROM generate_series(1, 20) i`,
-    [topic],
+
+/** `count` keys `${prefix}1` … */
+const keys = (prefix: string, count: number) => Array.from({ length: count }, (_, i) => `${prefix}${i + 1}`);
+
+/** Published rows whose key starts with `prefix`. */
+async function published(prefix: string): Promise<number> {
+  const { rows } = await db.pool.query<{ n: number }>(
+    `SELECT count(*)::int AS n FROM outbox WHERE key LIKE $1 AND published_at IS NOT NULL`,
+    [`${prefix}%`],
   );
+  return rows[0]!.n;
+}
+
+/** Runs a relay over the outbox while `work` runs, and stops it afterwards. */
+async function withRelay(work: () => Promise<unknown>): Promise<void> {
   const abort = new AbortController();
   const relay = new OutboxRelay({
     pool: db.pool,
@@ -60,16 +75,17 @@ test('a row the broker refuses is put off; the rows behind it are published', as
   });
   const running = relay.run();
   try {
-    await waitFor(
-      'the healthy rows to be published',
-      async () => {
-        const { rows } = await db.pool.query<{ n: number }>(
-          `SELECT count(*)::int AS n FROM outbox WHERE key <> 'poison' AND published_at IS NOT NULL`,
-        );
-        return rows[0]!.n === 20;
-      },
-      30_000,
-    );
+    await work();
+  } finally {
+    abort.abort();
+    await running;
+  }
+}
+
+test('a row the broker refuses is put off; the rows behind it are published', async () => {
+  await insert(['poison', ...keys('k', 20)]);
+  await withRelay(async () => {
+    await waitFor('the healthy rows to be published', async () => (await published('k')) === 20, 30_000);
     const { rows } = await db.pool.query<{ publishedAt: Date | null; tries: number; putOff: boolean }>(
       `SELECT published_at AS "publishedAt", publish_tries AS tries, publish_after > created_at AS "putOff"
        FROM outbox WHERE key = 'poison'`,
@@ -77,10 +93,7 @@ test('a row the broker refuses is put off; the rows behind it are published', as
     assert.equal(rows[0]!.publishedAt, null, 'the refused row is still pending');
     assert.ok(rows[0]!.tries >= 1);
     assert.ok(rows[0]!.putOff, 'and put off, so the next batches do not start with it');
-  } finally {
-    abort.abort();
-    await running;
-  }
+  });
 });
 
 // Found in review: the relay's isolation (outbox/relay.ts isolate) gave up, changing nothing, when
@@ -88,75 +101,18 @@ test('a row the broker refuses is put off; the rows behind it are published', as
 // refused rows next to each other (two dead letters of one poison job, say) then headed every
 // later batch and the relay was stuck for good. Only failures that are not refusals count now.
 test('two refused rows at the head of the outbox do not hold back the rows behind them', async () => {
-  // Each larger than the broker's message.max.bytes (1 MiB by default): refused for good.
-  await db.pool.query(
-    `INSERT INTO outbox (topic, key, payload)
-     SELECT $1, 'poison' || i, jsonb_build_object('pad', repeat('x', 2000000)) FROM generate_series(1, 2) i`,
-    [topic],
+  await insert(['poison1', 'poison2', ...keys('k', 20)]);
+  await withRelay(() =>
+    waitFor('the healthy rows to be published', async () => (await published('k')) === 20, 30_000),
   );
-  await db.pool.query(
-    `INSERT INTO outbox (topic, key, payload) SELECT $1, 'k' || i, jsonb_build_object('i', i) FROM generate_series(1, 20) i`,
-    [topic],
-  );
-  const abort = new AbortController();
-  const relay = new OutboxRelay({
-    pool: db.pool,
-    publisher,
-    notifications,
-    signal: abort.signal,
-    logger: silentLogger,
-    metrics: createMetrics('review-relay-test'),
-  });
-  const running = relay.run();
-  try {
-    await waitFor(
-      'the healthy rows to be published',
-      async () => {
-        const { rows } = await db.pool.query<{ n: number }>(
-          `SELECT count(*)::int AS n FROM outbox WHERE key NOT LIKE 'poison%' AND published_at IS NOT NULL`,
-        );
-        return rows[0]!.n === 20;
-      },
-      30_000,
-    );
-  } finally {
-    abort.abort();
-    await running;
-  }
 });
 
 test('two refused rows anywhere in one batch do not stall the relay once they are due again', async () => {
   // The first batch is isolated (healthy rows go out between the two refused ones), so both are
   // put off by the same back-off and come due again together: then they are the whole batch (or
   // its head), the isolation gives up, and every row inserted afterwards waits behind them.
-  await db.pool.query(`DELETE FROM outbox`);
-  const insert = (keys: string) =>
-    db.pool.query(
-      `INSERT INTO outbox (topic, key, payload)
-       SELECT $1, k, CASE WHEN k LIKE 'poison%' THEN jsonb_build_object('pad', repeat('x', 2000000))
-                          ELSE jsonb_build_object('k', k) END
-       FROM unnest($2::text[]) WITH ORDINALITY AS u (k, n) ORDER BY n`,
-      [topic, keys.split(' ')],
-    );
-  await insert('poison-a a1 a2 a3 a4 a5 poison-b a6 a7 a8 a9 a10');
-  const abort = new AbortController();
-  const relay = new OutboxRelay({
-    pool: db.pool,
-    publisher,
-    notifications,
-    signal: abort.signal,
-    logger: silentLogger,
-    metrics: createMetrics('review-relay-test-2'),
-  });
-  const running = relay.run();
-  const published = async (prefix: string) => {
-    const { rows } = await db.pool.query<{ n: number }>(
-      `SELECT count(*)::int AS n FROM outbox WHERE key LIKE $1 AND published_at IS NOT NULL`,
-      [`${prefix}%`],
-    );
-    return rows[0]!.n;
-  };
-  try {
+  await insert(['poison-a', ...keys('a', 5), 'poison-b', ...keys('a', 10).slice(5)]);
+  await withRelay(async () => {
     await waitFor(
       'the first healthy rows to be published',
       async () => (await published('a')) === 10,
@@ -173,14 +129,11 @@ test('two refused rows anywhere in one batch do not stall the relay once they ar
       },
       30_000,
     );
-    await insert('b1 b2 b3 b4 b5 b6 b7 b8 b9 b10');
+    await insert(keys('b', 10));
     await waitFor(
       'the rows inserted later to be published',
       async () => (await published('b')) === 10,
       30_000,
     );
-  } finally {
-    abort.abort();
-    await running;
-  }
+  });
 });

@@ -16,13 +16,11 @@ after(() => db.drop());
 
 const DAY = 86_400_000;
 
-function pruner(options: { runRetentionMs?: number; keepPerJob?: number; outboxRetentionMs?: number } = {}) {
+function pruner() {
   return new Pruner({
     pool: db.pool,
     signal: new AbortController().signal,
-    runRetentionMs: options.runRetentionMs ?? 30 * DAY,
-    keepPerJob: options.keepPerJob ?? 3,
-    outboxRetentionMs: options.outboxRetentionMs ?? 600_000,
+    retention: { runsMs: 30 * DAY, keepPerJob: 3, outboxMs: 600_000 },
     logger: silentLogger,
     metrics: createMetrics('retention-test'),
   });

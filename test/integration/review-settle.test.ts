@@ -1,18 +1,9 @@
 import assert from 'node:assert/strict';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { after, before, test } from 'node:test';
-import { createEtcdClient } from '../../src/coordination/etcd.js';
-import { createTestDatabase, type TestDatabase } from '../support/database.js';
-import { serverEnv, uniqueId } from '../support/env.js';
-import {
-  insertJob,
-  nextWholeSecond,
-  oncePerMinuteAt,
-  stopJobs,
-  TargetServer,
-  waitFor,
-} from '../support/execution.js';
-import { spawnNode, stopAll, type ManagedProcess } from '../support/processes.js';
+import { uniqueId } from '../support/env.js';
+import { insertJob, nextWholeSecond, oncePerMinuteAt, stopJobs, waitFor } from '../support/execution.js';
+import { integrationFixture, type IntegrationFixture } from '../support/fixture.js';
 
 // Review of the completion batcher's per-item fallback (execution/batching.ts oneByOne): when the
 // first OUTAGE_AFTER (2) items of a failed batch fail on their own, the rest of the batch is failed
@@ -29,9 +20,6 @@ import { spawnNode, stopAll, type ManagedProcess } from '../support/processes.js
 // worker runs at once, so the poisoned completions (answered first) and then the healthy ones queue
 // up behind them and go out as one batch, poisoned first.
 
-const etcd = createEtcdClient(serverEnv().etcdEndpoints.split(','));
-const prefix = `/helios-test/${uniqueId()}`;
-const topic = `helios.test.${uniqueId()}`;
 // Each kind of job answers at a fixed instant after the occurrence (not after its call arrived),
 // so the order of the completions does not depend on when each call could start.
 const answerAfterMs = (path: string) =>
@@ -43,16 +31,16 @@ const answerAfterMs = (path: string) =>
         ? 1000
         : 1500;
 let dueAt = 0;
-const target = new TargetServer((request) => ({
-  status: 200,
-  delayMs: Math.max(0, dueAt + answerAfterMs(request.path) - Date.now()),
-}));
-const nodes: ManagedProcess[] = [];
-let db: TestDatabase;
+let fx: IntegrationFixture;
 
 before(async () => {
-  db = await createTestDatabase();
-  await db.pool.query(`
+  fx = await integrationFixture({
+    behaviour: (request) => ({
+      status: 200,
+      delayMs: Math.max(0, dueAt + answerAfterMs(request.path) - Date.now()),
+    }),
+  });
+  await fx.db.pool.query(`
     CREATE FUNCTION review_completion_faults() RETURNS trigger LANGUAGE plpgsql AS $$
     BEGIN
       IF NEW.state = 'succeeded' AND OLD.state = 'running' THEN
@@ -67,37 +55,21 @@ before(async () => {
     END $$;
     CREATE TRIGGER review_completion_faults BEFORE UPDATE ON runs
       FOR EACH ROW EXECUTE FUNCTION review_completion_faults();`);
-  await target.start();
-  nodes.push(
-    spawnNode('review-settle-1', {
-      databaseUrl: db.url,
-      etcdPrefix: prefix,
-      topic,
-      extra: { HELIOS_CLAIM_GRACE_MS: '8000', HELIOS_REAPER_INTERVAL_MS: '200' },
-    }),
-  );
-  await nodes[0]!.waitForLog((l) => l.msg === 'became leader', 30_000);
-  await nodes[0]!.waitForLog((l) => l.msg === 'joined consumer group', 30_000);
+  await fx.start('review-settle-1', { HELIOS_CLAIM_GRACE_MS: '8000', HELIOS_REAPER_INTERVAL_MS: '200' });
 });
-after(async () => {
-  await stopAll(nodes);
-  await target.close();
-  await db.drop();
-  await etcd.delete().prefix(prefix);
-  etcd.close();
-});
+after(() => fx.teardown());
 
 test(
   'two poisoned completions heading a batch cost no healthy run its completion',
   { timeout: 90_000 },
   async () => {
-    const at = await nextWholeSecond(db.pool, 2000);
+    const at = await nextWholeSecond(fx.db.pool, 2000);
     dueAt = at.getTime();
     const job = (name: string, maxAttempts = 3) =>
-      insertJob(db.pool, {
+      insertJob(fx.db.pool, {
         name: `${name.replaceAll('/', '-')}-${uniqueId()}`,
         schedule: oncePerMinuteAt(at),
-        target: { url: `${target.url}/${name}` },
+        target: { url: `${fx.target.url}/${name}` },
         nextRunAt: at,
         timeoutMs: 3000,
         maxAttempts,
@@ -109,7 +81,7 @@ test(
     await waitFor(
       'every healthy run to finish',
       async () => {
-        const { rows } = await db.pool.query<{ n: number }>(
+        const { rows } = await fx.db.pool.query<{ n: number }>(
           `SELECT count(*)::int AS n FROM runs WHERE job_id = ANY($1::uuid[]) AND state NOT IN ('queued', 'running')`,
           [healthy],
         );
@@ -117,16 +89,16 @@ test(
       },
       40_000,
     );
-    await stopJobs(db.pool, [...slow, ...poisoned, ...healthy]);
+    await stopJobs(fx.db.pool, [...slow, ...poisoned, ...healthy]);
     await sleep(1000);
-    assert.ok(target.forJob(poisoned[0]!).length >= 1, 'the poisoned runs were called');
+    assert.ok(fx.target.forJob(poisoned[0]!).length >= 1, 'the poisoned runs were called');
     // The first completion write of a healthy run fails only when it was failed for others.
-    const { rows: healthyRuns } = await db.pool.query<{ id: string }>(
+    const { rows: healthyRuns } = await fx.db.pool.query<{ id: string }>(
       `SELECT id FROM runs WHERE job_id = ANY($1::uuid[])`,
       [healthy],
     );
     const healthyIds = new Set(healthyRuns.map((r) => r.id));
-    const failedForOthers = nodes[0]!.logs.filter(
+    const failedForOthers = fx.nodes[0]!.logs.filter(
       (l) => l.msg === 'settle write failed; retrying while the claim holds' && healthyIds.has(String(l.run)),
     ).length;
     assert.equal(
@@ -134,13 +106,13 @@ test(
       0,
       `${failedForOthers} healthy completions failed because of the poisoned ones`,
     );
-    const repeated = healthy.filter((id) => target.forJob(id).length !== 1);
+    const repeated = healthy.filter((id) => fx.target.forJob(id).length !== 1);
     // The claims last 11 s (timeout 3 s + grace 8 s). Once the slow completions are out of the way
     // (2.5 s), a healthy completion goes through at its first try; one that is held back by the
     // poisoned ones is retried until its claim is about to expire, and then only the jitter of the
     // last retries decides whether it is recorded or the reaper re-queues the run and it is called
     // again. Both are checked: the second directly, the first by when the completion was recorded.
-    const { rows: late } = await db.pool.query<{ ms: number }>(
+    const { rows: late } = await fx.db.pool.query<{ ms: number }>(
       `SELECT (extract(epoch FROM finished_at - scheduled_for) * 1000)::float8 AS ms
      FROM runs WHERE job_id = ANY($1::uuid[]) AND finished_at - scheduled_for > interval '6 seconds'`,
       [healthy],

@@ -1,12 +1,9 @@
 import assert from 'node:assert/strict';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { after, before, test } from 'node:test';
-import { createEtcdClient } from '../../src/coordination/etcd.js';
-import { createTestDatabase, type TestDatabase } from '../support/database.js';
-import { serverEnv, uniqueId } from '../support/env.js';
-import { insertJob, nextWholeSecond, stopJobs, TargetServer, waitFor } from '../support/execution.js';
-import { startNode } from '../support/node-api.js';
-import { stopAll, type ManagedProcess, type NodeEnv } from '../support/processes.js';
+import { insertJob, nextWholeSecond, stopJobs, waitFor } from '../support/execution.js';
+import { integrationFixture, type IntegrationFixture } from '../support/fixture.js';
+import type { ManagedProcess } from '../support/processes.js';
 
 // The rolling restart of docs/operations.md (a Deployment's RollingUpdate, a compose service at a
 // time): SIGTERM one node, wait until it has exited, start it again, wait until /readyz answers 200
@@ -15,27 +12,12 @@ import { stopAll, type ManagedProcess, type NodeEnv } from '../support/processes
 
 const JOBS = 4;
 const NODES = 3;
-const etcd = createEtcdClient(serverEnv().etcdEndpoints.split(','));
-const prefix = `/helios-test/${uniqueId()}`;
-const topic = `helios.test.${uniqueId()}`;
-const target = new TargetServer(() => ({ status: 200 }));
-const nodes: ManagedProcess[] = [];
-let db: TestDatabase;
-let env: NodeEnv;
+let fx: IntegrationFixture;
 
 before(async () => {
-  db = await createTestDatabase();
-  await target.start();
-  env = { databaseUrl: db.url, etcdPrefix: prefix, topic, extra: { HELIOS_KAFKA_PARTITIONS: '6' } };
+  fx = await integrationFixture();
 });
-after(async () => {
-  await db.pool.query('UPDATE jobs SET enabled = false').catch(() => undefined);
-  await stopAll(nodes);
-  await target.close();
-  await db.drop();
-  await etcd.delete().prefix(prefix);
-  etcd.close();
-});
+after(() => fx.teardown());
 
 /** One run as the database has it, and one call as the target received it. */
 export interface RunRow {
@@ -92,8 +74,7 @@ async function ready(apiUrl: string): Promise<boolean> {
 
 /** Starts node `name` and waits until it is ready as the procedure says: /readyz 200 and in the group. */
 async function startReady(name: string): Promise<ManagedProcess> {
-  const { node, apiUrl } = await startNode(name, env, { worker: true });
-  nodes.push(node);
+  const { node, apiUrl } = await fx.start(name, { HELIOS_KAFKA_PARTITIONS: '6' }, { worker: true });
   await waitFor(`${name} ready`, () => ready(apiUrl), 20_000, 100);
   return node;
 }
@@ -104,19 +85,19 @@ test(
   async (t) => {
     const started = Date.now();
     const live = await Promise.all(Array.from({ length: NODES }, (_, i) => startReady(`rr-${i}`)));
-    const firstAt = await nextWholeSecond(db.pool, 500);
+    const firstAt = await nextWholeSecond(fx.db.pool, 500);
     const jobIds: string[] = [];
     for (let i = 0; i < JOBS; i++) {
       jobIds.push(
-        await insertJob(db.pool, {
+        await insertJob(fx.db.pool, {
           name: `every-second-${i}`,
           schedule: '* * * * * *',
-          target: { url: `${target.url}/tick`, method: 'POST' },
+          target: { url: `${fx.target.url}/tick`, method: 'POST' },
           nextRunAt: firstAt,
         }),
       );
     }
-    await db.pool.query(`NOTIFY helios_jobs`);
+    await fx.db.pool.query(`NOTIFY helios_jobs`);
     await sleep(firstAt.getTime() + 1500 - Date.now());
     const from = firstAt.getTime();
     const restarts: string[] = [];
@@ -136,12 +117,12 @@ test(
     const to = Date.now() + 1000;
     t.diagnostic(restarts.join('; '));
     await sleep(to - Date.now() + 200);
-    await stopJobs(db.pool, jobIds);
+    await stopJobs(fx.db.pool, jobIds);
     // Everything due up to `to` finished (runs already created ahead and withdrawn do not count).
     await waitFor(
       'the window settled',
       async () => {
-        const { rows } = await db.pool.query<{ n: string }>(
+        const { rows } = await fx.db.pool.query<{ n: string }>(
           `SELECT count(*) AS n FROM runs WHERE scheduled_for <= $1 AND state IN ('queued', 'running')`,
           [new Date(to)],
         );
@@ -150,11 +131,14 @@ test(
       20_000,
       200,
     );
-    const { rows } = await db.pool.query<{ job_id: string; at: Date; state: string }>(
+    const { rows } = await fx.db.pool.query<{ job_id: string; at: Date; state: string }>(
       `SELECT job_id, scheduled_for AS at, state FROM runs WHERE trigger = 'schedule'`,
     );
     const runs = rows.map((r) => ({ jobId: r.job_id, scheduledFor: r.at.getTime(), state: r.state }));
-    const calls = target.requests.map((r) => ({ jobId: r.jobId, scheduledFor: Date.parse(r.scheduledFor) }));
+    const calls = fx.target.requests.map((r) => ({
+      jobId: r.jobId,
+      scheduledFor: Date.parse(r.scheduledFor),
+    }));
     const { due, problems } = checkExactlyOnce(jobIds, from, to, runs, calls);
     t.diagnostic(
       `${due} occurrences due in ${((to - from) / 1000).toFixed(1)} s, test took ${((Date.now() - started) / 1000).toFixed(1)} s`,

@@ -1,7 +1,7 @@
 import { Writable } from 'node:stream';
 import type { FastifyInstance } from 'fastify';
 import { Registry } from 'prom-client';
-import type { ApiRole } from '../../src/config.js';
+import type { ApiRole } from '../../src/config/index.js';
 import { createEtcdClient } from '../../src/coordination/etcd.js';
 import { buildApiServer } from '../../src/api/server.js';
 import { registerApi } from '../../src/api/v1.js';

@@ -68,6 +68,9 @@ export async function integrationFixture(
       return { node, apiUrl: await untilServing(node, wait) };
     },
     async teardown() {
+      // Jobs off first: nodes that stop one after another would otherwise go on dispatching and
+      // executing for the ones still running (and a late call could reach a closed target).
+      await db.pool.query('UPDATE jobs SET enabled = false').catch(() => undefined);
       await stopAll(nodes);
       await target.close();
       await db.drop();

@@ -146,6 +146,27 @@ export async function stopAll(processes: ManagedProcess[]): Promise<void> {
   await Promise.allSettled(processes.map((p) => p.stop()));
 }
 
+/**
+ * Runs the built CLI (`dist/main.js ARGS`) with exactly `env` (add PATH yourself) and resolves
+ * when it exits, with its exit code and output (`output` is stdout and stderr as they came).
+ */
+export async function runCli(
+  args: string[],
+  env: Record<string, string | undefined>,
+): Promise<{ code: number | null; stdout: string; stderr: string; output: string }> {
+  const child = spawn(process.execPath, [`${REPO_ROOT}dist/main.js`, ...args], {
+    env,
+    stdio: ['ignore', 'pipe', 'pipe'],
+  });
+  let stdout = '';
+  let stderr = '';
+  let output = '';
+  child.stdout!.on('data', (chunk: Buffer) => ((stdout += chunk.toString()), (output += chunk.toString())));
+  child.stderr!.on('data', (chunk: Buffer) => ((stderr += chunk.toString()), (output += chunk.toString())));
+  const [code] = (await once(child, 'exit')) as [number | null];
+  return { code, stdout, stderr, output };
+}
+
 /** Runs `scripts/infra.sh ARGS` and resolves when it exits 0. */
 export async function infra(...args: string[]): Promise<void> {
   const child = spawn('bash', [serverEnv().infraScript, ...args], { stdio: ['ignore', 'ignore', 'pipe'] });

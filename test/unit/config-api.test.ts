@@ -1,7 +1,6 @@
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
-import { isLoopbackHost, loadCliConfig, loadConfig } from '../../src/config.js';
-import { ConfigError } from '../../src/errors.js';
+import { ConfigError, isLoopbackHost, loadCliConfig, loadConfig } from '../../src/config/index.js';
 import { deniedReason } from '../../src/security/target-policy.js';
 import { endpointsOfDatabaseUrl } from '../../src/security/cluster-endpoints.js';
 
@@ -26,17 +25,17 @@ function failsOn(env: Record<string, string>, variable: string, pattern?: RegExp
 
 test('API settings have safe defaults', () => {
   const config = loadConfig(BASE);
-  assert.equal(config.metricsPublic, false);
-  assert.equal(config.apiBodyLimit, 256 * 1024);
-  assert.deepEqual([...config.sensitiveHeaders].sort(), [
+  assert.equal(config.api.metricsPublic, false);
+  assert.equal(config.api.bodyLimit, 256 * 1024);
+  assert.deepEqual([...config.targets.sensitiveHeaders].sort(), [
     'authorization',
     'cookie',
     'proxy-authorization',
     'x-api-key',
   ]);
-  assert.ok(deniedReason('169.254.169.254', config.targetPolicy));
-  assert.ok(deniedReason('fe80::1', config.targetPolicy));
-  assert.equal(deniedReason('127.0.0.1', config.targetPolicy), null);
+  assert.ok(deniedReason('169.254.169.254', config.targets.policy));
+  assert.ok(deniedReason('fe80::1', config.targets.policy));
+  assert.equal(deniedReason('127.0.0.1', config.targets.policy), null);
 });
 
 test('API settings are parsed', () => {
@@ -48,23 +47,23 @@ test('API settings are parsed', () => {
     HELIOS_TARGET_DENY: '10.0.0.0/8',
     HELIOS_TARGET_ALLOW: '10.0.0.0/8, 192.0.2.0/24',
   });
-  assert.equal(config.metricsPublic, true);
-  assert.equal(config.apiBodyLimit, 4096);
-  assert.ok(config.sensitiveHeaders.has('x-vault-token'));
-  assert.ok(config.sensitiveHeaders.has('authorization'), 'the built-in names stay');
-  assert.ok(deniedReason('10.1.2.3', config.targetPolicy), 'deny wins over allow');
-  assert.equal(deniedReason('192.0.2.1', config.targetPolicy), null);
-  assert.ok(deniedReason('198.51.100.1', config.targetPolicy), 'outside the allow list');
+  assert.equal(config.api.metricsPublic, true);
+  assert.equal(config.api.bodyLimit, 4096);
+  assert.ok(config.targets.sensitiveHeaders.has('x-vault-token'));
+  assert.ok(config.targets.sensitiveHeaders.has('authorization'), 'the built-in names stay');
+  assert.ok(deniedReason('10.1.2.3', config.targets.policy), 'deny wins over allow');
+  assert.equal(deniedReason('192.0.2.1', config.targets.policy), null);
+  assert.ok(deniedReason('198.51.100.1', config.targets.policy), 'outside the allow list');
   assert.match(
-    deniedReason('169.254.169.254', config.targetPolicy) ?? '',
+    deniedReason('169.254.169.254', config.targets.policy) ?? '',
     /denied range 169\.254\.0\.0\/16/,
     'HELIOS_TARGET_DENY adds to the defaults: the metadata address stays denied',
   );
   const none = loadConfig({ ...BASE, HELIOS_TARGET_DENY: 'none' });
-  assert.ok(deniedReason('169.254.169.254', none.targetPolicy), '"none" adds nothing, removes nothing');
+  assert.ok(deniedReason('169.254.169.254', none.targets.policy), '"none" adds nothing, removes nothing');
   const off = loadConfig({ ...BASE, HELIOS_TARGET_DENY_DEFAULTS: 'false' });
   assert.equal(
-    deniedReason('169.254.169.254', off.targetPolicy),
+    deniedReason('169.254.169.254', off.targets.policy),
     null,
     'only an explicit setting drops them',
   );
@@ -72,8 +71,8 @@ test('API settings are parsed', () => {
 
 test('HELIOS_TARGET_POLICY=strict also denies loopback and private ranges; permissive is the default', () => {
   const permissive = loadConfig(BASE);
-  assert.equal(permissive.targetPolicyMode, 'permissive');
-  assert.equal(deniedReason('127.0.0.1', permissive.targetPolicy, 3000), null);
+  assert.equal(permissive.targets.mode, 'permissive');
+  assert.equal(deniedReason('127.0.0.1', permissive.targets.policy, 3000), null);
   const strict = loadConfig({ ...BASE, HELIOS_TARGET_POLICY: 'strict' });
   for (const address of [
     '127.0.0.1',
@@ -84,10 +83,10 @@ test('HELIOS_TARGET_POLICY=strict also denies loopback and private ranges; permi
     'fd12::1',
     '100.64.0.1',
   ]) {
-    assert.ok(deniedReason(address, strict.targetPolicy), `${address} is denied in strict mode`);
+    assert.ok(deniedReason(address, strict.targets.policy), `${address} is denied in strict mode`);
   }
-  assert.ok(deniedReason('169.254.169.254', strict.targetPolicy));
-  assert.equal(deniedReason('203.0.113.9', strict.targetPolicy), null);
+  assert.ok(deniedReason('169.254.169.254', strict.targets.policy));
+  assert.equal(deniedReason('203.0.113.9', strict.targets.policy), null);
   failsOn({ HELIOS_TARGET_POLICY: 'lenient' }, 'HELIOS_TARGET_POLICY');
 });
 
@@ -98,7 +97,7 @@ test("the configured etcd, Kafka and PostgreSQL endpoints and the node's API are
     HELIOS_ETCD_ENDPOINTS: 'http://127.0.0.1:2379,http://10.0.0.7:2379',
     HELIOS_HTTP_PORT: '8181',
   });
-  const policy = config.targetPolicy;
+  const policy = config.targets.policy;
   assert.match(deniedReason('127.0.0.1', policy, 2379) ?? '', /cluster's own etcd/);
   assert.match(deniedReason('127.0.0.1', policy, 9092) ?? '', /cluster's own Kafka broker/);
   assert.match(deniedReason('127.0.0.1', policy, 5433) ?? '', /cluster's own PostgreSQL/);
@@ -125,10 +124,10 @@ test("the configured etcd, Kafka and PostgreSQL endpoints and the node's API are
 });
 
 test('the API rate limit defaults to 6000 per minute per token; 0 turns it off', () => {
-  assert.deepEqual(loadConfig(BASE).apiRateLimit, { max: 6000, windowMs: 60_000 });
+  assert.deepEqual(loadConfig(BASE).api.rateLimit, { max: 6000, windowMs: 60_000 });
   const set = loadConfig({ ...BASE, HELIOS_API_RATE_LIMIT: '50', HELIOS_API_RATE_WINDOW_MS: '1000' });
-  assert.deepEqual(set.apiRateLimit, { max: 50, windowMs: 1000 });
-  assert.equal(loadConfig({ ...BASE, HELIOS_API_RATE_LIMIT: '0' }).apiRateLimit, null);
+  assert.deepEqual(set.api.rateLimit, { max: 50, windowMs: 1000 });
+  assert.equal(loadConfig({ ...BASE, HELIOS_API_RATE_LIMIT: '0' }).api.rateLimit, null);
   failsOn({ HELIOS_API_RATE_LIMIT: 'lots' }, 'HELIOS_API_RATE_LIMIT');
 });
 
@@ -143,11 +142,11 @@ test('bad API settings name their variable', () => {
 test('without tokens only a loopback address may be bound', () => {
   for (const host of ['0.0.0.0', '::', '192.0.2.10', 'example.com']) {
     failsOn({ HELIOS_HTTP_HOST: host }, 'HELIOS_HTTP_HOST', /HELIOS_API_TOKENS/);
-    assert.equal(loadConfig({ ...BASE, ...TOKENS, HELIOS_HTTP_HOST: host }).httpHost, host);
+    assert.equal(loadConfig({ ...BASE, ...TOKENS, HELIOS_HTTP_HOST: host }).api.host, host);
   }
   for (const host of ['127.0.0.1', '127.1.2.3', '::1', '[::1]', 'localhost']) {
     assert.ok(isLoopbackHost(host), host);
-    assert.equal(loadConfig({ ...BASE, HELIOS_HTTP_HOST: host }).httpHost, host);
+    assert.equal(loadConfig({ ...BASE, HELIOS_HTTP_HOST: host }).api.host, host);
   }
 });
 

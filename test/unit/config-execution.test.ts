@@ -1,7 +1,6 @@
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
-import { loadConfig } from '../../src/config.js';
-import { ConfigError } from '../../src/errors.js';
+import { ConfigError, loadConfig } from '../../src/config/index.js';
 
 const BASE = {
   HELIOS_DATABASE_URL: 'postgres://u@127.0.0.1:5432/db',
@@ -9,38 +8,37 @@ const BASE = {
   HELIOS_KAFKA_BROKERS: '127.0.0.1:9092',
 };
 
-test('execution settings have documented defaults', () => {
+test('the worker and leader sections have documented defaults', () => {
   const config = loadConfig(BASE);
-  assert.deepEqual(
-    {
-      workerPrefetch: config.workerPrefetch,
-      claimGraceMs: config.claimGraceMs,
-      clockSkewToleranceMs: config.clockSkewToleranceMs,
-      claimLeadMs: config.claimLeadMs,
-      pollIntervalMs: config.pollIntervalMs,
-      pollOverdueMs: config.pollOverdueMs,
-      claimCheckIntervalMs: config.claimCheckIntervalMs,
-      reaperIntervalMs: config.reaperIntervalMs,
-      responseExcerptBytes: config.responseExcerptBytes,
-    },
-    {
-      workerPrefetch: 5000,
-      claimGraceMs: 5000,
-      clockSkewToleranceMs: 10,
-      claimLeadMs: 50,
-      pollIntervalMs: 1000,
-      pollOverdueMs: 2000,
-      claimCheckIntervalMs: 1000,
-      reaperIntervalMs: 1000,
-      responseExcerptBytes: 2048,
-    },
-  );
+  assert.deepEqual(config.worker, {
+    concurrency: 64,
+    prefetch: 5000,
+    claimGraceMs: 5000,
+    skewToleranceMs: 10,
+    claimLeadMs: 50,
+    pollIntervalMs: 1000,
+    pollOverdueMs: 2000,
+    claimCheckIntervalMs: 1000,
+    maxExcerptBytes: 2048,
+    dbConnections: 15,
+  });
+  assert.deepEqual(config.leader, {
+    leaseTtlMs: 3000,
+    safetyMarginMs: 500,
+    lookaheadMs: 5000,
+    misfireThresholdMs: 5000,
+    batchSize: 500,
+    poolSize: 5,
+    reaperIntervalMs: 1000,
+    signalsIntervalMs: 5000,
+    retention: { runsMs: 30 * 86_400_000, keepPerJob: 100, outboxMs: 600_000 },
+  });
 });
 
 test('execution settings are parsed and bounded', () => {
   const config = loadConfig({ ...BASE, HELIOS_CLAIM_GRACE_MS: '1500', HELIOS_POLL_OVERDUE_MS: '0' });
-  assert.equal(config.claimGraceMs, 1500);
-  assert.equal(config.pollOverdueMs, 0);
+  assert.equal(config.worker.claimGraceMs, 1500);
+  assert.equal(config.worker.pollOverdueMs, 0);
   for (const [name, value] of [
     ['HELIOS_CLAIM_GRACE_MS', '50'],
     ['HELIOS_POLL_INTERVAL_MS', '0'],

@@ -1,7 +1,6 @@
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
-import { loadConfig } from '../../src/config.js';
-import { ConfigError } from '../../src/errors.js';
+import { ConfigError, loadConfig } from '../../src/config/index.js';
 
 const BASE = {
   HELIOS_DATABASE_URL: 'postgres://u@127.0.0.1:5432/db',
@@ -24,16 +23,17 @@ function failsOn(env: Record<string, string>, variable: string, pattern?: RegExp
 
 test('defaults are applied and the result is frozen', () => {
   const config = loadConfig({ ...BASE, HELIOS_NODE_ID: 'n1' });
-  assert.equal(config.nodeId, 'n1');
-  assert.deepEqual([...config.roles].sort(), ['api', 'scheduler', 'worker']);
-  assert.equal(config.leaseTtlMs, 3000);
-  assert.equal(config.httpHost, '127.0.0.1');
-  assert.equal(config.httpPort, 8080);
-  assert.equal(config.workerConcurrency, 64);
-  assert.equal(config.runsTopic, 'helios.runs');
-  assert.equal(config.deadLetterTopic, 'helios.runs.dlq');
-  assert.deepEqual(config.etcdEndpoints, ['http://127.0.0.1:2379']);
+  assert.equal(config.node.id, 'n1');
+  assert.deepEqual([...config.node.roles].sort(), ['api', 'scheduler', 'worker']);
+  assert.equal(config.leader.leaseTtlMs, 3000);
+  assert.equal(config.api.host, '127.0.0.1');
+  assert.equal(config.api.port, 8080);
+  assert.equal(config.worker.concurrency, 64);
+  assert.equal(config.kafka.runsTopic, 'helios.runs');
+  assert.equal(config.kafka.deadLetterTopic, 'helios.runs.dlq');
+  assert.deepEqual(config.etcd.endpoints, ['http://127.0.0.1:2379']);
   assert.ok(Object.isFrozen(config));
+  for (const [name, section] of Object.entries(config)) assert.ok(Object.isFrozen(section), name);
 });
 
 test('lists and numbers are parsed', () => {
@@ -45,11 +45,11 @@ test('lists and numbers are parsed', () => {
     HELIOS_LEASE_TTL_MS: '5000',
     HELIOS_API_TOKENS: 'aaaaaaaaaaaaaaaa:admin,bbbbbbbbbbbbbbbb:viewer',
   });
-  assert.deepEqual(config.etcdEndpoints, ['http://a:1', 'http://b:2']);
-  assert.deepEqual(config.kafkaBrokers, ['k1:9092', 'k2:9093']);
-  assert.deepEqual([...config.roles], ['worker']);
-  assert.equal(config.leaseTtlMs, 5000);
-  assert.equal(config.apiTokens.get('bbbbbbbbbbbbbbbb'), 'viewer');
+  assert.deepEqual(config.etcd.endpoints, ['http://a:1', 'http://b:2']);
+  assert.deepEqual(config.kafka.brokers, ['k1:9092', 'k2:9093']);
+  assert.deepEqual([...config.node.roles], ['worker']);
+  assert.equal(config.leader.leaseTtlMs, 5000);
+  assert.equal(config.api.tokens.get('bbbbbbbbbbbbbbbb'), 'viewer');
 });
 
 test('missing required variables are named', () => {
@@ -92,7 +92,7 @@ test('retention settings take durations with units and reject anything else by n
     HELIOS_ETCD_ENDPOINTS: 'http://127.0.0.1:2379',
     HELIOS_KAFKA_BROKERS: '127.0.0.1:9092',
   };
-  assert.deepEqual(loadConfig(base).retention, {
+  assert.deepEqual(loadConfig(base).leader.retention, {
     runsMs: 30 * 86_400_000,
     keepPerJob: 100,
     outboxMs: 600_000,
@@ -103,18 +103,18 @@ test('retention settings take durations with units and reject anything else by n
     HELIOS_OUTBOX_RETENTION: '90s',
     HELIOS_RUN_KEEP_PER_JOB: '5',
   });
-  assert.deepEqual(set.retention, { runsMs: 120_000, keepPerJob: 5, outboxMs: 90_000 });
-  assert.equal(loadConfig({ ...base, HELIOS_RUN_RETENTION: '1500' }).retention.runsMs, 1500);
+  assert.deepEqual(set.leader.retention, { runsMs: 120_000, keepPerJob: 5, outboxMs: 90_000 });
+  assert.equal(loadConfig({ ...base, HELIOS_RUN_RETENTION: '1500' }).leader.retention.runsMs, 1500);
   assert.throws(() => loadConfig({ ...base, HELIOS_RUN_RETENTION: '30 days' }), /HELIOS_RUN_RETENTION/);
   assert.throws(() => loadConfig({ ...base, HELIOS_RUN_RETENTION: '0' }), /HELIOS_RUN_RETENTION/);
 });
 
 test("the leader's pool and the worker's share of the node's pool: defaults and bounds", () => {
   const defaults = loadConfig(BASE);
-  assert.equal(defaults.leaderPoolSize, 5);
-  assert.equal(defaults.workerDbConnections, 15, 'three quarters of the default pool of 20');
-  assert.equal(defaults.signalsIntervalMs, 5000);
-  assert.equal(loadConfig({ ...BASE, HELIOS_DATABASE_POOL_SIZE: '2' }).workerDbConnections, 1);
+  assert.equal(defaults.leader.poolSize, 5);
+  assert.equal(defaults.worker.dbConnections, 15, 'three quarters of the default pool of 20');
+  assert.equal(defaults.leader.signalsIntervalMs, 5000);
+  assert.equal(loadConfig({ ...BASE, HELIOS_DATABASE_POOL_SIZE: '2' }).worker.dbConnections, 1);
   const set = loadConfig({
     ...BASE,
     HELIOS_DATABASE_POOL_SIZE: '10',
@@ -122,7 +122,10 @@ test("the leader's pool and the worker's share of the node's pool: defaults and 
     HELIOS_LEADER_POOL_SIZE: '3',
     HELIOS_SIGNALS_INTERVAL_MS: '1000',
   });
-  assert.deepEqual([set.workerDbConnections, set.leaderPoolSize, set.signalsIntervalMs], [9, 3, 1000]);
+  assert.deepEqual(
+    [set.worker.dbConnections, set.leader.poolSize, set.leader.signalsIntervalMs],
+    [9, 3, 1000],
+  );
   // The share must leave the API at least one connection of the pool.
   failsOn(
     { HELIOS_DATABASE_POOL_SIZE: '10', HELIOS_WORKER_DB_CONNECTIONS: '10' },

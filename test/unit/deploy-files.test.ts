@@ -25,7 +25,7 @@ const composeEnv = {
 };
 const read = (path: string) => readFileSync(join(REPO_ROOT, path), 'utf8');
 
-test('the accepted variables come from src/config.ts and the CLI commands from helios --help', () => {
+test('the accepted variables come from src/config/ and the CLI commands from helios --help', () => {
   for (const name of [
     'HELIOS_DATABASE_URL',
     'HELIOS_SHUTDOWN_TIMEOUT_MS',
@@ -38,7 +38,7 @@ test('the accepted variables come from src/config.ts and the CLI commands from h
   assert.ok(routes.has('/readyz') && routes.has('/healthz'));
 });
 
-test('deploy/compose.yaml: 3 nodes configured only by variables src/config.ts accepts, on services that exist', (t) => {
+test('deploy/compose.yaml: 3 nodes configured only by variables src/config/ accepts, on services that exist', (t) => {
   const { model, via } = loadCompose(composeFile, composeEnv);
   t.diagnostic(`compose file resolved by ${via}`);
   assert.deepEqual(checkCompose(model, accepted, commands), []);
@@ -88,11 +88,11 @@ test('the compose check reports an unknown variable, a missing service, a bad co
     .replace('stop_grace_period: 30s', 'stop_grace_period: 5s')
     .replace('HELIOS_NODE_ID: helios-2', 'HELIOS_NODE_ID: helios-2\n      HELIOS_WORKER_CONCURRENCY: "-3"');
   const problems = checkCompose(parseCompose(broken, composeEnv), accepted, commands).join('\n');
-  assert.match(problems, /helios-1: HELIOS_NOT_A_SETTING is not a variable src\/config.ts reads/);
+  assert.match(problems, /helios-1: HELIOS_NOT_A_SETTING is not a variable src\/config\/ reads/);
   assert.match(problems, /helios-2: depends on etcd-4, which is not a service/);
   assert.match(problems, /helios-3: command "serve" is not a helios command/);
   assert.match(problems, /helios-1: stop_grace_period is not above/);
-  assert.match(problems, /helios-2: its environment fails src\/config.ts: HELIOS_WORKER_CONCURRENCY/);
+  assert.match(problems, /helios-2: its environment fails src\/config\/: HELIOS_WORKER_CONCURRENCY/);
   assert.match(problems, /fewer than 3 Helios nodes/);
 });
 
@@ -125,7 +125,7 @@ test('the Kubernetes check reports a wrong probe path, a short grace period, a P
   assert.match(problems, /readinessProbe asks \/ready, expected \/readyz/);
   assert.match(problems, /readinessProbe path \/ready is not served/);
   assert.match(problems, /PodDisruptionBudget helios: selector does not match/);
-  assert.match(problems, /HELIOS_SHUTDOWN_TIMOUT_MS is not a variable src\/config.ts reads/);
+  assert.match(problems, /HELIOS_SHUTDOWN_TIMOUT_MS is not a variable src\/config\/ reads/);
 });
 
 test('the Dockerfile check reports root, another Node.js major and a missing health check', () => {

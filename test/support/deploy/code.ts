@@ -1,18 +1,18 @@
 import { spawnSync } from 'node:child_process';
 import { readFileSync } from 'node:fs';
 import { join } from 'node:path';
-import { loadCliConfig, loadConfig } from '../../../src/config.js';
+import { loadCliConfig, loadConfig } from '../../../src/config/index.js';
 import { REPO_ROOT } from '../env.js';
 
 // Checks of the deployment files (deploy/compose.yaml, deploy/kubernetes/, Dockerfile) against the
-// code they deploy: the variables src/config.ts reads, the CLI's commands, the health routes. Each
+// code they deploy: the variables src/config/ reads, the CLI's commands, the health routes. Each
 // check returns the problems it found, so a test can show it reports a broken file.
 
 export type Env = Record<string, string>;
 
 /**
  * Every variable the node's and the CLI's config read, found by running them on an environment
- * that records each name looked up: the list cannot drift from src/config.ts.
+ * that records each name looked up: the list cannot drift from src/config/.
  */
 export function acceptedVariables(): Set<string> {
   const read = new Set<string>();
@@ -68,10 +68,10 @@ export function findTool(
   return null;
 }
 
-/** A node's environment must pass src/config.ts; returns the problem or null. */
+/** A node's environment must pass src/config/; returns the problem or null. */
 export function configProblem(env: Env): { problem: string | null; shutdownMs: number } {
   try {
-    return { problem: null, shutdownMs: loadConfig(env).shutdownTimeoutMs };
+    return { problem: null, shutdownMs: loadConfig(env).node.shutdownTimeoutMs };
   } catch (err) {
     return { problem: (err as Error).message, shutdownMs: NaN };
   }

@@ -133,11 +133,11 @@ export function checkCompose(model: ComposeModel, accepted: Set<string>, command
     const env: Env = {};
     for (const [key, value] of Object.entries(service.environment ?? {})) {
       if (!key.startsWith('HELIOS_')) problems.push(`${name}: ${key} is not a HELIOS_* variable`);
-      else if (!accepted.has(key)) problems.push(`${name}: ${key} is not a variable src/config.ts reads`);
+      else if (!accepted.has(key)) problems.push(`${name}: ${key} is not a variable src/config/ reads`);
       if (value !== null) env[key] = value;
     }
     const { problem, shutdownMs } = configProblem(env);
-    if (problem) problems.push(`${name}: its environment fails src/config.ts: ${problem}`);
+    if (problem) problems.push(`${name}: its environment fails src/config/: ${problem}`);
     // Every server named in the node's settings must be a service of this file.
     const hosts = [
       ...(env.HELIOS_ETCD_ENDPOINTS ?? '').split(',').map((u) => (u ? new URL(u).hostname : '')),

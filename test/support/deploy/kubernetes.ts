@@ -146,12 +146,11 @@ export function checkKubernetes(
       for (const key of Object.keys(env)) {
         if (!key.startsWith('HELIOS_')) {
           if (!expanded.has(key)) problems.push(`${where}: ${key} is not a HELIOS_* variable`);
-        } else if (!accepted.has(key))
-          problems.push(`${where}: ${key} is not a variable src/config.ts reads`);
+        } else if (!accepted.has(key)) problems.push(`${where}: ${key} is not a variable src/config/ reads`);
       }
       const helios = Object.fromEntries(Object.entries(env).filter(([k]) => k.startsWith('HELIOS_')));
       const { problem, shutdownMs: ms } = configProblem(helios);
-      if (problem) problems.push(`${where}: its environment fails src/config.ts: ${problem}`);
+      if (problem) problems.push(`${where}: its environment fails src/config/: ${problem}`);
       if (args[0] !== 'node') continue;
       shutdownMs = ms;
       const ports = new Set((container.ports ?? []).map((p) => p.name ?? String(p.containerPort)));
