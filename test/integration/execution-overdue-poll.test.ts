@@ -4,7 +4,7 @@ import type pg from 'pg';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { inTransaction } from '../../src/store/db.js';
 import { claimOverdueRuns } from '../../src/store/overdue.js';
-import { claimRun, isForbidViolation } from '../../src/store/runs.js';
+import { claimRun, isForbidViolation, skipRun } from '../../src/store/runs.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
 import { uniqueId } from '../support/env.js';
 import { insertJob } from '../support/execution.js';
@@ -174,5 +174,31 @@ describe('the overdue poll with several runs of a forbid job', () => {
       const leftMs = run.claimExpiresAt.getTime() - committedAt;
       assert.ok(leftMs > run.timeoutMs, `claim of ${run.id} had ${leftMs} ms left at commit`);
     }
+  });
+
+  test('a claim and a skip inside a longer transaction count from their own statement, not its start', async () => {
+    await settleOthers();
+    const forbid = await job('forbid');
+    const first = await addRun(forbid, 2000);
+    const second = await addRun(forbid, 1000);
+    const graceMs = 3000;
+    const { claimedAt, skippedAt, claim } = await inTransaction(db.pool, async (client) => {
+      await client.query('SELECT now()'); // the transaction's clock starts here
+      await sleep(700);
+      const claimedAt = (await client.query<{ at: Date }>('SELECT clock_timestamp() AS at')).rows[0]!.at;
+      const claim = await claimRun(client, first, claimOptions('chaos-b', graceMs), 1);
+      await sleep(700);
+      const skippedAt = (await client.query<{ at: Date }>('SELECT clock_timestamp() AS at')).rows[0]!.at;
+      assert.ok(await skipRun(client, second, 'concurrency-forbid'));
+      return { claimedAt, skippedAt, claim };
+    });
+    // The deadline leaves the whole timeout and grace from the claim; the skip says when it was
+    // decided (the chaos checker judges a forbid skip against the runs active at that instant).
+    assert.ok(claim!.claimExpiresAt.getTime() >= claimedAt.getTime() + claim!.timeoutMs + graceMs);
+    const skipped = (await runsOf(forbid)).find((r) => r.id === second)!;
+    assert.ok(
+      skipped.finishedAt!.getTime() >= skippedAt.getTime(),
+      `skip recorded at ${skipped.finishedAt!.toISOString()}, decided after ${skippedAt.toISOString()}`,
+    );
   });
 });
