@@ -14,10 +14,15 @@ import {
  * Queued runs overdue by more than $1 ms (their message is late or lost), oldest first, locked
  * with SKIP LOCKED so concurrent pollers take disjoint sets. $2 = limit. A retry or replay of a
  * `forbid` job whose sibling is running waits for it (it cannot be skipped): leaving it out keeps
- * it from filling every poll while it waits.
+ * it from filling every poll while it waits. `blocked`: a `forbid` run that another run of its job
+ * (running, or queued for a retry) keeps from starting now.
  */
 const SELECT_OVERDUE = `
-  SELECT r.id FROM runs r
+  SELECT r.id, r.job_id AS "jobId", r.concurrency,
+         (r.concurrency = 'forbid' AND EXISTS (
+           SELECT 1 FROM runs o WHERE o.job_id = r.job_id AND o.id <> r.id
+             AND (o.state = 'running' OR (o.state = 'queued' AND o.attempt > 0)))) AS blocked
+  FROM runs r
   WHERE r.state = 'queued' AND r.not_before <= now() - $1 * interval '1 millisecond'
     AND NOT (r.concurrency = 'forbid' AND r.attempt > 0 AND EXISTS (
       SELECT 1 FROM runs o WHERE o.job_id = r.job_id AND o.state = 'running'))
@@ -29,6 +34,15 @@ const SELECT_OVERDUE = `
  * Claims up to `limit` overdue runs in one transaction (a caller-supplied client inside BEGIN).
  * A fresh occurrence that its `forbid` policy blocks is skipped, like on the Kafka path; a blocked
  * retry stays queued for a later poll.
+ *
+ * The transaction must stay short: its claims' deadlines and its skips' times count from its
+ * start (now()), and runs of a `forbid` job that start meanwhile elsewhere decide its skips. So
+ * the one statement that claims holds at most one run of each `forbid` job and none that is
+ * blocked: two of one job, or one whose sibling runs, fail the whole statement on
+ * runs_forbid_one_running_idx, and claiming a full poll one by one after that took seconds
+ * under load (chaos seed 6: 63 runs in 4.4 s after a PostgreSQL restart, every claim handed back
+ * as too late; the oldest of three overdue occurrences skipped because a newer one started first).
+ * The runs held back are tried one by one after it; there are only a few.
  */
 export async function claimOverdueRuns(
   client: pg.PoolClient,
@@ -36,16 +50,26 @@ export async function claimOverdueRuns(
   limit: number,
   options: ClaimOptions,
 ): Promise<{ claimed: ClaimedRun[]; skipped: number }> {
-  const { rows } = await client.query<{ id: string }>(SELECT_OVERDUE, [overdueMs, limit]);
+  const { rows } = await client.query<OverdueRow>(SELECT_OVERDUE, [overdueMs, limit]);
   if (rows.length === 0) return { claimed: [], skipped: 0 };
+  const batch: OverdueRow[] = [];
+  const heldBack: OverdueRow[] = [];
+  const forbidJobs = new Set<string>();
+  for (const row of rows) {
+    const forbid = row.concurrency === 'forbid';
+    if (forbid && (row.blocked || forbidJobs.has(row.jobId))) heldBack.push(row);
+    else batch.push(row);
+    if (forbid) forbidJobs.add(row.jobId);
+  }
   // The rows are locked by us, so a miss can only be a `forbid` block, and a forbid violation
-  // (two runs of one forbid job in the batch) is the only likely error: then go one by one.
+  // (a run of a forbid job started elsewhere since our SELECT) is the only likely error: then
+  // go one by one.
   await client.query('SAVEPOINT batch');
   let results: (ClaimedRun | null)[] | undefined;
   try {
     results = await claimRuns(
       client,
-      rows.map((r) => ({ runId: r.id, expectedAttempt: null })),
+      batch.map((r) => ({ runId: r.id, expectedAttempt: null })),
       options,
     );
     await client.query('RELEASE SAVEPOINT batch');
@@ -55,12 +79,22 @@ export async function claimOverdueRuns(
   }
   const claimed: ClaimedRun[] = [];
   let skipped = 0;
-  for (const [index, { id }] of rows.entries()) {
-    const run = results ? results[index] : await claimOneInSavepoint(client, id, options);
+  const settle = async (id: string, run: ClaimedRun | null) => {
     if (run) claimed.push(run);
     else if (await skipRun(client, id, 'concurrency-forbid')) skipped += 1;
+  };
+  for (const [index, { id }] of batch.entries()) {
+    await settle(id, results ? results[index]! : await claimOneInSavepoint(client, id, options));
   }
+  for (const { id } of heldBack) await settle(id, await claimOneInSavepoint(client, id, options));
   return { claimed, skipped };
+}
+
+interface OverdueRow {
+  id: string;
+  jobId: string;
+  concurrency: string;
+  blocked: boolean;
 }
 
 /** Claims one run; a forbid violation rolls back to a savepoint and returns null. */

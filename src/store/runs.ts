@@ -35,6 +35,9 @@ const CLAIMED_COLUMNS = `
  * A fresh occurrence of a `forbid` job is not claimed while a sibling waits to retry (that
  * sibling is still active); a second *running* run of a `forbid` job violates
  * runs_forbid_one_running_idx and fails the whole statement.
+ * The deadline and start count from this statement, not from its transaction's start (now()):
+ * inside the polling fallback's transaction a claim may come seconds after it began, and a
+ * deadline counted from then reached the worker with less than the timeout left (handed back).
  */
 const CLAIM = `
   WITH input AS (
@@ -42,8 +45,9 @@ const CLAIM = `
   ), claimed AS (
     UPDATE runs r
     SET state = 'running', attempt = r.attempt + 1, claimed_by = $2, reason = NULL,
-        claim_expires_at = greatest(now(), r.not_before) + (r.timeout_ms + $3) * interval '1 millisecond',
-        started_at = coalesce(r.started_at, greatest(now(), r.not_before))
+        claim_expires_at = greatest(statement_timestamp(), r.not_before)
+                           + (r.timeout_ms + $3) * interval '1 millisecond',
+        started_at = coalesce(r.started_at, greatest(statement_timestamp(), r.not_before))
     FROM input c
     WHERE r.id = c.id AND r.state = 'queued'
       AND r.not_before <= now() + ($4 + CASE WHEN r.concurrency = 'allow' THEN $6 ELSE 0 END)
@@ -55,7 +59,7 @@ const CLAIM = `
     RETURNING r.*
   ), recorded AS (
     INSERT INTO run_attempts (run_id, attempt, node_id, started_at)
-    SELECT id, attempt, $2, greatest(now(), not_before) FROM claimed
+    SELECT id, attempt, $2, greatest(statement_timestamp(), not_before) FROM claimed
   )
   SELECT ${CLAIMED_COLUMNS} FROM claimed`;
 
@@ -146,9 +150,11 @@ export async function explainClaimMiss(db: Queryable, runId: string): Promise<Cl
  * Skips a queued run that cannot start (concurrency policy). $1 = run id, $2 = reason.
  * Only a fresh occurrence (never claimed) can be skipped: a retry or a dead-letter replay has
  * attempt > 0, and skipping it would lose a run that is owed; it waits for its turn instead.
+ * finished_at is when the skip was decided (this statement), not when an enclosing transaction
+ * began: the run that blocked it may have started in between.
  */
 const SKIP = `
-  UPDATE runs SET state = 'skipped', reason = $2, finished_at = now(), claimed_by = NULL
+  UPDATE runs SET state = 'skipped', reason = $2, finished_at = statement_timestamp(), claimed_by = NULL
   WHERE id = $1 AND state = 'queued' AND attempt = 0`;
 
 /** Returns true if this call skipped the run (false: already taken, or a retry that must wait). */
