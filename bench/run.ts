@@ -66,7 +66,10 @@ function summary(r: Results): string {
     rows.push(['  CPU per run, herd (insert → last call)', cpuCell(r.herd.cpuPerRun), '≤ 0.2 ms']);
   }
   for (const peer of (r.peers ?? []).filter((p) => p.http)) {
-    const ratio = r.herd ? `; ${peer.peer}/Helios = ${(peer.medianMs / r.herd.medianMs).toFixed(2)}` : '';
+    const ratio =
+      r.herd && Number.isFinite(peer.medianMs)
+        ? `; ${peer.peer}/Helios = ${(peer.medianMs / r.herd.medianMs).toFixed(2)}`
+        : `; arrived within 60 s: ${peer.runs.map((run) => run.started).join(', ')} of 10,000`;
     const bare = r.peers?.find((p) => p.peer === peer.peer && !p.http);
     rows.push([
       `  same herd, ${peer.peer}, same HTTP call → last call`,
