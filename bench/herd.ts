@@ -11,7 +11,16 @@ import { setTimeout as sleep } from 'node:timers/promises';
 import { pathToFileURL } from 'node:url';
 import { parseArgs } from 'node:util';
 import { BenchCluster, profiled } from './lib/cluster.js';
-import { ActivitySampler, CpuMeter, summariseCpuProfiles } from './lib/profile.js';
+import {
+  ActivitySampler,
+  CpuMeter,
+  cpuPerRun,
+  describeCpuPerRun,
+  formatCpu,
+  medianCpuPerRun,
+  summariseCpuProfiles,
+  type CpuCategory,
+} from './lib/profile.js';
 import { machine, max, median, ms, percentile } from './lib/stats.js';
 import { envArgs } from './lib/args.js';
 
@@ -24,12 +33,19 @@ export interface HerdRun {
   readonly duplicates: number;
   /** Due instant → the last run row created / outbox row published / run claimed (negative: before). */
   readonly phases: { created: number; published: number; claimed: number };
+  /**
+   * CPU ms per run by process category, from the jobs' insert (before the dispatcher sees them)
+   * until the last call arrived: dispatch, publish, claim, call and completion of every run.
+   */
+  readonly cpuPerRun: Record<CpuCategory | 'total', number>;
 }
 
 export interface HerdResult {
   readonly jobs: number;
   readonly runs: HerdRun[];
   readonly medianMs: number;
+  /** Median over runs, per category. */
+  readonly cpuPerRun: Record<CpuCategory | 'total', number>;
 }
 
 /** Cron (6 fields, seconds first) that fires once a day at `at`'s UTC second. */
@@ -50,6 +66,7 @@ export async function herdOnce(
   const cluster = await BenchCluster.start({ ...base, env: { ...base.env, ...options.env } });
   const sampler = new ActivitySampler(cluster.db.pool, cluster.db.name);
   const cpu = new CpuMeter(cluster.cpuGroups());
+  const whole = new CpuMeter(cluster.cpuGroups());
   let cpuReport = '';
   try {
     // Far enough ahead that the insert is done before the dispatcher looks (the lookahead, 5 s by
@@ -57,6 +74,7 @@ export async function herdOnce(
     const lookaheadMs = Number(options.env?.HELIOS_DISPATCH_LOOKAHEAD_MS ?? 5000);
     const dueAt = await cluster.nextWholeSecond(lookaheadMs + 4000);
     await cluster.insertJobs(jobs, onceADayAt(dueAt), dueAt);
+    whole.restart();
     const due = dueAt.getTime();
     if (profileDir) {
       await sleep(due - 1500 - Date.now());
@@ -66,9 +84,12 @@ export async function herdOnce(
     }
     const deadline = due + 60_000;
     while (cluster.target.count < jobs && Date.now() < deadline) await sleep(20);
+    const wholeSample = await whole.sample(cpus().length);
     sampler.stop();
     if (profileDir) {
-      cpuReport = await cpu.report(cpus().length);
+      cpuReport =
+        `CPU during the profiled window (due − 1.5 s → last arrival):\n${await cpu.report(cpus().length, jobs)}\n` +
+        `CPU of the whole herd (insert → last arrival):\n${formatCpu(wholeSample, jobs)}`;
       for (const node of cluster.nodes) node.signal('SIGUSR2'); // write the CPU profiles
       await sleep(1000);
     }
@@ -95,6 +116,7 @@ export async function herdOnce(
         published: at(rows[0]?.published),
         claimed: at(rows[0]?.claimed),
       },
+      cpuPerRun: cpuPerRun(wholeSample, jobs),
     };
   } finally {
     sampler.stop();
@@ -126,8 +148,14 @@ export async function herd(
         `last run created ${ms(run.phases.created)}, last published ${ms(run.phases.published)}, ` +
         `last claimed ${ms(run.phases.claimed)}`,
     );
+    options.log?.(`  CPU per run (insert → last arrival): ${describeCpuPerRun(run.cpuPerRun)}`);
   }
-  return { jobs, runs, medianMs: median(runs.map((r) => r.lastMs)) };
+  return {
+    jobs,
+    runs,
+    medianMs: median(runs.map((r) => r.lastMs)),
+    cpuPerRun: medianCpuPerRun(runs.map((r) => r.cpuPerRun)),
+  };
 }
 
 async function main(): Promise<void> {
@@ -149,6 +177,7 @@ async function main(): Promise<void> {
     log: (line) => console.log(`  ${line}`),
   });
   console.log(`helios: median ${ms(result.medianMs)} over ${result.runs.length} runs`);
+  console.log(`CPU per run (medians): ${describeCpuPerRun(result.cpuPerRun)}`);
 }
 
 if (import.meta.url === pathToFileURL(process.argv[1] ?? '').href) {

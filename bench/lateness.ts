@@ -11,7 +11,16 @@ import { pathToFileURL } from 'node:url';
 import { parseArgs } from 'node:util';
 import { cpus } from 'node:os';
 import { BenchCluster, profiled } from './lib/cluster.js';
-import { ActivitySampler, CpuMeter, summariseCpuProfiles } from './lib/profile.js';
+import {
+  ActivitySampler,
+  CpuMeter,
+  cpuPerRun,
+  describeCpuPerRun,
+  formatCpu,
+  medianCpuPerRun,
+  summariseCpuProfiles,
+  type CpuCategory,
+} from './lib/profile.js';
 import { machine, max, median, ms, percentile } from './lib/stats.js';
 import { envArgs } from './lib/args.js';
 
@@ -30,6 +39,8 @@ export interface LatenessRun {
   /** During the window: consumer group joins (rebalances) and runs claimed by the polling fallback. */
   readonly joins: number;
   readonly polled: number;
+  /** CPU ms per run by process category over the measured window (rate × seconds runs). */
+  readonly cpuPerRun: Record<CpuCategory | 'total', number>;
 }
 
 export interface LatenessResult {
@@ -39,6 +50,7 @@ export interface LatenessResult {
   readonly p50: number;
   readonly p99: number;
   readonly max: number;
+  readonly cpuPerRun: Record<CpuCategory | 'total', number>;
 }
 
 /** One run on a fresh cluster. */
@@ -59,21 +71,24 @@ export async function latenessOnce(
     }
     const from = start.getTime() + WARMUP_S * 1000;
     const to = from + seconds * 1000;
+    await sleep(from - Date.now());
+    // CPU over the measured window: the runs due in it are what it served (rate × seconds).
+    const cpu = new CpuMeter(cluster.cpuGroups());
     if (profileDir) {
-      await sleep(from - Date.now());
-      const cpu = new CpuMeter(cluster.cpuGroups());
       sampler.start();
       for (const node of cluster.nodes) node.signal('SIGUSR2');
-      await sleep(to - Date.now());
+    }
+    await sleep(to - Date.now());
+    const cpuSample = await cpu.sample(cpus().length);
+    if (profileDir) {
       for (const node of cluster.nodes) node.signal('SIGUSR2');
       sampler.stop();
-      console.log(await cpu.report(cpus().length));
+      console.log(formatCpu(cpuSample, rate * seconds));
       console.log('pg_stat_activity (mean active backends: state, wait, statement):');
       console.log(sampler.report());
       console.log(await phases(cluster, from, to));
       console.log(await workerSide(cluster));
     }
-    await sleep(to - Date.now());
     await cluster.db.pool.query('UPDATE jobs SET enabled = false');
     await sleep(3000); // the last second's calls arrive
     const lateness = cluster.target.lateness(from, to);
@@ -85,6 +100,7 @@ export async function latenessOnce(
       expected: rate * seconds,
       duplicates: cluster.target.duplicates,
       ...cluster.deliveryEvents(from),
+      cpuPerRun: cpuPerRun(cpuSample, rate * seconds),
     };
   } finally {
     sampler.stop();
@@ -158,6 +174,7 @@ export async function lateness(
         `(${run.received}/${run.expected} calls arrived${run.duplicates ? `, ${run.duplicates} duplicates` : ''}` +
         `${run.joins ? `, ${run.joins} consumer group joins` : ''}${run.polled ? `, ${run.polled} runs claimed by polling` : ''})`,
     );
+    options.log?.(`  CPU per run: ${describeCpuPerRun(run.cpuPerRun)}`);
   }
   return {
     rate,
@@ -165,6 +182,7 @@ export async function lateness(
     p50: median(runs.map((r) => r.p50)),
     p99: median(runs.map((r) => r.p99)),
     max: median(runs.map((r) => r.max)),
+    cpuPerRun: medianCpuPerRun(runs.map((r) => r.cpuPerRun)),
   };
 }
 

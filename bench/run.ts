@@ -15,6 +15,7 @@ import { failover, type FailoverResult } from './failover.js';
 import { herd, type HerdResult } from './herd.js';
 import { httpFloor, type FloorResult } from './http-floor.js';
 import { lateness, type LatenessResult } from './lateness.js';
+import { CPU_CATEGORIES, type CpuCategory } from './lib/profile.js';
 import { machine, ms, table } from './lib/stats.js';
 import { memory, type MemoryResult } from './memory.js';
 import { BEST, herdPeer, type HerdResult as PeerHerdResult } from './peers/herd.js';
@@ -31,6 +32,7 @@ interface Results {
   machine: string;
   loadAtStart: number[];
   quick: boolean;
+  /** Each peer twice: each handler making the HTTP call (http: true), and without it. */
   peers?: PeerHerdResult[];
   herd?: HerdResult;
   lateness?: LatenessResult[];
@@ -44,6 +46,14 @@ interface Results {
 const log = (line: string) => console.log(`  ${line}`);
 const seconds = (value: number) => (Number.isFinite(value) ? `${(value / 1000).toFixed(2)} s` : 'n/a');
 
+/** "nodes 0.55 / postgresql 0.27 / … = 0.93": CPU ms per run by category, our processes summed. */
+function cpuCell(perRun: Record<CpuCategory | 'total', number>): string {
+  const parts = CPU_CATEGORIES.filter((c) => c !== 'other' && perRun[c] > 0).map(
+    (c) => `${c} ${perRun[c].toFixed(3)}`,
+  );
+  return `${parts.join(' / ')} = ${perRun.total.toFixed(3)} ms (else on the machine ${perRun.other.toFixed(3)})`;
+}
+
 function summary(r: Results): string {
   const rows: string[][] = [['figure', 'measured', 'target (goal)']];
   const runs = (n: number) => (n > 1 ? ` (median of ${n})` : '');
@@ -53,14 +63,26 @@ function summary(r: Results): string {
       `${seconds(r.herd.medianMs)}${runs(r.herd.runs.length)}`,
       '≤ 2 s (1 s)',
     ]);
+    rows.push(['  CPU per run, herd (insert → last call)', cpuCell(r.herd.cpuPerRun), '≤ 0.2 ms']);
   }
-  for (const peer of r.peers ?? []) {
-    const ratio = r.herd ? `; ${peer.peer}/Helios = ${(peer.medianMs / r.herd.medianMs).toFixed(2)}` : '';
+  for (const peer of (r.peers ?? []).filter((p) => p.http)) {
+    const ratio =
+      r.herd && Number.isFinite(peer.medianMs)
+        ? `; ${peer.peer}/Helios = ${(peer.medianMs / r.herd.medianMs).toFixed(2)}`
+        : `; arrived within 60 s: ${peer.runs.map((run) => run.started).join(', ')} of 10,000`;
+    const bare = r.peers?.find((p) => p.peer === peer.peer && !p.http);
     rows.push([
-      `  same herd, ${peer.peer} → all started`,
-      `${seconds(peer.medianMs)}${runs(peer.runs.length)}${ratio}`,
+      `  same herd, ${peer.peer}, same HTTP call → last call`,
+      `${seconds(peer.medianMs)}${runs(peer.runs.length)}${ratio}` +
+        (bare ? ` | no HTTP, all started: ${seconds(bare.medianMs)}` : ''),
       '',
     ]);
+    rows.push([`    CPU per run, ${peer.peer} with HTTP`, cpuCell(peer.cpuPerRun), '']);
+  }
+  for (const peer of (r.peers ?? []).filter(
+    (p) => !p.http && !r.peers?.some((q) => q.http && q.peer === p.peer),
+  )) {
+    rows.push([`  same herd, ${peer.peer}, no HTTP → all started`, seconds(peer.medianMs), '']);
   }
   for (const l of r.lateness ?? []) {
     const target = l.rate === 500 ? 'p99 ≤ 100 ms (20 ms)' : '';
@@ -69,6 +91,7 @@ function summary(r: Results): string {
       `${ms(l.p50)} / ${ms(l.p99)} / ${ms(l.max)}${runs(l.runs.length)}`,
       target,
     ]);
+    rows.push([`  CPU per run at ${l.rate} runs/s`, cpuCell(l.cpuPerRun), '≤ 0.2 ms']);
     const floor = r.floor?.find((f) => f.rate === l.rate);
     if (floor)
       rows.push([
@@ -144,10 +167,18 @@ async function main(): Promise<void> {
   if (parts.has('peers')) {
     console.log('\npeers: 10,000 items due at one instant, each on a fresh database on the same PostgreSQL');
     results.peers = [];
-    for (const peer of Object.keys(BEST) as PeerName[]) {
-      const result = await herdPeer(peer, { items: 10_000, runs: herdRuns, settings: BEST[peer], log });
-      log(`${peer} settings: ${result.settings}`);
-      results.peers.push(result);
+    for (const http of [true, false]) {
+      for (const peer of Object.keys(BEST) as PeerName[]) {
+        const result = await herdPeer(peer, {
+          items: 10_000,
+          runs: herdRuns,
+          http,
+          settings: BEST[peer],
+          log,
+        });
+        log(`${peer} settings: ${result.settings}`);
+        results.peers.push(result);
+      }
     }
   }
   if (parts.has('herd')) {

@@ -156,12 +156,64 @@ function cmdline(pid: number): string {
 
 /** Who the benchmark's own processes are, for {@link CpuMeter}. */
 export interface CpuGroups {
-  /** Named pids: the bench itself and each node. */
+  /** Named pids: the bench itself and each node (or peer process). */
   readonly named: Map<number, string>;
   /** The repository root: its `.helios/kafka` broker and `.helios/pg` cluster are the bench's. */
   readonly repoRoot: string;
   /** Backend pids serving the benchmark's database (pg_stat_activity), read at the end. */
   readonly backends: () => Promise<number[]>;
+  /** Count our Kafka and etcd as the bench's (default true; the peers use neither: "other" then). */
+  readonly brokers?: boolean;
+}
+
+/** CPU seconds per process group over one window; see {@link CpuMeter}. */
+export interface CpuSample {
+  readonly wallS: number;
+  readonly cores: number;
+  /** CPU seconds per group, as named by {@link CpuMeter} (e.g. `node bench-0`, `kafka`). */
+  readonly groups: Record<string, number>;
+}
+
+/** The coarse categories CPU per run is reported in, in this order. */
+export const CPU_CATEGORIES = ['nodes', 'postgresql', 'kafka', 'etcd', 'target', 'peer', 'other'] as const;
+export type CpuCategory = (typeof CPU_CATEGORIES)[number];
+
+/** Which category a {@link CpuSample} group belongs to. */
+function categoryOf(group: string): CpuCategory {
+  if (group.startsWith('node ')) return 'nodes';
+  if (group.startsWith('postgres')) return 'postgresql';
+  if (group === 'kafka' || group === 'etcd') return group;
+  if (group.startsWith('bench')) return 'target';
+  if (group.startsWith('peer')) return 'peer';
+  return 'other';
+}
+
+/**
+ * CPU milliseconds per run by category (nodes = all nodes; postgresql = the bench database's
+ * backends and the cluster's shared processes; target = the benchmark process, which holds the
+ * recording target; other = everything else on the shared machine), plus `total` of our own
+ * processes (other left out: it is not ours).
+ */
+export function cpuPerRun(sample: CpuSample, runs: number): Record<CpuCategory | 'total', number> {
+  const out = Object.fromEntries([...CPU_CATEGORIES, 'total'].map((c) => [c, 0])) as Record<
+    CpuCategory | 'total',
+    number
+  >;
+  for (const [group, seconds] of Object.entries(sample.groups)) {
+    const category = categoryOf(group);
+    const msPerRun = (seconds * 1000) / Math.max(1, runs);
+    out[category] += msPerRun;
+    if (category !== 'other') out.total += msPerRun;
+  }
+  return out;
+}
+
+/** One line: "nodes 0.55, postgresql 0.27, … = 0.93 ms CPU per run (other 0.10)"; categories at 0 left out. */
+export function describeCpuPerRun(perRun: Record<CpuCategory | 'total', number>): string {
+  const parts = CPU_CATEGORIES.filter((c) => c !== 'other' && perRun[c] > 0).map(
+    (c) => `${c} ${perRun[c].toFixed(3)}`,
+  );
+  return `${parts.join(', ')} = ${perRun.total.toFixed(3)} ms CPU per run (everything else on the machine ${perRun.other.toFixed(3)})`;
 }
 
 /**
@@ -181,14 +233,15 @@ export class CpuMeter {
     this.startedAt = performance.now();
   }
 
-  async report(cores: number): Promise<string> {
+  /** CPU seconds per group since construction or the last restart(). */
+  async sample(cores: number): Promise<CpuSample> {
     const after = processes();
     const wallS = (performance.now() - this.startedAt) / 1000;
     const backends = new Set(await this.groups.backends().catch(() => []));
     const postmaster = Number(
       readFileSync(`${this.groups.repoRoot}.helios/pg/data/postmaster.pid`, 'utf8').split('\n')[0],
     );
-    const totals = new Map<string, number>();
+    const totals: Record<string, number> = {};
     for (const [pid, now] of after) {
       const used = now.seconds - (this.before.get(pid)?.seconds ?? 0);
       if (used <= 0) continue;
@@ -198,25 +251,53 @@ export class CpuMeter {
         group = 'postgres: shared (WAL, checkpoints)';
       else if (
         !group &&
+        this.groups.brokers !== false &&
         now.comm === 'java' &&
         cmdline(pid).includes(`${this.groups.repoRoot}.helios/kafka/`)
       )
         group = 'kafka';
-      else if (!group && now.comm === 'etcd' && cmdline(pid).includes(`${this.groups.repoRoot}.helios/etcd/`))
+      else if (
+        !group &&
+        this.groups.brokers !== false &&
+        now.comm === 'etcd' &&
+        cmdline(pid).includes(`${this.groups.repoRoot}.helios/etcd/`)
+      )
         group = 'etcd';
       group ??= 'other processes on the machine';
-      totals.set(group, (totals.get(group) ?? 0) + used);
+      totals[group] = (totals[group] ?? 0) + used;
     }
-    const total = [...totals.values()].reduce((a, b) => a + b, 0);
-    const lines = [...totals.entries()]
-      .sort((a, b) => b[1] - a[1])
-      .map(
-        ([group, sec]) =>
-          `  ${group.padEnd(36)} ${sec.toFixed(2).padStart(6)} s  ${((sec / wallS) * 100).toFixed(0).padStart(4)}% of a core`,
-      );
-    return [
-      `CPU over ${wallS.toFixed(1)} s: ${total.toFixed(1)} CPU-s used of ${(wallS * cores).toFixed(1)} available (${((total / (wallS * cores)) * 100).toFixed(0)}%)`,
-      ...lines,
-    ].join('\n');
+    return { wallS, cores, groups: totals };
   }
+
+  async report(cores: number, runs?: number): Promise<string> {
+    return formatCpu(await this.sample(cores), runs);
+  }
+}
+
+/** A CPU sample as lines: per group, CPU seconds, share of a core and (given `runs`) ms per run. */
+export function formatCpu(sample: CpuSample, runs?: number): string {
+  const { wallS, cores } = sample;
+  const entries = Object.entries(sample.groups).sort((a, b) => b[1] - a[1]);
+  const total = entries.reduce((a, [, sec]) => a + sec, 0);
+  const lines = entries.map(
+    ([group, sec]) =>
+      `  ${group.padEnd(36)} ${sec.toFixed(2).padStart(6)} s  ${((sec / wallS) * 100).toFixed(0).padStart(4)}% of a core` +
+      (runs ? `  ${((sec * 1000) / runs).toFixed(3).padStart(6)} ms/run` : ''),
+  );
+  return [
+    `CPU over ${wallS.toFixed(1)} s: ${total.toFixed(1)} CPU-s used of ${(wallS * cores).toFixed(1)} available (${((total / (wallS * cores)) * 100).toFixed(0)}%)`,
+    ...lines,
+    ...(runs ? [`  per run: ${describeCpuPerRun(cpuPerRun(sample, runs))}`] : []),
+  ].join('\n');
+}
+
+/** Median per category over several runs' figures. */
+export function medianCpuPerRun(
+  runs: readonly Record<CpuCategory | 'total', number>[],
+): Record<CpuCategory | 'total', number> {
+  const middle = (values: number[]) =>
+    values.sort((a, b) => a - b)[Math.floor((values.length - 1) / 2)] ?? NaN;
+  return Object.fromEntries(
+    [...CPU_CATEGORIES, 'total'].map((c) => [c, middle(runs.map((r) => r[c as CpuCategory]))]),
+  ) as Record<CpuCategory | 'total', number>;
 }

@@ -52,7 +52,7 @@ export const graphileWorker: PeerQueue = {
       await utils.release();
     }
   },
-  async work(url, settings, started) {
+  async work(url, settings, handle) {
     const worker = await load();
     const runner = await worker.run({
       connectionString: url,
@@ -63,7 +63,7 @@ export const graphileWorker: PeerQueue = {
       logger: await silent(),
       taskList: {
         [TASK]: async (payload: unknown) => {
-          started((payload as HerdItem).n);
+          await handle((payload as HerdItem).n);
         },
       },
       preset: { worker: { localQueue: { size: settings.batch }, completeJobBatchDelay: 0 } },

@@ -10,8 +10,15 @@ export interface PeerQueue {
   prepare(url: string): Promise<void>;
   /** Inserts `count` items, all due at `at`, in one statement. */
   enqueue(url: string, count: number, at: Date): Promise<void>;
-  /** Starts consuming in this process; `started(n)` runs in the handler of item n. Returns stop. */
-  work(url: string, settings: PeerSettings, started: (n: number) => void): Promise<() => Promise<void>>;
+  /**
+   * Starts consuming in this process; the handler of item n awaits `handle(n)` (which records the
+   * start and, in the HTTP variant, makes the call). Returns stop.
+   */
+  work(
+    url: string,
+    settings: PeerSettings,
+    handle: (n: number) => Promise<void>,
+  ): Promise<() => Promise<void>>;
 }
 
 /** Tuning of one peer run; each peer reads the fields that apply to it. */

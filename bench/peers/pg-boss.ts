@@ -53,7 +53,7 @@ export const pgBoss: PeerQueue = {
     );
     await boss.stop({ graceful: false, timeout: 1000 });
   },
-  async work(url, settings: PeerSettings, started) {
+  async work(url, settings: PeerSettings, handle) {
     const boss = await open(url, { migrate: false, max: settings.poolSize });
     await boss.work(
       QUEUE,
@@ -62,8 +62,10 @@ export const pgBoss: PeerQueue = {
         pollingIntervalSeconds: settings.pollMs / 1000,
         localConcurrency: settings.concurrency,
       },
+      // A batch handler: the batch's items run together (its calls share the process's
+      // keep-alive pool; see herd-worker.ts), and the batch completes when all have.
       async (jobs) => {
-        for (const job of jobs) started(job.data.n);
+        await Promise.all(jobs.map((job) => handle(job.data.n)));
       },
     );
     return () => boss.stop({ graceful: true, timeout: 5000 });

@@ -61,7 +61,10 @@ const SUCCEED = `
     UPDATE runs r SET state = 'succeeded', finished_at = now(), claim_expires_at = NULL,
                       last_status = i.status, last_error = NULL
     FROM input i
-    WHERE r.id = i.id AND r.claimed_by = $6 AND r.attempt = i.attempt AND r.state = 'running'
+    -- "IS TRUE" (the same test) keeps the planner from proving runs_running_idx's predicate: with
+    -- statistics that say few runs are running (taken between two busy periods), it scanned every
+    -- running run for each batch (42 ms with 5,000 running, against 1.4 ms by primary key).
+    WHERE r.id = i.id AND r.claimed_by = $6 AND r.attempt = i.attempt AND (r.state = 'running') IS TRUE
     RETURNING r.id, r.attempt
   ), recorded AS (
     UPDATE run_attempts a SET outcome = 'succeeded', finished_at = now(), status_code = i.status,
@@ -89,7 +92,8 @@ export async function completeSucceededMany(
   if (items.length === 0) return [];
   // Sorted like claims, so two batches never wait on each other's rows in opposite orders.
   const sorted = [...items].sort((a, b) => (a.run.id < b.run.id ? -1 : a.run.id > b.run.id ? 1 : 0));
-  const { rows } = await db.query<{ id: string }>(SUCCEED, [
+  // Named: parsed and planned once per connection (see claimRuns).
+  const { rows } = await db.query<{ id: string }>({ name: 'helios-complete-succeeded', text: SUCCEED }, [
     sorted.map((i) => i.run.id),
     sorted.map((i) => i.run.attempt),
     sorted.map((i) => i.report.statusCode),

@@ -1,0 +1,131 @@
+import assert from 'node:assert/strict';
+import { after, before, test } from 'node:test';
+import type pg from 'pg';
+import { completeSucceededMany } from '../../src/store/attempts.js';
+import { claimRuns } from '../../src/store/runs.js';
+import { createTestDatabase, type TestDatabase } from '../support/database.js';
+
+// The claim and completion statements touch a batch of runs by id. Their plans must stay primary-
+// key lookups however stale the statistics are: in a herd, thousands of runs become queued and then
+// running within seconds of an ANALYZE that saw none, and a plan that scans the partial index of
+// queued or running runs costs O(all of them) per batch instead of O(batch).
+
+let db: TestDatabase;
+let client: pg.PoolClient;
+const RUNS = 3000;
+const options = { nodeId: 'plan-node', graceMs: 5000, skewToleranceMs: 10, leadMs: 50 };
+
+before(async () => {
+  db = await createTestDatabase();
+  client = await db.pool.connect();
+  await client.query(
+    `INSERT INTO jobs (name, schedule, target, timeout_ms, max_attempts)
+     SELECT 'plan-' || n, '0 0 1 1 *', '{"url":"http://127.0.0.1:9/"}', 5000, 3 FROM generate_series(1, $1) AS n`,
+    [RUNS],
+  );
+  // Statistics taken while no run exists, as between two busy periods.
+  await client.query('ANALYZE runs');
+  await client.query('ANALYZE run_attempts');
+  await client.query(
+    `INSERT INTO runs (job_id, scheduled_for, state, max_attempts, target, timeout_ms, backoff_ms,
+                       backoff_multiplier, concurrency, not_before)
+     SELECT id, now(), 'queued', max_attempts, target, timeout_ms, backoff_ms, backoff_multiplier,
+            concurrency, now() - interval '1 second'
+     FROM jobs`,
+  );
+});
+after(async () => {
+  client.release();
+  await db.drop();
+});
+
+/** Every scan node of a JSON plan: [node type, index name or relation]. */
+function scans(plan: Record<string, unknown>): string[] {
+  const own =
+    typeof plan['Node Type'] === 'string' && /Scan/.test(plan['Node Type'])
+      ? [`${plan['Node Type']} ${String(plan['Index Name'] ?? plan['Relation Name'] ?? '')}`]
+      : [];
+  const children = (plan.Plans as Record<string, unknown>[] | undefined) ?? [];
+  return [...own, ...children.flatMap(scans)];
+}
+
+/** Scans on `runs` of the named statement's plan, custom and generic, for these parameters. */
+async function runsScans(statement: string, params: string): Promise<string[]> {
+  const out: string[] = [];
+  for (const mode of ['force_custom_plan', 'force_generic_plan']) {
+    await client.query(`SET plan_cache_mode = ${mode}`);
+    const { rows } = await client.query<{ 'QUERY PLAN': { Plan: Record<string, unknown> }[] }>(
+      `EXPLAIN (FORMAT JSON) EXECUTE "${statement}" (${params})`,
+    );
+    out.push(...scans(rows[0]!['QUERY PLAN'][0]!.Plan).filter((s) => /runs_|on runs|Scan runs$/.test(s)));
+  }
+  await client.query('RESET plan_cache_mode');
+  return out;
+}
+
+const literal = (values: readonly (string | number)[]) => `'{${values.join(',')}}'`;
+
+test('a claim batch looks its runs up by primary key, even with thousands queued and statistics that saw none', async () => {
+  const { rows } = await client.query<{ id: string }>('SELECT id FROM runs ORDER BY id LIMIT 16');
+  const ids = rows.map((r) => r.id);
+  const claimed = await claimRuns(
+    client,
+    ids.map((runId) => ({ runId, expectedAttempt: 1 })),
+    options,
+  );
+  assert.equal(claimed.filter(Boolean).length, ids.length);
+  const other = (await client.query<{ id: string }>('SELECT id FROM runs WHERE attempt = 0 LIMIT 16')).rows;
+  const found = await runsScans(
+    'helios-claim-runs',
+    `${literal(other.map((r) => r.id))}, 'plan-node', 5000, 10, ${literal(other.map(() => 1))}, 50`,
+  );
+  assert.ok(found.length > 0, 'the plan has scans on runs');
+  assert.deepEqual(
+    found.filter((s) => !s.endsWith('runs_pkey') && !s.endsWith('runs_active_job_idx')),
+    [],
+    `scans: ${found.join('; ')}`,
+  );
+});
+
+test('a completion batch looks its runs up by primary key, even with thousands running and statistics that saw none', async () => {
+  const { rows } = await client.query<{ id: string }>('SELECT id FROM runs WHERE attempt = 0 ORDER BY id');
+  const claimed = await claimRuns(
+    client,
+    rows.map((r) => ({ runId: r.id, expectedAttempt: 1 })),
+    options,
+  );
+  const running = claimed.filter((r) => r !== null);
+  assert.ok(running.length > 2000, `${running.length} runs running`);
+  const report = {
+    outcome: 'succeeded' as const,
+    statusCode: 200,
+    durationMs: 1,
+    error: null,
+    responseExcerpt: 'ok',
+  };
+  const batch = running.slice(0, 16);
+  const done = await completeSucceededMany(
+    client,
+    options.nodeId,
+    batch.map((run) => ({ run, report })),
+  );
+  assert.deepEqual(new Set(done), new Set([true]));
+  const next = running.slice(16, 32);
+  const found = await runsScans(
+    'helios-complete-succeeded',
+    [
+      literal(next.map((r) => r.id)),
+      literal(next.map(() => 1)),
+      literal(next.map(() => 200)),
+      literal(next.map(() => 1)),
+      literal(next.map(() => 'ok')),
+      "'plan-node'",
+    ].join(', '),
+  );
+  assert.ok(found.length > 0, 'the plan has scans on runs');
+  assert.deepEqual(
+    found.filter((s) => !s.endsWith('runs_pkey')),
+    [],
+    `scans: ${found.join('; ')}`,
+  );
+});
