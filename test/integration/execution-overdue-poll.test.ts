@@ -66,7 +66,9 @@ function hooked(client: pg.PoolClient, hook: (sql: string) => Promise<void>): pg
         try {
           return await query(...args);
         } finally {
-          await hook(String(args[0]));
+          // A named statement (store/runs.ts) comes as a config object: its text is `text`.
+          const [first] = args as [string | { text: string }];
+          await hook(typeof first === 'string' ? first : first.text);
         }
       };
     },
