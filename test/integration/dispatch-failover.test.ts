@@ -4,6 +4,7 @@ import { uniqueId } from '../support/env.js';
 import { waitFor } from '../support/execution.js';
 import { integrationFixture, type IntegrationFixture } from '../support/fixture.js';
 import { apiCall } from '../support/node-api.js';
+import { startTogether } from '../support/start-together.js';
 
 // README, "Every occurrence gets a run as long as a leader and PostgreSQL are back within
 // HELIOS_MISFIRE_THRESHOLD_MS (5 s) of the occurrence: a kill -9 of the leader costs ≈3 s, so
@@ -42,8 +43,9 @@ test(
       HELIOS_CLAIM_GRACE_MS: '1000',
     };
     // Started together (a node takes seconds to boot on a busy machine); one of them leads.
-    const nodes = await Promise.all(
-      ['failover-1', 'failover-2'].map((name) => fixture.start(name, settings, { worker: true })),
+    const nodes = await startTogether(
+      fixture,
+      ['failover-1', 'failover-2'].map((name) => ({ name, extra: settings, wait: { worker: true } })),
     );
     const leading = await Promise.any(
       nodes.map(async ({ node }, i) => {

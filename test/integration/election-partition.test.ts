@@ -3,6 +3,7 @@ import { after, before, test } from 'node:test';
 import { serverEnv } from '../support/env.js';
 import { integrationFixture, type IntegrationFixture } from '../support/fixture.js';
 import type { LogLine } from '../support/processes.js';
+import { startTogether } from '../support/start-together.js';
 import { TcpProxy } from '../support/tcp-proxy.js';
 
 // README, "At most one leader acts at a time": a leader stops at its own monotonic deadline
@@ -44,14 +45,12 @@ test(
       HELIOS_LEADER_SAFETY_MARGIN_MS: String(SAFETY_MARGIN_MS),
     };
     // Started together (a node takes seconds to boot on a busy machine); one of them leads.
-    const nodes = await Promise.all(
-      proxies.map((proxy, i) =>
-        fixture.start(
-          `part-${i + 1}`,
-          { ...settings, HELIOS_ETCD_ENDPOINTS: `http://127.0.0.1:${proxy.port}` },
-          {},
-        ),
-      ),
+    const nodes = await startTogether(
+      fixture,
+      proxies.map((proxy, i) => ({
+        name: `part-${i + 1}`,
+        extra: { ...settings, HELIOS_ETCD_ENDPOINTS: `http://127.0.0.1:${proxy.port}` },
+      })),
     );
     const leading = await Promise.any(
       nodes.map(async ({ node }, i) => {

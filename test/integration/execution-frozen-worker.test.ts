@@ -4,6 +4,7 @@ import { uniqueId } from '../support/env.js';
 import { attemptsOf, waitFor } from '../support/execution.js';
 import { integrationFixture, type IntegrationFixture } from '../support/fixture.js';
 import { apiCall } from '../support/node-api.js';
+import { startTogether } from '../support/start-together.js';
 
 // README, "A worker's failure is not the target's" and "Execution is claimed before it happens":
 // a worker that froze (SIGSTOP) during a call loses its claim when it expires; the run is re-queued
@@ -23,12 +24,12 @@ before(async () => {
   // A short grace: a claim expires 1 s after the run's 2 s timeout.
   const worker = { HELIOS_ROLES: 'worker', HELIOS_CLAIM_GRACE_MS: '1000' };
   // Started together (a node takes seconds to boot on a busy machine).
-  const [leader] = await Promise.all([
-    fixture.start('frozen-leader', { HELIOS_ROLES: 'scheduler,api' }, { leader: true }),
-    fixture.start('frozen-w1', worker, { worker: true }),
-    fixture.start('frozen-w2', worker, { worker: true }),
+  const [leader] = await startTogether(fixture, [
+    { name: 'frozen-leader', extra: { HELIOS_ROLES: 'scheduler,api' }, wait: { leader: true } },
+    { name: 'frozen-w1', extra: worker, wait: { worker: true } },
+    { name: 'frozen-w2', extra: worker, wait: { worker: true } },
   ]);
-  api = leader.apiUrl;
+  api = leader!.apiUrl;
 });
 after(async () => {
   for (const node of fixture.nodes) node.signal('SIGCONT');

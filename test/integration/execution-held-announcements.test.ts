@@ -6,6 +6,7 @@ import { integrationFixture, type IntegrationFixture } from '../support/fixture.
 import { scrapeMetrics } from '../support/metrics.js';
 import { apiCall } from '../support/node-api.js';
 import type { ManagedProcess } from '../support/processes.js';
+import { startTogether } from '../support/start-together.js';
 
 // README, "Execution is claimed before it happens": a worker that dies while holding announcements
 // of runs not yet due (the dispatcher publishes up to the lookahead early; a worker commits a
@@ -29,12 +30,12 @@ before(async () => {
   fixture = await integrationFixture();
   // Started together (a node takes seconds to boot on a busy machine). The leader only schedules
   // (and serves the API): no worker on it.
-  const [leader, w1] = await Promise.all([
-    fixture.start('held-leader', { HELIOS_ROLES: 'scheduler,api' }, { leader: true }),
-    fixture.start('held-w1', { HELIOS_ROLES: 'worker' }, { worker: true }),
-    fixture.start(
-      'held-w2',
-      {
+  const [leader, w1] = await startTogether(fixture, [
+    { name: 'held-leader', extra: { HELIOS_ROLES: 'scheduler,api' }, wait: { leader: true } },
+    { name: 'held-w1', extra: { HELIOS_ROLES: 'worker' }, wait: { worker: true } },
+    {
+      name: 'held-w2',
+      extra: {
         HELIOS_ROLES: 'worker',
         HELIOS_KAFKA_TOPIC: `${fixture.topic}.quiet`,
         HELIOS_KAFKA_DLQ_TOPIC: `${fixture.topic}.quiet.dlq`,
@@ -42,11 +43,11 @@ before(async () => {
         HELIOS_POLL_OVERDUE_MS: String(POLL_OVERDUE_MS),
         HELIOS_POLL_INTERVAL_MS: String(POLL_INTERVAL_MS),
       },
-      { worker: true },
-    ),
+      wait: { worker: true },
+    },
   ]);
-  api = leader.apiUrl;
-  holder = w1;
+  api = leader!.apiUrl;
+  holder = w1!;
 });
 after(async () => {
   await fixture.db.pool.query('UPDATE jobs SET enabled = false').catch(() => undefined);
