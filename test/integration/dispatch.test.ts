@@ -1,41 +1,24 @@
 import assert from 'node:assert/strict';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { after, before, test } from 'node:test';
-import { createEtcdClient } from '../../src/coordination/etcd.js';
-import { createTestDatabase, type TestDatabase } from '../support/database.js';
-import { serverEnv, uniqueId } from '../support/env.js';
 import { waitFor } from '../support/execution.js';
-import { spawnNode, stopAll, type ManagedProcess, type NodeEnv } from '../support/processes.js';
+import { integrationFixture, type IntegrationFixture } from '../support/fixture.js';
+import type { ManagedProcess } from '../support/processes.js';
 
-const etcd = createEtcdClient(serverEnv().etcdEndpoints.split(','));
-let db: TestDatabase;
-let env: NodeEnv;
-const processes: ManagedProcess[] = [];
+let fx: IntegrationFixture;
 
 before(async () => {
-  db = await createTestDatabase();
-  env = {
-    databaseUrl: db.url,
-    etcdPrefix: `/helios-test/${uniqueId()}`,
-    topic: `helios.test.${uniqueId()}`,
-    // A 1 s lookahead and threshold keep the arithmetic of the misfire test simple.
-    extra: {
-      HELIOS_ROLES: 'scheduler,api',
-      HELIOS_MISFIRE_THRESHOLD_MS: '1000',
-      HELIOS_DISPATCH_LOOKAHEAD_MS: '1000',
-    },
-  };
+  fx = await integrationFixture();
 });
-after(async () => {
-  await stopAll(processes);
-  await etcd.delete().prefix(env.etcdPrefix);
-  etcd.close();
-  await db.drop();
-});
+after(() => fx.teardown());
 
 async function startLeader(name: string): Promise<ManagedProcess> {
-  const node = spawnNode(name, env);
-  processes.push(node);
+  const node = fx.spawn(name, {
+    HELIOS_ROLES: 'scheduler,api',
+    // A 1 s lookahead and threshold keep the arithmetic of the misfire test simple.
+    HELIOS_MISFIRE_THRESHOLD_MS: '1000',
+    HELIOS_DISPATCH_LOOKAHEAD_MS: '1000',
+  });
   await node.waitForLog((l) => l.msg === 'became leader', 15_000);
   return node;
 }
@@ -45,7 +28,7 @@ async function insertJob(
   schedule: string,
   fields: { timezone?: string; misfire?: string; maxCatchUp?: number; nextRunAt?: string } = {},
 ): Promise<string> {
-  const { rows } = await db.pool.query<{ id: string }>(
+  const { rows } = await fx.db.pool.query<{ id: string }>(
     `INSERT INTO jobs (name, schedule, timezone, target, misfire, max_catch_up, next_run_at)
      VALUES ($1, $2, $3, '{"url":"http://127.0.0.1:9/"}', $4, $5,
              coalesce($6::timestamptz, date_trunc('second', now()) + interval '1 second'))
@@ -68,7 +51,7 @@ async function insertJob(
  * (now − 1 s threshold) is computed from, so "late" separates misfired occurrences exactly.
  */
 async function runStats(jobId: string) {
-  const { rows } = await db.pool.query<{ runs: number; distinct: number; span: number; late: number }>(
+  const { rows } = await fx.db.pool.query<{ runs: number; distinct: number; span: number; late: number }>(
     `SELECT count(*)::int AS runs, count(DISTINCT scheduled_for)::int AS distinct,
             coalesce(extract(epoch FROM max(scheduled_for) - min(scheduled_for))::int + 1, 0) AS span,
             count(*) FILTER (WHERE created_at - scheduled_for > interval '1 second')::int AS late
@@ -136,7 +119,7 @@ test('02:30 Europe/Berlin fires once on the DST days of 2026 (gap: 03:00 CEST; o
   const node = await startLeader('dst');
   await sleep(1500);
   await node.stop();
-  const { rows } = await db.pool.query<{ day: string; at: Date[] }>(
+  const { rows } = await fx.db.pool.query<{ day: string; at: Date[] }>(
     `SELECT to_char(scheduled_for AT TIME ZONE 'Europe/Berlin', 'YYYY-MM-DD') AS day, array_agg(scheduled_for) AS at
      FROM runs WHERE job_id = $1 GROUP BY 1 ORDER BY 1`,
     [jobId],
@@ -155,17 +138,17 @@ test('02:30 Europe/Berlin fires once on the DST days of 2026 (gap: 03:00 CEST; o
 
 test('1,000 jobs due in the same second are all dispatched in that second', async () => {
   const node = await startLeader('herd');
-  const { rows } = await db.pool.query<{ due: Date }>(
+  const { rows } = await fx.db.pool.query<{ due: Date }>(
     `SELECT date_trunc('second', now()) + interval '3 seconds' AS due`,
   );
   const due = rows[0]!.due;
-  await db.pool.query(
+  await fx.db.pool.query(
     `INSERT INTO jobs (name, schedule, target, next_run_at)
      SELECT 'herd-' || i, $1, '{"url":"http://127.0.0.1:9/"}', $2 FROM generate_series(1, 1000) AS i`,
     [`${due.getUTCSeconds()} * * * * *`, due],
   );
   await sleep(due.getTime() - Date.now() + 1000);
-  const counts = await db.pool.query<{ runs: number; in_time: number; published: number }>(
+  const counts = await fx.db.pool.query<{ runs: number; in_time: number; published: number }>(
     `SELECT count(*)::int AS runs,
             count(*) FILTER (WHERE r.created_at < r.scheduled_for + interval '1 second')::int AS in_time,
             count(o.published_at)::int AS published

@@ -2,7 +2,6 @@ import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
 import pg from 'pg';
 import { createKafka, RunPublisher } from '../../src/broker/index.js';
-import { createEtcdClient } from '../../src/coordination/etcd.js';
 import type { Leadership } from '../../src/coordination/election.js';
 import { Reaper } from '../../src/execution/reaper.js';
 import { silentLogger } from '../../src/observability/logger.js';
@@ -12,12 +11,11 @@ import { inTransaction } from '../../src/store/db.js';
 import { replayDeadLetter } from '../../src/store/dead-letters.js';
 import { claimOverdueRuns } from '../../src/store/overdue.js';
 import { claimRun, explainClaimMiss, isForbidViolation, replaceOlderRuns } from '../../src/store/runs.js';
-import { createTestDatabase, type TestDatabase } from '../support/database.js';
 import { serverEnv, uniqueId } from '../support/env.js';
-import { attemptsOf, insertJob, TargetServer, waitFor } from '../support/execution.js';
-import { spawnNode, stopAll, type ManagedProcess } from '../support/processes.js';
+import { attemptsOf, insertJob, waitFor } from '../support/execution.js';
+import { integrationFixture, type IntegrationFixture } from '../support/fixture.js';
 
-let db: TestDatabase;
+let fx: IntegrationFixture;
 const topics = { runsTopic: 'claims.runs', deadLetterTopic: 'claims.dlq' };
 const claim = (nodeId: string) => ({ nodeId, graceMs: 1000, skewToleranceMs: 0 });
 const failed: AttemptReport = {
@@ -29,11 +27,9 @@ const failed: AttemptReport = {
 };
 
 before(async () => {
-  db = await createTestDatabase();
+  fx = await integrationFixture();
 });
-after(async () => {
-  await db.drop();
-});
+after(() => fx.teardown());
 
 /** A job (never dispatched: next_run_at NULL) and one run of it due at `notBefore`. */
 async function jobWithRun(options: {
@@ -43,7 +39,7 @@ async function jobWithRun(options: {
   url?: string;
   notBeforeMs?: number;
 }) {
-  const jobId = await insertJob(db.pool, {
+  const jobId = await insertJob(fx.db.pool, {
     name: `job-${uniqueId()}`,
     schedule: '* * * * * *',
     target: { url: options.url ?? 'http://127.0.0.1:9/' },
@@ -52,14 +48,14 @@ async function jobWithRun(options: {
     maxAttempts: options.maxAttempts,
     backoffMs: options.backoffMs ?? 0,
   });
-  await db.pool.query('UPDATE jobs SET next_run_at = NULL WHERE id = $1', [jobId]);
+  await fx.db.pool.query('UPDATE jobs SET next_run_at = NULL WHERE id = $1', [jobId]);
   const runId = await addRun(jobId, 0, options.notBeforeMs ?? -1000);
   return { jobId, runId };
 }
 
 /** Adds a queued run `offsetS` seconds after the epoch-aligned base, due `notBeforeMs` from now. */
 async function addRun(jobId: string, offsetS: number, notBeforeMs = -1000): Promise<string> {
-  const { rows } = await db.pool.query<{ id: string }>(
+  const { rows } = await fx.db.pool.query<{ id: string }>(
     `INSERT INTO runs (job_id, scheduled_for, state, max_attempts, target, timeout_ms, backoff_ms,
                        backoff_multiplier, concurrency, not_before)
      SELECT id, date_trunc('second', now()) + $2 * interval '1 second', 'queued', max_attempts, target,
@@ -71,7 +67,7 @@ async function addRun(jobId: string, offsetS: number, notBeforeMs = -1000): Prom
 }
 
 async function run(runId: string) {
-  const { rows } = await db.pool.query<{
+  const { rows } = await fx.db.pool.query<{
     state: string;
     attempt: number;
     claimedBy: string | null;
@@ -93,14 +89,14 @@ function fakeLeadership(token: bigint): Leadership {
 describe('claims and completions (PostgreSQL)', () => {
   test("a stale worker's completion after its claim expired does not overwrite the newer attempt", async () => {
     const { runId } = await jobWithRun({ maxAttempts: 3 });
-    const first = await claimRun(db.pool, runId, claim('worker-a'), 1);
+    const first = await claimRun(fx.db.pool, runId, claim('worker-a'), 1);
     assert.equal(first?.attempt, 1);
     // worker-a stalls (GC pause, SIGSTOP) past its claim deadline; the leader's reaper recovers it.
-    await db.pool.query(`UPDATE runs SET claim_expires_at = now() - interval '1 second' WHERE id = $1`, [
+    await fx.db.pool.query(`UPDATE runs SET claim_expires_at = now() - interval '1 second' WHERE id = $1`, [
       runId,
     ]);
     const reaper = new Reaper({
-      pool: db.pool,
+      pool: fx.db.pool,
       leadership: fakeLeadership(1n),
       topics,
       intervalMs: 1000,
@@ -110,21 +106,21 @@ describe('claims and completions (PostgreSQL)', () => {
     });
     assert.deepEqual(await reaper.reapBatch(), { reaped: 1, full: false });
     assert.deepEqual(await run(runId), { state: 'queued', attempt: 1, claimedBy: null, reason: null });
-    const second = await claimRun(db.pool, runId, claim('worker-b'), 2);
+    const second = await claimRun(fx.db.pool, runId, claim('worker-b'), 2);
     assert.equal(second?.attempt, 2);
 
     // worker-a wakes up and reports: success and failure are both discarded.
     const ok: AttemptReport = { ...failed, outcome: 'succeeded', statusCode: 200, error: null };
-    assert.equal(await completeSucceeded(db.pool, first, 'worker-a', ok), false);
-    const stale = await inTransaction(db.pool, (c) =>
+    assert.equal(await completeSucceeded(fx.db.pool, first, 'worker-a', ok), false);
+    const stale = await inTransaction(fx.db.pool, (c) =>
       failAttempt(c, first, { nodeId: 'worker-a' }, failed, 0, topics),
     );
     assert.equal(stale, null);
     assert.deepEqual(await run(runId), { state: 'running', attempt: 2, claimedBy: 'worker-b', reason: null });
 
-    assert.equal(await completeSucceeded(db.pool, second, 'worker-b', ok), true);
+    assert.equal(await completeSucceeded(fx.db.pool, second, 'worker-b', ok), true);
     assert.equal((await run(runId)).state, 'succeeded');
-    const attempts = await attemptsOf(db.pool, runId);
+    const attempts = await attemptsOf(fx.db.pool, runId);
     assert.deepEqual(
       attempts.map((a) => [a.attempt, a.nodeId, a.outcome, a.statusCode]),
       [
@@ -133,7 +129,9 @@ describe('claims and completions (PostgreSQL)', () => {
       ],
     );
     // The retry the reaper queued was announced through the outbox, as attempt 2.
-    const { rows } = await db.pool.query(`SELECT payload FROM outbox WHERE payload->>'runId' = $1`, [runId]);
+    const { rows } = await fx.db.pool.query(`SELECT payload FROM outbox WHERE payload->>'runId' = $1`, [
+      runId,
+    ]);
     assert.deepEqual(
       rows.map((r: { payload: { attempt: number } }) => r.payload.attempt),
       [2],
@@ -143,28 +141,28 @@ describe('claims and completions (PostgreSQL)', () => {
   test('a claim succeeds once: the same run claimed by two workers at once runs once', async () => {
     const { runId } = await jobWithRun({});
     const results = await Promise.all(
-      Array.from({ length: 8 }, (_, i) => claimRun(db.pool, runId, claim(`w${i}`), 1)),
+      Array.from({ length: 8 }, (_, i) => claimRun(fx.db.pool, runId, claim(`w${i}`), 1)),
     );
     assert.equal(results.filter(Boolean).length, 1);
-    assert.equal((await attemptsOf(db.pool, runId)).length, 1);
+    assert.equal((await attemptsOf(fx.db.pool, runId)).length, 1);
   });
 
   test('a run is not claimed before not_before, beyond the skew tolerance', async () => {
     const { runId } = await jobWithRun({ notBeforeMs: 500 });
-    assert.equal(await claimRun(db.pool, runId, claim('w'), 1), null);
-    const miss = await explainClaimMiss(db.pool, runId);
+    assert.equal(await claimRun(fx.db.pool, runId, claim('w'), 1), null);
+    const miss = await explainClaimMiss(fx.db.pool, runId);
     assert.equal(miss?.state, 'queued');
     assert.ok(miss!.dueInMs > 300 && miss!.dueInMs <= 500, `dueInMs ${miss?.dueInMs}`);
-    assert.ok(await claimRun(db.pool, runId, { ...claim('w'), skewToleranceMs: 600 }, 1));
+    assert.ok(await claimRun(fx.db.pool, runId, { ...claim('w'), skewToleranceMs: 600 }, 1));
   });
 
   test('forbid: a second run of the job never runs beside the first, it is skipped', async () => {
     const { jobId, runId } = await jobWithRun({ concurrency: 'forbid' });
     const second = await addRun(jobId, 1);
-    assert.ok(await claimRun(db.pool, runId, claim('w1'), 1));
-    await assert.rejects(claimRun(db.pool, second, claim('w2'), 1), (err) => isForbidViolation(err));
+    assert.ok(await claimRun(fx.db.pool, runId, claim('w1'), 1));
+    await assert.rejects(claimRun(fx.db.pool, second, claim('w2'), 1), (err) => isForbidViolation(err));
     // The polling path skips it the same way, inside its SKIP LOCKED batch.
-    const polled = await inTransaction(db.pool, (client) => claimOverdueRuns(client, 0, 10, claim('w2')));
+    const polled = await inTransaction(fx.db.pool, (client) => claimOverdueRuns(client, 0, 10, claim('w2')));
     assert.deepEqual([polled.claimed.length, polled.skipped], [0, 1]);
     assert.deepEqual(await run(second), {
       state: 'skipped',
@@ -176,33 +174,33 @@ describe('claims and completions (PostgreSQL)', () => {
 
   test('forbid: a new occurrence is not started while an earlier run waits to retry', async () => {
     const { jobId, runId } = await jobWithRun({ concurrency: 'forbid', maxAttempts: 3, backoffMs: 60_000 });
-    const first = await claimRun(db.pool, runId, claim('w1'), 1);
-    await inTransaction(db.pool, (c) => failAttempt(c, first!, { nodeId: 'w1' }, failed, 60_000, topics));
+    const first = await claimRun(fx.db.pool, runId, claim('w1'), 1);
+    await inTransaction(fx.db.pool, (c) => failAttempt(c, first!, { nodeId: 'w1' }, failed, 60_000, topics));
     const next = await addRun(jobId, 1);
-    assert.equal(await claimRun(db.pool, next, claim('w2'), 1), null);
-    assert.equal((await explainClaimMiss(db.pool, next))?.forbidBlocked, true);
+    assert.equal(await claimRun(fx.db.pool, next, claim('w2'), 1), null);
+    assert.equal((await explainClaimMiss(fx.db.pool, next))?.forbidBlocked, true);
   });
 
   test('replace: the newer claim fails the running run and NOTIFYs its worker', async () => {
     const { jobId, runId } = await jobWithRun({ concurrency: 'replace' });
     const newer = await addRun(jobId, 1);
-    const listener = new pg.Client({ connectionString: db.url });
+    const listener = new pg.Client({ connectionString: fx.db.url });
     await listener.connect();
     try {
       const notified: string[] = [];
       listener.on('notification', (n) => notified.push(n.payload ?? ''));
       await listener.query('LISTEN helios_runs');
-      assert.ok(await claimRun(db.pool, runId, claim('w1'), 1));
-      assert.deepEqual(await replaceOlderRuns(db.pool, jobId), []);
-      assert.ok(await claimRun(db.pool, newer, claim('w2'), 1));
-      assert.deepEqual(await replaceOlderRuns(db.pool, jobId), [runId]);
+      assert.ok(await claimRun(fx.db.pool, runId, claim('w1'), 1));
+      assert.deepEqual(await replaceOlderRuns(fx.db.pool, jobId), []);
+      assert.ok(await claimRun(fx.db.pool, newer, claim('w2'), 1));
+      assert.deepEqual(await replaceOlderRuns(fx.db.pool, jobId), [runId]);
       assert.deepEqual(await run(runId), {
         state: 'failed',
         attempt: 1,
         claimedBy: 'w1',
         reason: 'replaced',
       });
-      assert.equal((await attemptsOf(db.pool, runId))[0]?.outcome, 'replaced');
+      assert.equal((await attemptsOf(fx.db.pool, runId))[0]?.outcome, 'replaced');
       assert.equal((await run(newer)).state, 'running');
       await waitFor('the notification', () => notified.includes(runId), 5000);
     } finally {
@@ -212,12 +210,12 @@ describe('claims and completions (PostgreSQL)', () => {
 
   test('the last failed attempt makes the run dead; a replay re-queues it once with a fresh budget', async () => {
     const { runId } = await jobWithRun({ maxAttempts: 1 });
-    const claimed = await claimRun(db.pool, runId, claim('w'), 1);
-    const result = await inTransaction(db.pool, (c) =>
+    const claimed = await claimRun(fx.db.pool, runId, claim('w'), 1);
+    const result = await inTransaction(fx.db.pool, (c) =>
       failAttempt(c, claimed!, { nodeId: 'w' }, failed, 0, topics),
     );
     assert.equal(result?.state, 'dead');
-    const letters = await db.pool.query<{ id: string; statusCode: number; error: string }>(
+    const letters = await fx.db.pool.query<{ id: string; statusCode: number; error: string }>(
       `SELECT id, status_code AS "statusCode", error FROM dead_letters WHERE run_id = $1`,
       [runId],
     );
@@ -225,32 +223,27 @@ describe('claims and completions (PostgreSQL)', () => {
       letters.rows.map((l) => [l.statusCode, l.error]),
       [[500, 'HTTP 500']],
     );
-    const dlq = await db.pool.query(`SELECT payload FROM outbox WHERE topic = $1 AND key <> ''`, [
+    const dlq = await fx.db.pool.query(`SELECT payload FROM outbox WHERE topic = $1 AND key <> ''`, [
       topics.deadLetterTopic,
     ]);
     assert.ok(dlq.rows.some((r: { payload: { runId: string } }) => r.payload.runId === runId));
 
     const id = letters.rows[0]!.id;
-    assert.deepEqual(await replayDeadLetter(db.pool, id, topics), {
+    assert.deepEqual(await replayDeadLetter(fx.db.pool, id, topics), {
       runId,
-      jobId: (await db.pool.query(`SELECT job_id FROM runs WHERE id = $1`, [runId])).rows[0].job_id,
+      jobId: (await fx.db.pool.query(`SELECT job_id FROM runs WHERE id = $1`, [runId])).rows[0].job_id,
       attempt: 2,
     });
-    assert.equal(await replayDeadLetter(db.pool, id, topics), null, 'a second replay does nothing');
-    assert.equal(await replayDeadLetter(db.pool, '00000000-0000-4000-8000-000000000000', topics), null);
-    assert.equal(await replayDeadLetter(db.pool, 'not-a-uuid', topics), null);
-    const after = await db.pool.query(`SELECT state, max_attempts FROM runs WHERE id = $1`, [runId]);
+    assert.equal(await replayDeadLetter(fx.db.pool, id, topics), null, 'a second replay does nothing');
+    assert.equal(await replayDeadLetter(fx.db.pool, '00000000-0000-4000-8000-000000000000', topics), null);
+    assert.equal(await replayDeadLetter(fx.db.pool, 'not-a-uuid', topics), null);
+    const after = await fx.db.pool.query(`SELECT state, max_attempts FROM runs WHERE id = $1`, [runId]);
     assert.deepEqual(after.rows[0], { state: 'queued', max_attempts: 2 });
-    assert.ok(await claimRun(db.pool, runId, claim('w'), 2), 'the replayed attempt can be claimed');
+    assert.ok(await claimRun(fx.db.pool, runId, claim('w'), 2), 'the replayed attempt can be claimed');
   });
 });
 
 describe('two workers receive the same run message', { timeout: 90_000 }, () => {
-  const etcd = createEtcdClient(serverEnv().etcdEndpoints.split(','));
-  const target = new TargetServer();
-  const prefix = `/helios-test/${uniqueId()}`;
-  const topic = `helios.test.${uniqueId()}`;
-  const nodes: ManagedProcess[] = [];
   const kafka = createKafka({
     brokers: serverEnv().kafkaBrokers.split(','),
     clientId: 'claims-test',
@@ -258,47 +251,31 @@ describe('two workers receive the same run message', { timeout: 90_000 }, () => 
   });
   const publisher = new RunPublisher({ kafka, logger: silentLogger });
 
-  before(async () => {
-    await target.start();
-  });
-  after(async () => {
-    await stopAll(nodes);
-    await publisher.disconnect();
-    await target.close();
-    await etcd.delete().prefix(prefix);
-    etcd.close();
-  });
+  after(() => publisher.disconnect());
 
   test('published twice to two consumer groups: exactly one HTTP call', async () => {
     // Separate consumer groups: each worker surely receives every copy of the message.
     for (const name of ['dup-a', 'dup-b']) {
-      nodes.push(
-        spawnNode(name, {
-          databaseUrl: db.url,
-          etcdPrefix: prefix,
-          topic,
-          extra: { HELIOS_ROLES: 'worker', HELIOS_KAFKA_GROUP: `${topic}.${name}` },
-        }),
-      );
+      fx.spawn(name, { HELIOS_ROLES: 'worker', HELIOS_KAFKA_GROUP: `${fx.topic}.${name}` });
     }
-    await Promise.all(nodes.map((n) => n.waitForLog((l) => l.msg === 'joined consumer group', 30_000)));
-    const { jobId, runId } = await jobWithRun({ url: target.url, notBeforeMs: 1500 });
-    const { rows } = await db.pool.query<{ scheduledFor: Date; notBefore: Date }>(
+    await Promise.all(fx.nodes.map((n) => n.waitForLog((l) => l.msg === 'joined consumer group', 30_000)));
+    const { jobId, runId } = await jobWithRun({ url: fx.target.url, notBeforeMs: 1500 });
+    const { rows } = await fx.db.pool.query<{ scheduledFor: Date; notBefore: Date }>(
       `SELECT scheduled_for AS "scheduledFor", not_before AS "notBefore" FROM runs WHERE id = $1`,
       [runId],
     );
     const value = JSON.stringify({ runId, jobId, attempt: 1, ...rows[0] });
     await publisher.connect();
-    await publisher.publish(topic, [{ key: jobId, value }]);
-    await publisher.publish(topic, [{ key: jobId, value }]);
+    await publisher.publish(fx.topic, [{ key: jobId, value }]);
+    await publisher.publish(fx.topic, [{ key: jobId, value }]);
 
     await waitFor('the run to succeed', async () => (await run(runId)).state === 'succeeded', 15_000);
     await new Promise((r) => setTimeout(r, 1500)); // room for a second, wrong call to arrive
-    assert.equal(target.requests.filter((r) => r.runId === runId).length, 1);
+    assert.equal(fx.target.requests.filter((r) => r.runId === runId).length, 1);
 
     // Both workers really raced for it: each tried to claim, one won.
     const claims = await Promise.all(
-      nodes.map(async (node) => {
+      fx.nodes.map(async (node) => {
         const started = await node.waitForLog((l) => l.msg === 'node started');
         const text = await (await fetch(`${String(started.apiUrl)}/metrics`)).text();
         return {

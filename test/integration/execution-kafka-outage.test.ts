@@ -1,37 +1,26 @@
 import assert from 'node:assert/strict';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { after, before, test } from 'node:test';
-import { createEtcdClient } from '../../src/coordination/etcd.js';
-import { createTestDatabase, type TestDatabase } from '../support/database.js';
-import { serverEnv, uniqueId } from '../support/env.js';
-import { insertJob, nextWholeSecond, runsOf, TargetServer, waitFor } from '../support/execution.js';
-import { infra, spawnNode, stopAll, type ManagedProcess } from '../support/processes.js';
+import { uniqueId } from '../support/env.js';
+import { insertJob, nextWholeSecond, runsOf, waitFor } from '../support/execution.js';
+import { integrationFixture, type IntegrationFixture } from '../support/fixture.js';
+import { infra, type ManagedProcess } from '../support/processes.js';
 
 const OUTAGE_MS = 20_000;
-const etcd = createEtcdClient(serverEnv().etcdEndpoints.split(','));
-const prefix = `/helios-test/${uniqueId()}`;
-const topic = `helios.test.${uniqueId()}`;
-const target = new TargetServer();
-const nodes: ManagedProcess[] = [];
-let db: TestDatabase;
+let fx: IntegrationFixture;
 
 before(async () => {
-  db = await createTestDatabase();
-  await target.start();
+  fx = await integrationFixture();
 });
 after(async () => {
   await infra('up', 'kafka'); // whatever happened, leave Kafka running for the next file
-  await stopAll(nodes);
-  await target.close();
-  await db.drop();
-  await etcd.delete().prefix(prefix);
-  etcd.close();
+  await fx.teardown();
 });
 
 /** Sum of a counter's samples (with `labels` among their labels) over the nodes' /metrics. */
 async function counter(name: string, labels: string): Promise<number> {
   let sum = 0;
-  for (const node of nodes) {
+  for (const node of fx.nodes) {
     const started = await node.waitForLog((l) => l.msg === 'node started');
     const text = await (await fetch(`${String(started.apiUrl)}/metrics`)).text();
     for (const line of text.split('\n')) {
@@ -49,33 +38,26 @@ test(
       ['outage-1', 'scheduler,worker'],
       ['outage-2', 'worker'],
     ] as const) {
-      nodes.push(
-        spawnNode(name, {
-          databaseUrl: db.url,
-          etcdPrefix: prefix,
-          topic,
-          // Runs due within the lookahead of the outage were announced before it and fire on
-          // time; a short lookahead leaves most of the outage to the polling fallback under test.
-          extra: { HELIOS_ROLES: roles, HELIOS_DISPATCH_LOOKAHEAD_MS: '1000' },
-        }),
-      );
+      // Runs due within the lookahead of the outage were announced before it and fire on
+      // time; a short lookahead leaves most of the outage to the polling fallback under test.
+      fx.spawn(name, { HELIOS_ROLES: roles, HELIOS_DISPATCH_LOOKAHEAD_MS: '1000' });
     }
-    await nodes[0]!.waitForLog((l) => l.msg === 'became leader', 30_000);
-    await Promise.all(nodes.map((n) => n.waitForLog((l) => l.msg === 'joined consumer group', 30_000)));
+    await fx.nodes[0]!.waitForLog((l) => l.msg === 'became leader', 30_000);
+    await Promise.all(fx.nodes.map((n) => n.waitForLog((l) => l.msg === 'joined consumer group', 30_000)));
 
-    const start = await nextWholeSecond(db.pool, 1000);
+    const start = await nextWholeSecond(fx.db.pool, 1000);
     const jobIds = await Promise.all(
       ['a', 'b', 'c'].map((n) =>
-        insertJob(db.pool, {
+        insertJob(fx.db.pool, {
           name: `tick-${n}-${uniqueId()}`,
           schedule: '* * * * * *',
-          target: { url: `${target.url}/tick` },
+          target: { url: `${fx.target.url}/tick` },
           nextRunAt: start,
         }),
       ),
     );
     await sleep(start.getTime() - Date.now() + 3000); // a few runs through Kafka first
-    assert.ok(target.requests.length >= 6, 'runs execute through Kafka before the outage');
+    assert.ok(fx.target.requests.length >= 6, 'runs execute through Kafka before the outage');
 
     await infra('down', 'kafka');
     const downAt = Date.now();
@@ -91,7 +73,7 @@ test(
       'the outbox backlog to be published',
       async () =>
         (
-          await db.pool.query<{ n: number }>(
+          await fx.db.pool.query<{ n: number }>(
             'SELECT count(*)::int AS n FROM outbox WHERE published_at IS NULL',
           )
         ).rows[0]!.n === 0,
@@ -100,9 +82,9 @@ test(
     );
     const rejoined = (node: ManagedProcess) =>
       node.waitForLog((l) => l.msg === 'joined consumer group' && Date.parse(String(l.time)) > upAt, 60_000);
-    await Promise.all(nodes.map(rejoined));
+    await Promise.all(fx.nodes.map(rejoined));
     const outageRuns = async () =>
-      (await Promise.all(jobIds.map((id) => runsOf(db.pool, id))))
+      (await Promise.all(jobIds.map((id) => runsOf(fx.db.pool, id))))
         .flat()
         .filter((r) => r.scheduledFor.getTime() > downAt + 1000 && r.scheduledFor.getTime() < upAt);
     const expectedLate = (await outageRuns()).length;
@@ -113,10 +95,10 @@ test(
       30_000,
       500,
     );
-    await db.pool.query('UPDATE jobs SET enabled = false');
+    await fx.db.pool.query('UPDATE jobs SET enabled = false');
     await sleep(3000);
 
-    const runs = (await Promise.all(jobIds.map((id) => runsOf(db.pool, id)))).flat();
+    const runs = (await Promise.all(jobIds.map((id) => runsOf(fx.db.pool, id)))).flat();
     const during = await outageRuns();
     assert.ok(during.length >= 3 * 15, `runs due while Kafka was down: ${during.length}`);
     const notDone = runs.filter(
@@ -127,7 +109,7 @@ test(
       [],
       'every due run executed',
     );
-    const counts = target.countsByRun();
+    const counts = fx.target.countsByRun();
     for (const run of during) assert.equal(counts.get(run.id), 1, `run ${run.id} (due during the outage)`);
     assert.deepEqual(
       [...counts].filter(([, n]) => n > 1),
@@ -135,7 +117,7 @@ test(
       'no run executed twice',
     );
     // The runs due during the outage were taken by polling, late by about the overdue threshold.
-    const lateness = target.requests
+    const lateness = fx.target.requests
       .filter((r) => during.some((d) => d.id === r.runId))
       .map((r) => r.arrivedAt - Date.parse(r.scheduledFor));
     assert.ok(Math.min(...lateness) >= 1900, `polling took a run only ${Math.min(...lateness)} ms late`);

@@ -1,5 +1,4 @@
 import assert from 'node:assert/strict';
-import { once } from 'node:events';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { after, before, test } from 'node:test';
 import { createEtcdClient } from '../../src/coordination/etcd.js';
@@ -50,13 +49,6 @@ function hookedNode(name: string, env: NodeEnv): ManagedProcess {
   return node;
 }
 
-async function waitForMessage(node: ManagedProcess, pending: string): Promise<void> {
-  for (;;) {
-    const [message] = (await once(node.child, 'message')) as [{ pending?: string }];
-    if (message.pending === pending) return;
-  }
-}
-
 async function insertEverySecondJob(name: string): Promise<string> {
   const { rows } = await db.pool.query<{ id: string }>(
     `INSERT INTO jobs (name, schedule, target, misfire, next_run_at)
@@ -95,7 +87,7 @@ test('a paused leader (SIGSTOP past its lease) has its pending write rejected by
 
   // Hold A's next dispatch write after it passed its leadership check, then freeze the process.
   a.child.send({ hold: 'write' });
-  await waitForMessage(a, 'write');
+  await a.heldAt('write');
   a.signal('SIGSTOP');
 
   const bLead = await b.waitForLog((l) => l.msg === 'became leader', 10_000);
@@ -142,7 +134,7 @@ test('a leader killed after commit and before publish: the run is published afte
 
   a.child.send({ hold: 'publish' });
   const jobId = await insertEverySecondJob('crash-before-publish');
-  await waitForMessage(a, 'publish');
+  await a.heldAt('publish');
   // The held batch may hold only rows of the earlier test's job (the database is shared and that
   // job is still enabled): the dispatcher goes on while the relay is held, so wait until this
   // job's runs are committed too, and unpublished, before the kill.

@@ -1,5 +1,4 @@
 import assert from 'node:assert/strict';
-import { once } from 'node:events';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { after, before, test } from 'node:test';
 import { createEtcdClient } from '../../src/coordination/etcd.js';
@@ -25,13 +24,6 @@ after(async () => {
   await db.drop();
 });
 
-async function waitForMessage(node: ManagedProcess, pending: string): Promise<void> {
-  for (;;) {
-    const [message] = (await once(node.child, 'message')) as [{ pending?: string }];
-    if (message.pending === pending) return;
-  }
-}
-
 async function fenceToken(): Promise<bigint> {
   const { rows } = await db.pool.query<{ token: string }>('SELECT token FROM leader_fence');
   return BigInt(rows[0]!.token);
@@ -50,7 +42,7 @@ test("a stale dispatcher of the node's previous epoch is fenced out without endi
 
   // Epoch N's dispatcher passes its leadership check and is held before its fenced transaction.
   node.child.send({ hold: 'write' });
-  await waitForMessage(node, 'write');
+  await node.heldAt('write');
 
   // End epoch N from etcd's side: revoking its lease deletes the key; the node's next keep-alive
   // learns the lease is gone, and the node, the only candidate, wins epoch N+1 at once.

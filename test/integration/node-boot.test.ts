@@ -1,27 +1,19 @@
 import assert from 'node:assert/strict';
 import { after, before, test } from 'node:test';
-import { createEtcdClient } from '../../src/coordination/etcd.js';
 import { listNodes } from '../../src/coordination/registry.js';
-import { createTestDatabase, type TestDatabase } from '../support/database.js';
-import { serverEnv, uniqueId } from '../support/env.js';
 import { waitFor } from '../support/execution.js';
-import { infra, spawnNode, type ManagedProcess } from '../support/processes.js';
+import { integrationFixture, type IntegrationFixture } from '../support/fixture.js';
+import { infra, type ManagedProcess } from '../support/processes.js';
 
-let db: TestDatabase;
+let fx: IntegrationFixture;
 let node: ManagedProcess | undefined;
-const etcd = createEtcdClient(serverEnv().etcdEndpoints.split(','));
-const prefix = `/helios-test/${uniqueId()}`;
-const topic = `helios.test.${uniqueId()}`;
 
 before(async () => {
-  db = await createTestDatabase();
+  fx = await integrationFixture();
 });
 after(async () => {
-  await node?.stop();
   await infra('up', 'pg'); // whatever happened, leave PostgreSQL running for the next file
-  await db.drop();
-  await etcd.delete().prefix(prefix);
-  etcd.close();
+  await fx.teardown();
 });
 
 async function readyz(url: string) {
@@ -30,7 +22,7 @@ async function readyz(url: string) {
 }
 
 test('a node boots, registers, reports readiness, and names PostgreSQL when it is stopped', async () => {
-  node = spawnNode('boot-1', { databaseUrl: db.url, etcdPrefix: prefix, topic });
+  node = fx.spawn('boot-1');
   const started = await node.waitForLog((l) => l.msg === 'node started');
   const apiUrl = started.apiUrl as string;
 
@@ -44,7 +36,7 @@ test('a node boots, registers, reports readiness, and names PostgreSQL when it i
   });
   assert.equal(ready.status, 200);
 
-  const nodes = await listNodes(etcd, prefix);
+  const nodes = await listNodes(fx.etcd, fx.etcdPrefix);
   assert.deepEqual(
     nodes.map((n) => [n.id, n.apiUrl, n.pid]),
     [['boot-1', apiUrl, node.pid]],
@@ -83,5 +75,5 @@ test('SIGTERM stops the node within a few seconds and removes its registration',
   assert.equal(exit.code, 0, node.stderr.join('\n'));
   assert.ok(Date.now() - start < 5000, `shutdown took ${Date.now() - start} ms`);
   assert.ok(node.hasLog((l) => l.msg === 'node stopped'));
-  assert.deepEqual(await listNodes(etcd, prefix), []);
+  assert.deepEqual(await listNodes(fx.etcd, fx.etcdPrefix), []);
 });

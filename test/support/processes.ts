@@ -78,6 +78,17 @@ export class ManagedProcess {
     return this.logs.some(predicate);
   }
 
+  /**
+   * Resolves when a hooked node (test/fixtures/hooked-node.ts, spawned with spawnFixture) reports
+   * over IPC that its leader `step` passed its checks and is held.
+   */
+  async heldAt(step: 'write' | 'publish'): Promise<void> {
+    for (;;) {
+      const [message] = (await once(this.child, 'message')) as [{ pending?: string }];
+      if (message.pending === step) return;
+    }
+  }
+
   signal(sig: NodeJS.Signals): void {
     if (this.running) this.child.kill(sig);
   }
