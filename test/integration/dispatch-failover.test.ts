@@ -28,7 +28,6 @@ before(async () => {
   fixture = await integrationFixture();
 });
 after(async () => {
-  await fixture.db.pool.query('UPDATE jobs SET enabled = false').catch(() => undefined);
   await fixture.teardown();
 });
 

@@ -50,7 +50,6 @@ before(async () => {
   holder = w1!;
 });
 after(async () => {
-  await fixture.db.pool.query('UPDATE jobs SET enabled = false').catch(() => undefined);
   await fixture.teardown();
 });
 

@@ -53,7 +53,6 @@ before(async () => {
   api = started.apiUrl;
 });
 after(async () => {
-  await fixture.db.pool.query('UPDATE jobs SET enabled = false').catch(() => undefined);
   await fixture.teardown();
 });
 
