@@ -117,6 +117,15 @@ function history(): Crafted {
   };
 }
 
+/** The clean history with one fault kind's lateness bound set (the chaos settings' value for it). */
+function historyWithBound(kind: string, boundMs: number): Crafted {
+  const base = history();
+  return {
+    ...base,
+    settings: { ...base.settings, latenessBoundMs: { ...base.settings.latenessBoundMs, [kind]: boundMs } },
+  };
+}
+
 function violations(obs: Observations): string {
   return judge(obs).violations.join('\n');
 }
@@ -256,14 +265,7 @@ test('a frozen leader may believe it leads until just after its resume, not long
 });
 
 test('a run held up by one fault may wait for an outage that begins meanwhile, and no longer', () => {
-  const base = history();
-  const obs: Crafted = {
-    ...base,
-    settings: {
-      ...base.settings,
-      latenessBoundMs: { ...base.settings.latenessBoundMs, 'postgres-down-30s': 45_000 },
-    },
-  };
+  const obs = historyWithBound('postgres-down-30s', 45_000);
   // Chaos seed 2: a worker recovering from a PostgreSQL partition left a run due at 14 s waiting
   // for the polling fallback when PostgreSQL went down for 30 s at 14.4 s.
   obs.faults.push(
@@ -283,14 +285,7 @@ test('a run held up by one fault may wait for an outage that begins meanwhile, a
 test('an occurrence a fault held up may be deleted with its job; one that should have run long before may not', () => {
   // Chaos seed 5: runs due in a 30 s PostgreSQL outage were still pending when their job was
   // deleted right after it, and went with the job.
-  const base = history();
-  const obs: Crafted = {
-    ...base,
-    settings: {
-      ...base.settings,
-      latenessBoundMs: { ...base.settings.latenessBoundMs, 'postgres-down-30s': 45_000 },
-    },
-  };
+  const obs = historyWithBound('postgres-down-30s', 45_000);
   const deleteAt = sec(45);
   obs.jobs[0]!.versions.push({
     ...obs.jobs[0]!.versions[0]!,
