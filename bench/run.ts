@@ -16,7 +16,7 @@ import { herd, type HerdResult } from './herd.js';
 import { httpFloor, type FloorResult } from './http-floor.js';
 import { lateness, type LatenessResult } from './lateness.js';
 import { CPU_CATEGORIES, type CpuCategory } from './lib/profile.js';
-import { machine, ms, table } from './lib/stats.js';
+import { machine, median, ms, table } from './lib/stats.js';
 import { memory, type MemoryResult } from './memory.js';
 import { BEST, herdPeer, type HerdResult as PeerHerdResult } from './peers/herd.js';
 import type { PeerName } from './peers/peers.js';
@@ -37,6 +37,8 @@ interface Results {
   herd?: HerdResult;
   lateness?: LatenessResult[];
   floor?: FloorResult[];
+  /** The herd's 10,000 calls without Helios, 64 in flight per client process (the workers' default). */
+  herdFloor?: FloorResult[];
   throughput?: ThroughputResult;
   failover?: FailoverResult;
   memory?: MemoryResult;
@@ -64,6 +66,13 @@ function summary(r: Results): string {
       '≤ 2 s (1 s)',
     ]);
     rows.push(['  CPU per run, herd (insert → last call)', cpuCell(r.herd.cpuPerRun), '≤ 0.2 ms']);
+  }
+  if (r.herdFloor?.length) {
+    rows.push([
+      '  floor: the same 10,000 calls without Helios, 64 in flight per process → last call',
+      `${seconds(median(r.herdFloor.map((f) => f.max)))}${runs(r.herdFloor.length)}`,
+      '',
+    ]);
   }
   for (const peer of (r.peers ?? []).filter((p) => p.http)) {
     const ratio =
@@ -203,6 +212,14 @@ async function main(): Promise<void> {
         `${rate} calls at each whole second: p50 ${ms(floor.p50)}  p99 ${ms(floor.p99)}  max ${ms(floor.max)}`,
       );
       results.floor.push(floor);
+    }
+    // The herd's shape: 10,000 calls due at once, at most HELIOS_WORKER_CONCURRENCY (64) in
+    // flight per process, as three workers make them.
+    results.herdFloor = [];
+    for (let i = 0; i < herdRuns; i++) {
+      const floor = await httpFloor(10_000, 1, 64);
+      log(`10000 calls at once, 64 in flight per process: last ${ms(floor.max)} after due (p50 ${ms(floor.p50)})`);
+      results.herdFloor.push(floor);
     }
   }
   if (parts.has('throughput')) {
