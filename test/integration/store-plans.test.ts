@@ -49,6 +49,17 @@ function scans(plan: Record<string, unknown>): string[] {
   return [...own, ...children.flatMap(scans)];
 }
 
+/** Nested loops that rescan the whole of `runs` for each row of their other side: O(table × batch). */
+function loopsOverRuns(plan: Record<string, unknown>): string[] {
+  const children = (plan.Plans as Record<string, unknown>[] | undefined) ?? [];
+  const own =
+    plan['Node Type'] === 'Nested Loop' &&
+    children.some((c) => c['Node Type'] === 'Seq Scan' && c['Relation Name'] === 'runs')
+      ? ['Nested Loop over Seq Scan runs']
+      : [];
+  return [...own, ...children.flatMap(loopsOverRuns)];
+}
+
 /** Scans on `runs` of the named statement's plan, custom and generic, for these parameters. */
 async function runsScans(statement: string, params: string): Promise<string[]> {
   const out: string[] = [];
@@ -128,4 +139,76 @@ test('a completion batch looks its runs up by primary key, even with thousands r
     [],
     `scans: ${found.join('; ')}`,
   );
+});
+
+test('a completion batch never loops over a scan of all runs when the statistics saw thousands queued and none claimed', async () => {
+  // Autovacuum analyses `runs` seconds after a herd's dispatch inserted it: every run queued, no
+  // `claimed_by` yet. The planner then takes `claimed_by = $6` to match almost nothing and, with a
+  // few thousand rows, scanned the whole table once per completion batch (960 ms for 256 runs).
+  const other = await createTestDatabase();
+  const c = await other.pool.connect();
+  try {
+    await c.query(
+      `INSERT INTO jobs (name, schedule, target, timeout_ms, max_attempts)
+       SELECT 'plan-' || n, '0 0 1 1 *', '{"url":"http://127.0.0.1:9/"}', 5000, 3 FROM generate_series(1, $1) AS n`,
+      [RUNS],
+    );
+    const { rows } = await c.query<{ id: string }>(
+      `INSERT INTO runs (job_id, scheduled_for, state, max_attempts, target, timeout_ms, backoff_ms,
+                         backoff_multiplier, concurrency, not_before)
+       SELECT id, now(), 'queued', max_attempts, target, timeout_ms, backoff_ms, backoff_multiplier,
+              concurrency, now() - interval '1 second'
+       FROM jobs RETURNING id`,
+    );
+    await c.query('ANALYZE runs');
+    await c.query('ANALYZE run_attempts');
+    const claimed = (
+      await claimRuns(
+        c,
+        rows.map((r) => ({ runId: r.id, expectedAttempt: 1 })),
+        options,
+      )
+    ).filter((r) => r !== null);
+    assert.equal(claimed.length, RUNS);
+    const report = {
+      outcome: 'succeeded' as const,
+      statusCode: 200,
+      durationMs: 1,
+      error: null,
+      responseExcerpt: 'ok',
+    };
+    // Completing one batch prepares the named statement on this connection.
+    const first = claimed.slice(0, 16);
+    assert.deepEqual(
+      new Set(
+        await completeSucceededMany(
+          c,
+          options.nodeId,
+          first.map((run) => ({ run, report })),
+        ),
+      ),
+      new Set([true]),
+    );
+    // A seq scan joined by hash is a fair plan for a table this small (one pass per batch); the
+    // plan must not join by looping over a scan of the whole table (one pass per run).
+    const batch = claimed.slice(16, 16 + 256);
+    const params = [
+      literal(batch.map((r) => r.id)),
+      literal(batch.map(() => 1)),
+      literal(batch.map(() => 200)),
+      literal(batch.map(() => 1)),
+      literal(batch.map(() => 'ok')),
+      "'plan-node'",
+    ].join(', ');
+    for (const mode of ['force_custom_plan', 'force_generic_plan']) {
+      await c.query(`SET plan_cache_mode = ${mode}`);
+      const { rows: plan } = await c.query<{ 'QUERY PLAN': { Plan: Record<string, unknown> }[] }>(
+        `EXPLAIN (FORMAT JSON) EXECUTE "helios-complete-succeeded" (${params})`,
+      );
+      assert.deepEqual(loopsOverRuns(plan[0]!['QUERY PLAN'][0]!.Plan), [], mode);
+    }
+  } finally {
+    c.release();
+    await other.drop();
+  }
 });
