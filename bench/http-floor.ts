@@ -75,7 +75,13 @@ export async function httpFloor(rate: number, seconds: number, window = Infinity
     const started = Date.now();
     const self = fileURLToPath(import.meta.url);
     const clients = [0, 1, 2].map(() =>
-      fork(self, ['--client', target.url, String(Math.round(rate / 3)), String(seconds + WARMUP_S), String(window)]),
+      fork(self, [
+        '--client',
+        target.url,
+        String(Math.round(rate / 3)),
+        String(seconds + WARMUP_S),
+        String(window),
+      ]),
     );
     await Promise.all(clients.map((c) => once(c, 'exit')));
     const lateness = target.lateness(Math.ceil(started / 1000) * 1000 + (WARMUP_S + 1) * 1000, Infinity);

@@ -218,7 +218,9 @@ async function main(): Promise<void> {
     results.herdFloor = [];
     for (let i = 0; i < herdRuns; i++) {
       const floor = await httpFloor(10_000, 1, 64);
-      log(`10000 calls at once, 64 in flight per process: last ${ms(floor.max)} after due (p50 ${ms(floor.p50)})`);
+      log(
+        `10000 calls at once, 64 in flight per process: last ${ms(floor.max)} after due (p50 ${ms(floor.p50)})`,
+      );
       results.herdFloor.push(floor);
     }
   }

@@ -138,6 +138,43 @@ describe('claims and completions (PostgreSQL)', () => {
     );
   });
 
+  test('a completion that waits on the reaper taking the run back settles nothing', async () => {
+    const { runId } = await jobWithRun({ maxAttempts: 3 });
+    const claimed = await claimRun(fx.db.pool, runId, claim('worker-a'), 1);
+    assert.equal(claimed?.attempt, 1);
+    // The reaper's statement holds the row, not yet committed, when worker-a's completion arrives:
+    // the completion waits for the row and must then judge the version the reaper committed.
+    const reaper = await fx.db.pool.connect();
+    try {
+      await reaper.query('BEGIN');
+      await reaper.query(
+        `UPDATE runs SET state = 'queued', claimed_by = NULL, claim_expires_at = NULL WHERE id = $1`,
+        [runId],
+      );
+      const ok: AttemptReport = { ...failed, outcome: 'succeeded', statusCode: 200, error: null };
+      const completion = completeSucceeded(fx.db.pool, claimed!, 'worker-a', ok);
+      await waitFor('the completion waiting for the row', async () => {
+        const { rowCount } = await fx.db.pool.query(
+          `SELECT 1 FROM pg_stat_activity
+           WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%succeeded%'`,
+        );
+        return rowCount! > 0 || null;
+      });
+      await reaper.query('COMMIT');
+      assert.equal(await completion, false);
+    } finally {
+      reaper.release();
+    }
+    assert.deepEqual(await run(runId), { state: 'queued', attempt: 1, claimedBy: null, reason: null });
+    const attempts = await attemptsOf(fx.db.pool, runId);
+    assert.deepEqual(
+      attempts.map((a) => [a.attempt, a.outcome]),
+      [[1, null]],
+    );
+    // Queued and overdue, it would be the next test's polling claim.
+    await fx.db.pool.query('DELETE FROM runs WHERE id = $1', [runId]);
+  });
+
   test('a claim succeeds once: the same run claimed by two workers at once runs once', async () => {
     const { runId } = await jobWithRun({});
     const results = await Promise.all(
