@@ -74,10 +74,13 @@ const SUCCEED = `
   ), recorded AS (
     UPDATE run_attempts a SET outcome = 'succeeded', finished_at = now(), status_code = i.status,
                               duration_ms = i.duration, response_excerpt = i.excerpt
-    FROM done JOIN input i ON i.id = done.id
+    -- Joined on the attempt too: a stale completion of the same run (its attempt 1, after the
+    -- reaper took it back and this node claimed attempt 2) can share a batch with the current one,
+    -- and must not lend the current attempt its report.
+    FROM done JOIN input i ON i.id = done.id AND i.attempt = done.attempt
     WHERE a.run_id = done.id AND a.attempt = done.attempt
   )
-  SELECT id FROM done`;
+  SELECT id, attempt FROM done`;
 
 /** A successful attempt to record. */
 export interface Success {
@@ -98,16 +101,20 @@ export async function completeSucceededMany(
   // Sorted like claims, so two batches never wait on each other's rows in opposite orders.
   const sorted = [...items].sort((a, b) => (a.run.id < b.run.id ? -1 : a.run.id > b.run.id ? 1 : 0));
   // Named: parsed and planned once per connection (see claimRuns).
-  const { rows } = await db.query<{ id: string }>({ name: 'helios-complete-succeeded', text: SUCCEED }, [
-    sorted.map((i) => i.run.id),
-    sorted.map((i) => i.run.attempt),
-    sorted.map((i) => i.report.statusCode),
-    sorted.map((i) => (i.report.durationMs === null ? null : Math.round(i.report.durationMs))),
-    sorted.map((i) => clean(i.report.responseExcerpt, 64 * 1024)),
-    nodeId,
-  ]);
-  const done = new Set(rows.map((r) => r.id));
-  return items.map((i) => done.has(i.run.id));
+  const { rows } = await db.query<{ id: string; attempt: number }>(
+    { name: 'helios-complete-succeeded', text: SUCCEED },
+    [
+      sorted.map((i) => i.run.id),
+      sorted.map((i) => i.run.attempt),
+      sorted.map((i) => i.report.statusCode),
+      sorted.map((i) => (i.report.durationMs === null ? null : Math.round(i.report.durationMs))),
+      sorted.map((i) => clean(i.report.responseExcerpt, 64 * 1024)),
+      nodeId,
+    ],
+  );
+  // By run and attempt: only the item whose attempt was completed is settled.
+  const done = new Set(rows.map((r) => `${r.id}/${r.attempt}`));
+  return items.map((i) => done.has(`${i.run.id}/${i.run.attempt}`));
 }
 
 /** Completes one successful attempt; false when the claim had been lost. */

@@ -6,7 +6,12 @@ import type { Leadership } from '../../src/coordination/election.js';
 import { Reaper } from '../../src/execution/reaper.js';
 import { silentLogger } from '../../src/observability/logger.js';
 import { createMetrics } from '../../src/observability/metrics.js';
-import { completeSucceeded, failAttempt, type AttemptReport } from '../../src/store/attempts.js';
+import {
+  completeSucceeded,
+  completeSucceededMany,
+  failAttempt,
+  type AttemptReport,
+} from '../../src/store/attempts.js';
 import { inTransaction } from '../../src/store/db.js';
 import { replayDeadLetter } from '../../src/store/dead-letters.js';
 import { claimOverdueRuns } from '../../src/store/overdue.js';
@@ -138,41 +143,106 @@ describe('claims and completions (PostgreSQL)', () => {
     );
   });
 
-  test('a completion that waits on the reaper taking the run back settles nothing', async () => {
+  test("a stale attempt's completion in the same batch as the current one settles only the current one", async () => {
     const { runId } = await jobWithRun({ maxAttempts: 3 });
-    const claimed = await claimRun(fx.db.pool, runId, claim('worker-a'), 1);
-    assert.equal(claimed?.attempt, 1);
-    // The reaper's statement holds the row, not yet committed, when worker-a's completion arrives:
-    // the completion waits for the row and must then judge the version the reaper committed.
-    const reaper = await fx.db.pool.connect();
-    try {
-      await reaper.query('BEGIN');
-      await reaper.query(
-        `UPDATE runs SET state = 'queued', claimed_by = NULL, claim_expires_at = NULL WHERE id = $1`,
-        [runId],
-      );
-      const ok: AttemptReport = { ...failed, outcome: 'succeeded', statusCode: 200, error: null };
-      const completion = completeSucceeded(fx.db.pool, claimed!, 'worker-a', ok);
-      await waitFor('the completion waiting for the row', async () => {
-        const { rowCount } = await fx.db.pool.query(
-          `SELECT 1 FROM pg_stat_activity
-           WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%succeeded%'`,
-        );
-        return rowCount! > 0 || null;
-      });
-      await reaper.query('COMMIT');
-      assert.equal(await completion, false);
-    } finally {
-      reaper.release();
-    }
-    assert.deepEqual(await run(runId), { state: 'queued', attempt: 1, claimedBy: null, reason: null });
+    const first = await claimRun(fx.db.pool, runId, claim('worker-a'), 1);
+    // worker-a's attempt 1 outlives its claim; the reaper takes the run back and worker-a itself
+    // claims attempt 2 (its poller), while attempt 1's call is still finishing.
+    await fx.db.pool.query(`UPDATE runs SET claim_expires_at = now() - interval '1 second' WHERE id = $1`, [
+      runId,
+    ]);
+    const reaper = new Reaper({
+      pool: fx.db.pool,
+      leadership: fakeLeadership(1n),
+      topics,
+      intervalMs: 1000,
+      logger: silentLogger,
+      metrics: createMetrics('test'),
+      onFenced: () => assert.fail('fenced'),
+    });
+    assert.deepEqual(await reaper.reapBatch(), { reaped: 1, full: false });
+    const second = await claimRun(fx.db.pool, runId, claim('worker-a'), 2);
+    assert.equal(second?.attempt, 2);
+    const report = (statusCode: number, excerpt: string): AttemptReport => ({
+      outcome: 'succeeded',
+      statusCode,
+      durationMs: 2,
+      error: null,
+      responseExcerpt: excerpt,
+    });
+    // Both calls end in the same turn: one completion batch.
+    const settled = await completeSucceededMany(fx.db.pool, 'worker-a', [
+      { run: first!, report: report(201, 'attempt one') },
+      { run: second!, report: report(200, 'attempt two') },
+    ]);
+    assert.deepEqual(settled, [false, true]);
     const attempts = await attemptsOf(fx.db.pool, runId);
     assert.deepEqual(
-      attempts.map((a) => [a.attempt, a.outcome]),
-      [[1, null]],
+      attempts.map((a) => [a.attempt, a.outcome, a.statusCode]),
+      [
+        [1, 'expired', null],
+        [2, 'succeeded', 200],
+      ],
     );
-    // Queued and overdue, it would be the next test's polling claim.
-    await fx.db.pool.query('DELETE FROM runs WHERE id = $1', [runId]);
+    const { rows } = await fx.db.pool.query<{ excerpt: string }>(
+      'SELECT response_excerpt AS excerpt FROM run_attempts WHERE run_id = $1 AND attempt = 2',
+      [runId],
+    );
+    assert.equal(rows[0]?.excerpt, 'attempt two');
+    assert.equal((await run(runId)).state, 'succeeded');
+  });
+
+  test('a completion that waits on a concurrent writer of its run judges the version that writer committed', async () => {
+    // Each writer's statement holds the row, not yet committed, when worker-a's completion
+    // arrives: the completion waits for the row and must then re-check the committed version.
+    const cases = [
+      {
+        writer: 'the reaper taking the run back',
+        set: `state = 'queued', claimed_by = NULL, claim_expires_at = NULL`,
+        settles: false,
+      },
+      {
+        writer: 'a replace ending it (state only)',
+        set: `state = 'failed', reason = 'replaced'`,
+        settles: false,
+      },
+      {
+        writer: 'a write that keeps the claim',
+        set: `claim_expires_at = claim_expires_at + interval '1 second'`,
+        settles: true,
+      },
+    ];
+    for (const { writer, set, settles } of cases) {
+      const { runId } = await jobWithRun({ maxAttempts: 3 });
+      const claimed = await claimRun(fx.db.pool, runId, claim('worker-a'), 1);
+      assert.equal(claimed?.attempt, 1);
+      const other = await fx.db.pool.connect();
+      try {
+        await other.query('BEGIN');
+        await other.query(`UPDATE runs SET ${set} WHERE id = $1`, [runId]);
+        const ok: AttemptReport = { ...failed, outcome: 'succeeded', statusCode: 200, error: null };
+        const completion = completeSucceeded(fx.db.pool, claimed!, 'worker-a', ok);
+        await waitFor(`the completion waiting for the row (${writer})`, async () => {
+          const { rowCount } = await fx.db.pool.query(
+            `SELECT 1 FROM pg_stat_activity
+             WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%succeeded%'`,
+          );
+          return rowCount! > 0 || null;
+        });
+        await other.query('COMMIT');
+        assert.equal(await completion, settles, writer);
+      } finally {
+        other.release();
+      }
+      const attempts = await attemptsOf(fx.db.pool, runId);
+      assert.deepEqual(
+        attempts.map((a) => [a.attempt, a.outcome]),
+        [[1, settles ? 'succeeded' : null]],
+        writer,
+      );
+      // Queued and overdue, it would be a later test's polling claim.
+      await fx.db.pool.query('DELETE FROM runs WHERE id = $1', [runId]);
+    }
   });
 
   test('a claim succeeds once: the same run claimed by two workers at once runs once', async () => {
