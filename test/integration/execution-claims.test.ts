@@ -91,25 +91,30 @@ function fakeLeadership(token: bigint): Leadership {
   };
 }
 
+/** Makes the run's claim expire now and lets the leader's reaper take the run back. */
+async function expireAndReap(runId: string): Promise<void> {
+  await fx.db.pool.query(`UPDATE runs SET claim_expires_at = now() - interval '1 second' WHERE id = $1`, [
+    runId,
+  ]);
+  const reaper = new Reaper({
+    pool: fx.db.pool,
+    leadership: fakeLeadership(1n),
+    topics,
+    intervalMs: 1000,
+    logger: silentLogger,
+    metrics: createMetrics('test'),
+    onFenced: () => assert.fail('fenced'),
+  });
+  assert.deepEqual(await reaper.reapBatch(), { reaped: 1, full: false });
+}
+
 describe('claims and completions (PostgreSQL)', () => {
   test("a stale worker's completion after its claim expired does not overwrite the newer attempt", async () => {
     const { runId } = await jobWithRun({ maxAttempts: 3 });
     const first = await claimRun(fx.db.pool, runId, claim('worker-a'), 1);
     assert.equal(first?.attempt, 1);
     // worker-a stalls (GC pause, SIGSTOP) past its claim deadline; the leader's reaper recovers it.
-    await fx.db.pool.query(`UPDATE runs SET claim_expires_at = now() - interval '1 second' WHERE id = $1`, [
-      runId,
-    ]);
-    const reaper = new Reaper({
-      pool: fx.db.pool,
-      leadership: fakeLeadership(1n),
-      topics,
-      intervalMs: 1000,
-      logger: silentLogger,
-      metrics: createMetrics('test'),
-      onFenced: () => assert.fail('fenced'),
-    });
-    assert.deepEqual(await reaper.reapBatch(), { reaped: 1, full: false });
+    await expireAndReap(runId);
     assert.deepEqual(await run(runId), { state: 'queued', attempt: 1, claimedBy: null, reason: null });
     const second = await claimRun(fx.db.pool, runId, claim('worker-b'), 2);
     assert.equal(second?.attempt, 2);
@@ -148,19 +153,7 @@ describe('claims and completions (PostgreSQL)', () => {
     const first = await claimRun(fx.db.pool, runId, claim('worker-a'), 1);
     // worker-a's attempt 1 outlives its claim; the reaper takes the run back and worker-a itself
     // claims attempt 2 (its poller), while attempt 1's call is still finishing.
-    await fx.db.pool.query(`UPDATE runs SET claim_expires_at = now() - interval '1 second' WHERE id = $1`, [
-      runId,
-    ]);
-    const reaper = new Reaper({
-      pool: fx.db.pool,
-      leadership: fakeLeadership(1n),
-      topics,
-      intervalMs: 1000,
-      logger: silentLogger,
-      metrics: createMetrics('test'),
-      onFenced: () => assert.fail('fenced'),
-    });
-    assert.deepEqual(await reaper.reapBatch(), { reaped: 1, full: false });
+    await expireAndReap(runId);
     const second = await claimRun(fx.db.pool, runId, claim('worker-a'), 2);
     assert.equal(second?.attempt, 2);
     const report = (statusCode: number, excerpt: string): AttemptReport => ({

@@ -74,6 +74,14 @@ async function runsScans(statement: string, params: string): Promise<string[]> {
   return out;
 }
 
+const report = {
+  outcome: 'succeeded' as const,
+  statusCode: 200,
+  durationMs: 1,
+  error: null,
+  responseExcerpt: 'ok',
+};
+
 const literal = (values: readonly (string | number)[]) => `'{${values.join(',')}}'`;
 
 test('a claim batch looks its runs up by primary key, even with thousands queued and statistics that saw none', async () => {
@@ -107,13 +115,6 @@ test('a completion batch looks its runs up by primary key, even with thousands r
   );
   const running = claimed.filter((r) => r !== null);
   assert.ok(running.length > 2000, `${running.length} runs running`);
-  const report = {
-    outcome: 'succeeded' as const,
-    statusCode: 200,
-    durationMs: 1,
-    error: null,
-    responseExcerpt: 'ok',
-  };
   const batch = running.slice(0, 16);
   const done = await completeSucceededMany(
     client,
@@ -170,13 +171,6 @@ test('a completion batch never loops over a scan of all runs when the statistics
       )
     ).filter((r) => r !== null);
     assert.equal(claimed.length, RUNS);
-    const report = {
-      outcome: 'succeeded' as const,
-      statusCode: 200,
-      durationMs: 1,
-      error: null,
-      responseExcerpt: 'ok',
-    };
     // Completing one batch prepares the named statement on this connection.
     const first = claimed.slice(0, 16);
     assert.deepEqual(
