@@ -60,18 +60,41 @@ function loopsOverRuns(plan: Record<string, unknown>): string[] {
   return [...own, ...children.flatMap(loopsOverRuns)];
 }
 
-/** Scans on `runs` of the named statement's plan, custom and generic, for these parameters. */
-async function runsScans(statement: string, params: string): Promise<string[]> {
-  const out: string[] = [];
+/** The named statement's plan, custom and generic, for these parameters, on connection `on`. */
+async function plans(
+  statement: string,
+  params: string,
+  on: pg.PoolClient = client,
+): Promise<{ mode: string; plan: Record<string, unknown> }[]> {
+  const out: { mode: string; plan: Record<string, unknown> }[] = [];
   for (const mode of ['force_custom_plan', 'force_generic_plan']) {
-    await client.query(`SET plan_cache_mode = ${mode}`);
-    const { rows } = await client.query<{ 'QUERY PLAN': { Plan: Record<string, unknown> }[] }>(
+    await on.query(`SET plan_cache_mode = ${mode}`);
+    const { rows } = await on.query<{ 'QUERY PLAN': { Plan: Record<string, unknown> }[] }>(
       `EXPLAIN (FORMAT JSON) EXECUTE "${statement}" (${params})`,
     );
-    out.push(...scans(rows[0]!['QUERY PLAN'][0]!.Plan).filter((s) => /runs_|on runs|Scan runs$/.test(s)));
+    out.push({ mode, plan: rows[0]!['QUERY PLAN'][0]!.Plan });
   }
-  await client.query('RESET plan_cache_mode');
+  await on.query('RESET plan_cache_mode');
   return out;
+}
+
+/** Scans on `runs` of the named statement's plan, custom and generic, for these parameters. */
+async function runsScans(statement: string, params: string): Promise<string[]> {
+  return (await plans(statement, params)).flatMap(({ plan }) =>
+    scans(plan).filter((s) => /runs_|on runs|Scan runs$/.test(s)),
+  );
+}
+
+/** The completion statement's parameters for a batch of runs claimed by 'plan-node'. */
+function completionParams(runs: readonly { id: string }[]): string {
+  return [
+    literal(runs.map((r) => r.id)),
+    literal(runs.map(() => 1)),
+    literal(runs.map(() => 200)),
+    literal(runs.map(() => 1)),
+    literal(runs.map(() => 'ok')),
+    "'plan-node'",
+  ].join(', ');
 }
 
 const report = {
@@ -123,17 +146,7 @@ test('a completion batch looks its runs up by primary key, even with thousands r
   );
   assert.deepEqual(new Set(done), new Set([true]));
   const next = running.slice(16, 32);
-  const found = await runsScans(
-    'helios-complete-succeeded',
-    [
-      literal(next.map((r) => r.id)),
-      literal(next.map(() => 1)),
-      literal(next.map(() => 200)),
-      literal(next.map(() => 1)),
-      literal(next.map(() => 'ok')),
-      "'plan-node'",
-    ].join(', '),
-  );
+  const found = await runsScans('helios-complete-succeeded', completionParams(next));
   assert.ok(found.length > 0, 'the plan has scans on runs');
   assert.deepEqual(
     found.filter((s) => !s.endsWith('runs_pkey')),
@@ -186,20 +199,8 @@ test('a completion batch never loops over a scan of all runs when the statistics
     // A seq scan joined by hash is a fair plan for a table this small (one pass per batch); the
     // plan must not join by looping over a scan of the whole table (one pass per run).
     const batch = claimed.slice(16, 16 + 256);
-    const params = [
-      literal(batch.map((r) => r.id)),
-      literal(batch.map(() => 1)),
-      literal(batch.map(() => 200)),
-      literal(batch.map(() => 1)),
-      literal(batch.map(() => 'ok')),
-      "'plan-node'",
-    ].join(', ');
-    for (const mode of ['force_custom_plan', 'force_generic_plan']) {
-      await c.query(`SET plan_cache_mode = ${mode}`);
-      const { rows: plan } = await c.query<{ 'QUERY PLAN': { Plan: Record<string, unknown> }[] }>(
-        `EXPLAIN (FORMAT JSON) EXECUTE "helios-complete-succeeded" (${params})`,
-      );
-      assert.deepEqual(loopsOverRuns(plan[0]!['QUERY PLAN'][0]!.Plan), [], mode);
+    for (const { mode, plan } of await plans('helios-complete-succeeded', completionParams(batch), c)) {
+      assert.deepEqual(loopsOverRuns(plan), [], mode);
     }
   } finally {
     c.release();
