@@ -37,7 +37,12 @@ export interface AttemptContext {
  * again because its outcome could not be written the first time. Only when the claim has expired
  * does the reaper recover the run.
  */
-export async function runAttempt(ctx: AttemptContext, run: ClaimedRun, cancel: AbortSignal): Promise<void> {
+export async function runAttempt(
+  ctx: AttemptContext,
+  run: ClaimedRun,
+  cancel: AbortSignal,
+  endBy?: number,
+): Promise<void> {
   const { pool, nodeId, logger, metrics } = ctx;
   // Bound lazily: most attempts log nothing, and a child logger per run is measurable at 200/s.
   let child: Logger | undefined;
@@ -52,27 +57,20 @@ export async function runAttempt(ctx: AttemptContext, run: ClaimedRun, cancel: A
         return;
       }
     }
-    // A claim whose answer arrived late (a network that dropped then retransmitted it, a pause)
-    // may expire before the call could end, or have expired and been taken back by the reaper
-    // already: a call made now could be the run's second. Hand the claim back instead (it costs
-    // no attempt); whoever claims the run next makes the call.
-    const claimLeftMs = ctx.clock.msUntil(run.claimExpiresAt);
-    if (claimLeftMs <= run.timeoutMs) {
-      metrics.runsExecuted.inc({ outcome: 'claim-too-late' });
+    const notMade = whyNotStart(ctx, run, endBy);
+    if (notMade) {
+      metrics.runsExecuted.inc({ outcome: notMade.outcome });
       const report = {
         outcome: 'cancelled' as const,
         statusCode: null,
         durationMs: null,
-        error: `claim acknowledged with ${Math.round(claimLeftMs)} ms left, less than the timeout; call not made`,
+        error: notMade.error,
         responseExcerpt: null,
       };
       const released = await inTransaction(pool, (client) =>
         releaseClaim(client, run, nodeId, report, ctx.topics.runsTopic),
       ).catch(() => false);
-      log().warn(
-        { claimLeftMs: Math.round(claimLeftMs), released },
-        'claim acknowledged too late; call not made',
-      );
+      log().warn({ released }, notMade.error);
       return;
     }
     if (run.attempt === 1)
@@ -131,6 +129,36 @@ export async function runAttempt(ctx: AttemptContext, run: ClaimedRun, cancel: A
       'settling the attempt failed until the claim expired; the reaper recovers it',
     );
   }
+}
+
+/**
+ * Why the call must not start, or undefined when it may: it could not end (time out at the
+ * latest) before the claim expires, or before `endBy`, when a stopping worker's drain aborts what
+ * still runs. Either way the call could be cut after reaching the target and then be made again
+ * by whoever takes the run next; handing the claim back instead costs the run no attempt, and
+ * whoever claims it next makes the call.
+ */
+function whyNotStart(
+  ctx: AttemptContext,
+  run: ClaimedRun,
+  endBy: number | undefined,
+): { outcome: 'claim-too-late' | 'stopping'; error: string } | undefined {
+  // A claim whose answer arrived late (a network that dropped then retransmitted it, a pause)
+  // may expire before the call could end, or have expired and been taken back by the reaper.
+  const claimLeftMs = ctx.clock.msUntil(run.claimExpiresAt);
+  if (claimLeftMs <= run.timeoutMs) {
+    return {
+      outcome: 'claim-too-late',
+      error: `claim acknowledged with ${Math.round(claimLeftMs)} ms left, less than the timeout; call not made`,
+    };
+  }
+  if (endBy !== undefined && endBy - ctx.clock.now() <= run.timeoutMs) {
+    return {
+      outcome: 'stopping',
+      error: `worker stopping in ${Math.round(endBy - ctx.clock.now())} ms, less than the timeout; call not made`,
+    };
+  }
+  return undefined;
 }
 
 /** First pause between tries of a settle write, doubling up to SETTLE_RETRY_MAX_MS. */

@@ -21,8 +21,12 @@ export interface RunQueueOptions {
   /** Announcements held (waiting for their time or a slot) before back-pressure applies. */
   readonly prefetch: number;
   readonly clock: DbClock;
-  /** Executes a claimed run; `signal` aborts the call. Must not reject. */
-  readonly run: (run: ClaimedRun, signal: AbortSignal) => Promise<void>;
+  /**
+   * Executes a claimed run; `signal` aborts the call. `endBy` is set while draining: the instant
+   * (database clock, ms) at which the drain aborts what is still running, so a call that could
+   * not end by then must not start (attempt.ts hands its claim back instead). Must not reject.
+   */
+  readonly run: (run: ClaimedRun, signal: AbortSignal, endBy: number | undefined) => Promise<void>;
   /** Called with true when fetching should pause (prefetch full), false when it may resume. */
   readonly onBackpressure: (full: boolean) => void;
   readonly logger: Logger;
@@ -68,6 +72,8 @@ export class RunQueue {
   private reserved = 0;
   private full = false;
   private draining = false;
+  /** While draining: when calls still running are aborted (database clock, ms). */
+  private drainDeadline?: number;
   private readonly watch = new AbortController();
   private onIdle?: () => void;
 
@@ -124,7 +130,7 @@ export class RunQueue {
     this.forget(run.id);
     this.track(run.id, run.attempt, async (execution) => {
       execution.attempt = run.attempt;
-      await this.options.run(run, execution.controller.signal);
+      await this.options.run(run, execution.controller.signal, this.drainDeadline);
     });
   }
 
@@ -137,10 +143,16 @@ export class RunQueue {
    * Stops taking work; waits up to `timeoutMs` for held runs due within that time and for calls in
    * flight; then drops what is still held (the poller of another node claims it once overdue) and
    * aborts the calls with `reason`. Ends the claim watch.
+   *
+   * A held run that falls due meanwhile is claimed and called only if its call can end (its
+   * timeout) before the deadline: a call the drain itself started and then aborted may already have
+   * reached the target, and its run would be called again elsewhere (seen in the rolling restart,
+   * a run due a few ms before the deadline). Only calls in flight when the drain began can be cut.
    */
   async drain(timeoutMs: number, reason: Error): Promise<void> {
     this.draining = true;
     const deadline = this.options.clock.now() + timeoutMs;
+    this.drainDeadline = deadline;
     for (const [runId, entry] of this.held) {
       if (entry.message.notBefore.getTime() > deadline) this.forget(runId);
     }
@@ -248,7 +260,8 @@ export class RunQueue {
     // Rounded up, so a call never starts before its time by our estimate of the database clock.
     const wait = this.options.clock.msUntil(run.notBefore);
     if (wait > 0) await sleep(Math.ceil(wait), undefined, { signal }).catch(() => undefined);
-    await this.options.run(run, signal);
+    // The deadline as it is now: a drain that began while this run waited for its time applies.
+    await this.options.run(run, signal, this.drainDeadline);
   }
 
   private checkIdle(): void {

@@ -197,12 +197,14 @@ export async function failAttempt(
 }
 
 /**
- * Gives a claimed run back (shutdown aborted its call): queued again at once without using up an
- * attempt (max_attempts grows by one). $1 = run id, $2 = node id, $3 = attempt.
+ * Gives a claimed run back (shutdown aborted its call, or it did not start: too little time left):
+ * queued again without using up an attempt (max_attempts grows by one), due when it was due (a run
+ * claimed ahead of its time must not be called early by the next worker) or at once.
+ * $1 = run id, $2 = node id, $3 = attempt.
  */
 const RELEASE = `
-  UPDATE runs SET state = 'queued', not_before = now(), claimed_by = NULL, claim_expires_at = NULL,
-                  max_attempts = max_attempts + 1
+  UPDATE runs SET state = 'queued', not_before = greatest(not_before, now()),
+                  claimed_by = NULL, claim_expires_at = NULL, max_attempts = max_attempts + 1
   WHERE id = $1 AND claimed_by = $2 AND attempt = $3 AND state = 'running'
   RETURNING id, job_id AS "jobId", attempt, scheduled_for AS "scheduledFor", not_before AS "notBefore"`;
 

@@ -1,7 +1,7 @@
 import assert from 'node:assert/strict';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { after, before, test } from 'node:test';
-import { insertJob, nextWholeSecond, stopJobs, waitFor } from '../support/execution.js';
+import { attemptsOf, insertJob, nextWholeSecond, stopJobs, waitFor } from '../support/execution.js';
 import { integrationFixture, type IntegrationFixture } from '../support/fixture.js';
 import type { ManagedProcess } from '../support/processes.js';
 
@@ -144,6 +144,15 @@ test(
       `${due} occurrences due in ${((to - from) / 1000).toFixed(1)} s, test took ${((Date.now() - started) / 1000).toFixed(1)} s`,
     );
     assert.ok(due >= JOBS * 10, `the window holds occurrences (${due})`);
+    if (problems.length > 0) {
+      // Where the doubled or lost occurrences went: each call's attempt and each run's attempts.
+      const doubled = fx.target.requests.filter(
+        (r) => fx.target.requests.filter((o) => o.runId === r.runId).length > 1,
+      );
+      t.diagnostic(JSON.stringify(doubled.map((r) => ({ run: r.runId, attempt: r.attempt, at: r.arrivedAt }))));
+      for (const runId of new Set(doubled.map((r) => r.runId)))
+        t.diagnostic(JSON.stringify(await attemptsOf(fx.db.pool, runId)));
+    }
     assert.deepEqual(problems, [], `${problems.length} of ${due} occurrences went wrong`);
 
     // The checker sees a lost and a doubled occurrence: drop one run and its call, double another call.
