@@ -149,7 +149,9 @@ test(
       const doubled = fx.target.requests.filter(
         (r) => fx.target.requests.filter((o) => o.runId === r.runId).length > 1,
       );
-      t.diagnostic(JSON.stringify(doubled.map((r) => ({ run: r.runId, attempt: r.attempt, at: r.arrivedAt }))));
+      t.diagnostic(
+        JSON.stringify(doubled.map((r) => ({ run: r.runId, attempt: r.attempt, at: r.arrivedAt }))),
+      );
       for (const runId of new Set(doubled.map((r) => r.runId)))
         t.diagnostic(JSON.stringify(await attemptsOf(fx.db.pool, runId)));
     }
