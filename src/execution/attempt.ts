@@ -41,7 +41,7 @@ export async function runAttempt(
   ctx: AttemptContext,
   run: ClaimedRun,
   cancel: AbortSignal,
-  endBy?: number,
+  drainLeftMs?: () => number,
 ): Promise<void> {
   const { pool, nodeId, logger, metrics } = ctx;
   // Bound lazily: most attempts log nothing, and a child logger per run is measurable at 200/s.
@@ -57,7 +57,7 @@ export async function runAttempt(
         return;
       }
     }
-    const notMade = whyNotStart(ctx, run, endBy);
+    const notMade = whyNotStart(ctx, run, drainLeftMs);
     if (notMade) {
       metrics.runsExecuted.inc({ outcome: notMade.outcome });
       const report = {
@@ -67,8 +67,10 @@ export async function runAttempt(
         error: notMade.error,
         responseExcerpt: null,
       };
-      const released = await inTransaction(pool, (client) =>
-        releaseClaim(client, run, nodeId, report, ctx.topics.runsTopic),
+      // Retried while the claim holds, as a settle write is: a release lost to a failed write left
+      // the run to the reaper, whose forgiven expiries are bounded (past them an attempt is charged).
+      const released = await whileClaimed(ctx, run, log, () =>
+        inTransaction(pool, (client) => releaseClaim(client, run, nodeId, report, ctx.topics.runsTopic)),
       ).catch(() => false);
       log().warn({ released }, notMade.error);
       return;
@@ -133,15 +135,15 @@ export async function runAttempt(
 
 /**
  * Why the call must not start, or undefined when it may: it could not end (time out at the
- * latest) before the claim expires, or before `endBy`, when a stopping worker's drain aborts what
- * still runs. Either way the call could be cut after reaching the target and then be made again
+ * latest) before the claim expires, or before a stopping worker's drain aborts what still runs
+ * (`drainLeftMs`). Either way the call could be cut after reaching the target and then be made again
  * by whoever takes the run next; handing the claim back instead costs the run no attempt, and
  * whoever claims it next makes the call.
  */
 function whyNotStart(
   ctx: AttemptContext,
   run: ClaimedRun,
-  endBy: number | undefined,
+  drainLeftMs: (() => number) | undefined,
 ): { outcome: 'claim-too-late' | 'stopping'; error: string } | undefined {
   // A claim whose answer arrived late (a network that dropped then retransmitted it, a pause)
   // may expire before the call could end, or have expired and been taken back by the reaper.
@@ -152,10 +154,11 @@ function whyNotStart(
       error: `claim acknowledged with ${Math.round(claimLeftMs)} ms left, less than the timeout; call not made`,
     };
   }
-  if (endBy !== undefined && endBy - ctx.clock.now() <= run.timeoutMs) {
+  const stoppingInMs = drainLeftMs?.() ?? Infinity;
+  if (stoppingInMs <= run.timeoutMs) {
     return {
       outcome: 'stopping',
-      error: `worker stopping in ${Math.round(endBy - ctx.clock.now())} ms, less than the timeout; call not made`,
+      error: `worker stopping in ${Math.round(stoppingInMs)} ms, less than the timeout; call not made`,
     };
   }
   return undefined;

@@ -22,11 +22,15 @@ export interface RunQueueOptions {
   readonly prefetch: number;
   readonly clock: DbClock;
   /**
-   * Executes a claimed run; `signal` aborts the call. `endBy` is set while draining: the instant
-   * (database clock, ms) at which the drain aborts what is still running, so a call that could
-   * not end by then must not start (attempt.ts hands its claim back instead). Must not reject.
+   * Executes a claimed run; `signal` aborts the call. `drainLeftMs` is given while draining: the
+   * time left, when called, before the drain aborts what still runs, so a call that could not end
+   * by then must not start (attempt.ts hands its claim back instead). Must not reject.
    */
-  readonly run: (run: ClaimedRun, signal: AbortSignal, endBy: number | undefined) => Promise<void>;
+  readonly run: (
+    run: ClaimedRun,
+    signal: AbortSignal,
+    drainLeftMs: (() => number) | undefined,
+  ) => Promise<void>;
   /** Called with true when fetching should pause (prefetch full), false when it may resume. */
   readonly onBackpressure: (full: boolean) => void;
   readonly logger: Logger;
@@ -72,8 +76,13 @@ export class RunQueue {
   private reserved = 0;
   private full = false;
   private draining = false;
-  /** While draining: when calls still running are aborted (database clock, ms). */
-  private drainDeadline?: number;
+  /**
+   * While draining: the time left before calls still running are aborted. Monotonic, like the
+   * drain's own timer: a re-sync of the database clock estimate during the drain must not move it.
+   */
+  private drainLeftMs?: () => number;
+  /** Set once the drain is over: a run the poller claims after that is handed back, not called. */
+  private drainedWith?: Error;
   private readonly watch = new AbortController();
   private onIdle?: () => void;
 
@@ -122,6 +131,7 @@ export class RunQueue {
       released = true;
       this.reserved -= n;
       this.pump();
+      this.checkIdle();
     };
   }
 
@@ -130,7 +140,10 @@ export class RunQueue {
     this.forget(run.id);
     this.track(run.id, run.attempt, async (execution) => {
       execution.attempt = run.attempt;
-      await this.options.run(run, execution.controller.signal, this.drainDeadline);
+      // A poll whose claims came back after the drain ended: nothing would abort the call any
+      // more, and the executor is closed next. Called with the stop reason, it hands them back.
+      if (this.drainedWith) execution.controller.abort(this.drainedWith);
+      await this.options.run(run, execution.controller.signal, this.drainLeftMs);
     });
   }
 
@@ -152,7 +165,8 @@ export class RunQueue {
   async drain(timeoutMs: number, reason: Error): Promise<void> {
     this.draining = true;
     const deadline = this.options.clock.now() + timeoutMs;
-    this.drainDeadline = deadline;
+    const abortAt = performance.now() + timeoutMs;
+    this.drainLeftMs = () => abortAt - performance.now();
     for (const [runId, entry] of this.held) {
       if (entry.message.notBefore.getTime() > deadline) this.forget(runId);
     }
@@ -168,6 +182,7 @@ export class RunQueue {
       this.options.logger.warn({ dropped, aborted: running.length }, 'drain deadline passed');
     }
     for (const execution of running) execution.controller.abort(reason);
+    this.drainedWith = reason;
     // Each aborted call hands its claim back; bounded, so a database outage cannot hang stop.
     await withTimeout(
       Promise.allSettled(running.map((e) => e.done)),
@@ -260,12 +275,15 @@ export class RunQueue {
     // Rounded up, so a call never starts before its time by our estimate of the database clock.
     const wait = this.options.clock.msUntil(run.notBefore);
     if (wait > 0) await sleep(Math.ceil(wait), undefined, { signal }).catch(() => undefined);
-    // The deadline as it is now: a drain that began while this run waited for its time applies.
-    await this.options.run(run, signal, this.drainDeadline);
+    // Read now: a drain that began while this run waited for its time applies to it.
+    await this.options.run(run, signal, this.drainLeftMs);
   }
 
+  /** Idle: nothing held or executing, and no poll claiming into reserved slots (its runs come next). */
   private checkIdle(): void {
-    if (this.onIdle && this.held.size === 0 && this.executing.size === 0) this.onIdle();
+    if (this.onIdle && this.held.size === 0 && this.executing.size === 0 && this.reserved === 0) {
+      this.onIdle();
+    }
   }
 
   private update(): void {

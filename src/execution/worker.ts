@@ -89,7 +89,7 @@ export class Worker {
       concurrency: options.settings.concurrency,
       prefetch: options.settings.prefetch,
       clock: this.clock,
-      run: (run, signal, endBy) => runAttempt(context, run, signal, endBy),
+      run: (run, signal, drainLeftMs) => runAttempt(context, run, signal, drainLeftMs),
       onBackpressure: (full) => (full ? this.intake.pause() : this.intake.resume()),
       logger,
       metrics: options.metrics,
