@@ -34,8 +34,16 @@ const FINAL_STATES: Record<JobRole, readonly string[]> = {
 };
 
 /**
+ * A graceful stop (SIGTERM) may cut only a call that was already in flight when its drain began: one
+ * its worker started later must be able to end before the drain deadline. The drain begins after
+ * the node has stopped its leader parts (resign, leader tasks), hence the allowance.
+ */
+export const STOP_DRAIN_BEGINS_WITHIN_MS = 1000;
+
+/**
  * A fault explains a second call of one run when it hit the node that held the claim of the
- * first call while that call was open, or when it was server-wide and outlasted the claim.
+ * first call while that call was open, or when it was server-wide and outlasted the claim. A
+ * graceful stop explains it only for a call that had started when the stop began.
  */
 export function explainingFault(
   faults: readonly Fault[],
@@ -46,6 +54,8 @@ export function explainingFault(
 ): Fault | undefined {
   return faults.find((f) => {
     if (f.start > second.arrivedAt || f.end < first.arrivedAt - 500) return false;
+    if (f.kind.startsWith('sigterm-') && first.arrivedAt > f.start + STOP_DRAIN_BEGINS_WITHIN_MS)
+      return false;
     const nodes = faultNodes(f);
     if (nodes.length === 0) return f.end - f.start > claimHoldMs;
     return claimant !== undefined && nodes.includes(claimant);

@@ -173,6 +173,36 @@ test('the checker reports a second delivery when the fault hit another node than
   assert.doesNotMatch(violations(obs), /redeliveries/);
 });
 
+test('a graceful stop explains a second call only of a call in flight when the stop began', () => {
+  const obs = history();
+  const again = obs.runs[2]!; // 12 s, its first call on chaos-a at 12.005 s
+  obs.deliveries.push({ ...delivery(again, 2, again.scheduledFor + 3000) });
+  obs.attempts.push({
+    runId: again.id,
+    attempt: 2,
+    nodeId: 'chaos-b',
+    startedAt: again.scheduledFor + 3000,
+    finishedAt: null,
+    outcome: 'succeeded',
+  });
+  obs.processes.push({ name: 'chaos-a', pid: 3, logs: [], exitedAt: sec(13) });
+  // SIGTERM of chaos-a just after the call started: the drain may cut it, so it may run again.
+  obs.faults.push({
+    kind: 'sigterm-worker-mid-call',
+    node: 'chaos-a',
+    start: sec(12) + 3,
+    end: sec(14),
+    haltedAt: sec(13),
+  });
+  assert.doesNotMatch(violations(obs), /redeliveries/);
+  // The stop began 1.5 s before the call: a stopping worker must not start a call its drain cuts.
+  obs.faults[0] = { ...obs.faults[0]!, start: sec(10) + 500 };
+  assert.match(
+    violations(obs),
+    /1 redeliveries with no fault on the node that held the claim:\n.*s1-12.*attempt 1 on chaos-a/,
+  );
+});
+
 test('the checker reports an occurrence run while its job was paused', () => {
   const obs = history();
   const ops = job('o1', 'ops');

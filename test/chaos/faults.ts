@@ -26,6 +26,8 @@ export const FAULT_KINDS = [
   'kill-leader',
   'pause-leader',
   'kill-worker-mid-call',
+  'sigterm-leader',
+  'sigterm-worker-mid-call',
   'restart-kafka',
   'restart-postgres',
   'restart-etcd',
@@ -97,6 +99,7 @@ export function planFaults(
     'kill-leader',
     'pause-leader',
     'kill-worker-mid-call',
+    'sigterm-worker-mid-call',
     'restart-kafka',
     'restart-postgres',
     'restart-etcd',
@@ -139,6 +142,12 @@ export async function injectFault(kind: FaultKind, ctx: FaultContext): Promise<F
       const [victim, note] = await workerMidCall(ctx);
       return killNode(kind, victim, ctx, note);
     }
+    case 'sigterm-leader':
+      return stopNode(kind, await ctx.cluster.leader(), ctx);
+    case 'sigterm-worker-mid-call': {
+      const [victim, note] = await workerMidCall(ctx);
+      return stopNode(kind, victim, ctx, note);
+    }
     case 'pause-leader':
       return pauseLeader(ctx);
     case 'restart-kafka':
@@ -173,6 +182,38 @@ async function killNode(
   node.signal('SIGKILL');
   await node.exited;
   const record: FaultRecord = { kind, node: node.name, start, end: start, haltedAt: start, note };
+  await sleep(1000);
+  await ctx.cluster.spawn(node.name);
+  record.end = Date.now();
+  return record;
+}
+
+/**
+ * One step of a rolling restart: SIGTERM, the node drains and exits by itself, and is started again
+ * a second later. Its exit counts as caused by the fault (`haltedAt`) only if it exited 0; any other
+ * exit is left for the checker to report as a node that exited on its own. A graceful stop may
+ * cut only a call that was in flight when it began (the checker's `explainingFault`).
+ */
+async function stopNode(
+  kind: FaultKind,
+  node: ManagedProcess,
+  ctx: FaultContext,
+  note?: string,
+): Promise<FaultRecord> {
+  const start = Date.now();
+  node.signal('SIGTERM');
+  const { code, signal } = await node.exited;
+  const exitedAt = Date.now();
+  const exit = code === 0 ? undefined : `exited with ${code ?? signal} after SIGTERM`;
+  const record: FaultRecord = {
+    kind,
+    node: node.name,
+    start,
+    end: exitedAt,
+    haltedAt: exit ? undefined : exitedAt,
+    note: [note, exit, `stopped in ${exitedAt - start} ms`].filter(Boolean).join('; '),
+  };
+  ctx.log(`  ${node.name} stopped in ${exitedAt - start} ms${exit ? ` (${exit})` : ''}`);
   await sleep(1000);
   await ctx.cluster.spawn(node.name);
   record.end = Date.now();
