@@ -70,6 +70,12 @@ export interface RunMessage {
   readonly scheduledFor: Date;
   /** The earliest instant the attempt may start, by the database clock. */
   readonly notBefore: Date;
+  /**
+   * The run's timeout (its snapshot's), so a stopping worker can leave a run whose call could not
+   * end before its drain deadline without claiming it. Absent from messages written before it was
+   * added: such a run is claimed, and handed back if it does not fit.
+   */
+  readonly timeoutMs?: number;
 }
 
 const UUID = /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/i;

@@ -138,7 +138,7 @@ export class HeliosNode {
 
     const notifications = (this.notifications = new Notifications(
       config.database.url,
-      ['helios_jobs', 'helios_outbox', 'helios_runs'],
+      ['helios_jobs', 'helios_outbox', 'helios_runs', 'helios_handoff'],
       logger,
     ));
     notifications.start();

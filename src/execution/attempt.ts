@@ -9,6 +9,7 @@ import { replaceOlderRuns, type ClaimedRun } from '../store/runs.js';
 import { retryDelayMs } from './backoff.js';
 import type { DbClock } from './db-clock.js';
 import type { HttpExecutor } from './http-executor.js';
+import type { RunMessage } from '../model.js';
 
 /** The abort reason of calls cut short because the worker is stopping (the claim is released). */
 export class WorkerStoppingError extends Error {
@@ -22,6 +23,11 @@ export interface AttemptContext {
   readonly executor: HttpExecutor;
   readonly topics: Topics;
   readonly clock: DbClock;
+  /**
+   * Announces a run handed back by this stopping worker to the other workers at once (its Kafka
+   * re-announcement waits on this worker's partitions while it restarts). Optional.
+   */
+  readonly handOff?: (messages: RunMessage[]) => void;
   /** Records a success if this node still holds the claim (batched); false when stale. */
   readonly complete: (run: ClaimedRun, report: AttemptReport) => Promise<boolean>;
   readonly logger: Logger;
@@ -72,6 +78,7 @@ export async function runAttempt(
       const released = await whileClaimed(ctx, run, log, () =>
         inTransaction(pool, (client) => releaseClaim(client, run, nodeId, report, ctx.topics.runsTopic)),
       ).catch(() => false);
+      if (released && notMade.outcome === 'stopping') ctx.handOff?.([nextAttempt(ctx, run)]);
       log().warn({ released }, notMade.error);
       return;
     }
@@ -88,6 +95,7 @@ export async function runAttempt(
         const released = await whileClaimed(ctx, run, log, () =>
           inTransaction(pool, (client) => releaseClaim(client, run, nodeId, report, ctx.topics.runsTopic)),
         );
+        if (released) ctx.handOff?.([nextAttempt(ctx, run)]);
         metrics.runsExecuted.inc({ outcome: 'cancelled' });
         log().info({ released }, 'call aborted by shutdown; claim handed back');
         return;
@@ -162,6 +170,18 @@ function whyNotStart(
     };
   }
   return undefined;
+}
+
+/** The announcement of the attempt after a released one: due when the run was, or now (releaseClaim). */
+function nextAttempt(ctx: AttemptContext, run: ClaimedRun): RunMessage {
+  return {
+    runId: run.id,
+    jobId: run.jobId,
+    attempt: run.attempt + 1,
+    scheduledFor: run.scheduledFor,
+    notBefore: new Date(Math.max(run.notBefore.getTime(), ctx.clock.now())),
+    timeoutMs: run.timeoutMs,
+  };
 }
 
 /** First pause between tries of a settle write, doubling up to SETTLE_RETRY_MAX_MS. */

@@ -16,12 +16,36 @@ function date(value: unknown, field: string): Date {
 /** Parses and validates a message value (JSON). */
 export function parseRunMessage(value: string | null): RunMessage {
   if (value === null) throw new InvalidRunMessageError('empty message');
-  let raw: unknown;
+  return toRunMessage(parseJson(value));
+}
+
+/**
+ * Parses a hand-off payload (store/handoff.ts): a JSON array of run messages. Items that are not
+ * run messages are left out; a payload that is not an array is an InvalidRunMessageError.
+ */
+export function parseRunMessages(value: string): RunMessage[] {
+  const raw = parseJson(value);
+  if (!Array.isArray(raw)) throw new InvalidRunMessageError('hand-off payload is not an array');
+  const messages: RunMessage[] = [];
+  for (const item of raw) {
+    try {
+      messages.push(toRunMessage(item));
+    } catch {
+      // One unusable item costs only itself: the claim is what makes a run ours anyway.
+    }
+  }
+  return messages;
+}
+
+function parseJson(value: string): unknown {
   try {
-    raw = JSON.parse(value);
+    return JSON.parse(value);
   } catch {
     throw new InvalidRunMessageError('message is not JSON');
   }
+}
+
+function toRunMessage(raw: unknown): RunMessage {
   if (typeof raw !== 'object' || raw === null) throw new InvalidRunMessageError('message is not an object');
   const m = raw as Record<string, unknown>;
   if (typeof m.runId !== 'string' || !isUuid(m.runId)) throw new InvalidRunMessageError('runId');
@@ -32,5 +56,10 @@ export function parseRunMessage(value: string | null): RunMessage {
   const scheduledFor = date(m.scheduledFor, 'scheduledFor');
   // Older producers may omit notBefore: the first attempt is due when scheduled.
   const notBefore = m.notBefore === undefined ? scheduledFor : date(m.notBefore, 'notBefore');
-  return { runId: m.runId, jobId: m.jobId, attempt: m.attempt, scheduledFor, notBefore };
+  const message: RunMessage = { runId: m.runId, jobId: m.jobId, attempt: m.attempt, scheduledFor, notBefore };
+  if (m.timeoutMs === undefined) return message;
+  if (typeof m.timeoutMs !== 'number' || !Number.isInteger(m.timeoutMs) || m.timeoutMs < 1) {
+    throw new InvalidRunMessageError('timeoutMs');
+  }
+  return { ...message, timeoutMs: m.timeoutMs };
 }

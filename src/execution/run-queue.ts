@@ -31,6 +31,12 @@ export interface RunQueueOptions {
     signal: AbortSignal,
     drainLeftMs: (() => number) | undefined,
   ) => Promise<void>;
+  /**
+   * Given, while draining, the held announcements this queue leaves uncalled (due after the drain
+   * deadline, or whose call could not end before it), for the other workers to take at once.
+   * Default: nothing (they are claimed by the others' polling fallback once overdue).
+   */
+  readonly handOff?: (messages: RunMessage[]) => void;
   /** Called with true when fetching should pause (prefetch full), false when it may resume. */
   readonly onBackpressure: (full: boolean) => void;
   readonly logger: Logger;
@@ -167,15 +173,24 @@ export class RunQueue {
     const deadline = this.options.clock.now() + timeoutMs;
     const abortAt = performance.now() + timeoutMs;
     this.drainLeftMs = () => abortAt - performance.now();
-    for (const [runId, entry] of this.held) {
-      if (entry.message.notBefore.getTime() > deadline) this.forget(runId);
+    // Handed to the other workers, unclaimed: what falls due after the deadline, and what could not
+    // end before it (its announced timeout). Claiming those only to hand them back would cost each
+    // an attempt number and two writes.
+    const left: RunMessage[] = [];
+    for (const [runId, { message }] of this.held) {
+      if (message.notBefore.getTime() + (message.timeoutMs ?? 0) >= deadline) {
+        left.push(message);
+        this.forget(runId);
+      }
     }
+    if (left.length > 0) this.options.handOff?.(left);
     const idle = new Promise<void>((resolve) => (this.onIdle = resolve));
     this.checkIdle();
     const timer = new AbortController();
     await Promise.race([idle, sleep(timeoutMs, undefined, { signal: timer.signal }).catch(() => undefined)]);
     timer.abort();
     const dropped = this.held.size;
+    if (dropped > 0) this.options.handOff?.([...this.held.values()].map((entry) => entry.message));
     for (const runId of [...this.held.keys()]) this.forget(runId);
     const running = [...this.executing.values()];
     if (dropped > 0 || running.length > 0) {

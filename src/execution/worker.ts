@@ -1,6 +1,6 @@
 import type { Connections } from '../store/pool-share.js';
 import type { BrokerClient } from '../broker/index.js';
-import { LifecycleError, toError } from '../errors.js';
+import { LifecycleError, toError, withTimeout } from '../errors.js';
 import type { Logger } from '../observability/logger.js';
 import type { Metrics } from '../observability/metrics.js';
 import type { TargetPolicy } from '../security/target-policy.js';
@@ -8,6 +8,8 @@ import type { WorkerConfig } from '../config/index.js';
 import type { Notifications } from '../store/notifications.js';
 import { inTransaction } from '../store/db.js';
 import { claimOverdueRuns } from '../store/overdue.js';
+import { HANDOFF_CHANNEL, handOffRuns } from '../store/handoff.js';
+import type { RunMessage } from '../model.js';
 import type { ClaimedRun } from '../store/runs.js';
 import { runAttempt, WorkerStoppingError, type AttemptContext } from './attempt.js';
 import { watchClaims } from './claim-watch.js';
@@ -15,6 +17,7 @@ import { createClaimBatcher, createCompletionBatcher } from './batching.js';
 import { DbClock } from './db-clock.js';
 import { HttpExecutor } from './http-executor.js';
 import { KafkaIntake } from './intake.js';
+import { InvalidRunMessageError, parseRunMessages } from './run-message.js';
 import { pollOverdue } from './poller.js';
 import { RunClaimer } from './run-claimer.js';
 import { RunQueue } from './run-queue.js';
@@ -40,6 +43,9 @@ export interface WorkerOptions {
 
 type State = 'idle' | 'running' | 'stopping' | 'stopped';
 
+/** How long stop() waits for hand-offs still being sent. */
+const HANDOFF_TIMEOUT_MS = 2_000;
+
 /**
  * Executes runs on this node (contract items 5–8). Announcements arrive from Kafka and wait in a
  * {@link RunQueue} until due; each is then claimed in PostgreSQL (one conditional UPDATE) and
@@ -54,6 +60,9 @@ export class Worker {
   private readonly intake: KafkaIntake;
   private readonly queue: RunQueue;
   private readonly loops: Promise<void>[] = [];
+  /** Hand-offs being sent while stopping; stop() waits for them (bounded). */
+  private readonly handOffs = new Set<Promise<void>>();
+  private unsubscribe?: () => void;
   private starting?: Promise<void>;
   private stopping?: Promise<void>;
 
@@ -72,6 +81,7 @@ export class Worker {
       topics: { runsTopic: options.runsTopic, deadLetterTopic: options.deadLetterTopic },
       clock: this.clock,
       complete: (run, report) => completions.add({ run, report }),
+      handOff: (messages) => this.handOff(messages),
       logger,
       metrics: options.metrics,
     };
@@ -90,6 +100,7 @@ export class Worker {
       prefetch: options.settings.prefetch,
       clock: this.clock,
       run: (run, signal, drainLeftMs) => runAttempt(context, run, signal, drainLeftMs),
+      handOff: (messages) => this.handOff(messages),
       onBackpressure: (full) => (full ? this.intake.pause() : this.intake.resume()),
       logger,
       metrics: options.metrics,
@@ -131,6 +142,16 @@ export class Worker {
     });
     if (this.abort.signal.aborted) return; // stopped while syncing
     const signal = this.abort.signal;
+    // What another worker hands over when it stops: held like a Kafka announcement (the claim
+    // decides who runs it; a draining queue takes nothing).
+    this.unsubscribe = options.notifications.subscribe(HANDOFF_CHANNEL, (payload) => {
+      try {
+        for (const message of parseRunMessages(payload)) this.queue.hold(message);
+      } catch (err) {
+        const level = err instanceof InvalidRunMessageError ? 'warn' : 'error';
+        logger[level]({ err: toError(err) }, 'dropping an unusable hand-off');
+      }
+    });
     this.intake.start();
     this.loops.push(
       pollOverdue({
@@ -186,6 +207,7 @@ export class Worker {
         }
       };
       if (wasRunning) {
+        this.unsubscribe?.();
         // Fetching stops at once; leaving the group runs alongside the drain.
         const intakeStopped = this.intake.stop();
         await step('draining runs', () =>
@@ -193,12 +215,34 @@ export class Worker {
         );
         await step('stopping the Kafka consumer', () => intakeStopped);
         await Promise.all(this.loops);
+        // Bounded: a hand-off is a hint; the others' polling fallback covers one that did not go out.
+        await step('handing runs over', () =>
+          withTimeout(Promise.all(this.handOffs), HANDOFF_TIMEOUT_MS, 'handing runs over'),
+        );
       }
       await step('closing HTTP connections', () => this.executor.close());
       this.state = 'stopped';
       if (failures.length > 0) throw new AggregateError(failures, 'worker stopped with errors');
     })();
     return this.stopping;
+  }
+
+  /** Sends held or handed-back announcements to the other workers (store/handoff.ts); never rejects. */
+  private handOff(messages: RunMessage[]): void {
+    const logger = this.options.logger.child({ part: 'worker' });
+    const sent: Promise<void> = handOffRuns(this.options.pool, messages).then(
+      () => {
+        this.options.metrics.runsHandedOff.inc(messages.length);
+        logger.info({ runs: messages.length }, 'handed runs over to the other workers');
+      },
+      (err: unknown) =>
+        logger.warn(
+          { err: toError(err), runs: messages.length },
+          'hand-off failed; the other workers poll for these runs once overdue',
+        ),
+    );
+    this.handOffs.add(sent);
+    void sent.finally(() => this.handOffs.delete(sent));
   }
 
   private claimOptions() {

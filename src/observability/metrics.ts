@@ -196,6 +196,11 @@ export function createMetrics(nodeId: string) {
       labelNames: ['reason'],
       registers: [registry],
     }),
+    runsHandedOff: new Counter({
+      name: 'helios_runs_handed_off_total',
+      help: 'Run announcements a stopping worker handed to the other workers instead of calling them',
+      registers: [registry],
+    }),
     runsReplaced: new Counter({
       name: 'helios_runs_replaced_total',
       help: 'Running runs failed with reason replaced by a newer run of a replace job',

@@ -143,7 +143,7 @@ const FAIL = `
   WHERE id = $1 AND attempt = $2 AND state = 'running'
     AND (claimed_by = $3 OR ($3::text IS NULL AND claim_expires_at < now()))
   RETURNING id, job_id AS "jobId", state, attempt, scheduled_for AS "scheduledFor",
-            not_before AS "notBefore"`;
+            not_before AS "notBefore", timeout_ms AS "timeoutMs"`;
 
 /** Where retries and dead letters are announced. */
 export interface Topics {
@@ -176,6 +176,7 @@ export async function failAttempt(
     attempt: number;
     scheduledFor: Date;
     notBefore: Date;
+    timeoutMs: number;
   }>(FAIL, [
     run.id,
     run.attempt,
@@ -206,7 +207,8 @@ const RELEASE = `
   UPDATE runs SET state = 'queued', not_before = greatest(not_before, now()),
                   claimed_by = NULL, claim_expires_at = NULL, max_attempts = max_attempts + 1
   WHERE id = $1 AND claimed_by = $2 AND attempt = $3 AND state = 'running'
-  RETURNING id, job_id AS "jobId", attempt, scheduled_for AS "scheduledFor", not_before AS "notBefore"`;
+  RETURNING id, job_id AS "jobId", attempt, scheduled_for AS "scheduledFor", not_before AS "notBefore",
+            timeout_ms AS "timeoutMs"`;
 
 /** Returns false when the claim was already lost. */
 export async function releaseClaim(
@@ -238,6 +240,7 @@ async function requeueUncharged(
     attempt: number;
     scheduledFor: Date;
     notBefore: Date;
+    timeoutMs: number;
   }>(sql, params);
   const row = rows[0];
   if (!row) return false;
@@ -255,7 +258,8 @@ const FORGIVE_EXPIRED = `
   UPDATE runs SET state = 'queued', not_before = now(), claimed_by = NULL, claim_expires_at = NULL,
                   max_attempts = max_attempts + 1, expiries = expiries + 1, last_error = $3
   WHERE id = $1 AND attempt = $2 AND state = 'running' AND claim_expires_at < now() AND expiries < $4
-  RETURNING id, job_id AS "jobId", attempt, scheduled_for AS "scheduledFor", not_before AS "notBefore"`;
+  RETURNING id, job_id AS "jobId", attempt, scheduled_for AS "scheduledFor", not_before AS "notBefore",
+            timeout_ms AS "timeoutMs"`;
 
 /**
  * The reaper's answer to an expired claim while the run's forgiven expiries are under `bound`.

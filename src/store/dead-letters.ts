@@ -85,7 +85,7 @@ const REQUEUE_DEAD = `
   FROM jobs j
   WHERE r.id = $1 AND r.state = 'dead' AND j.id = r.job_id
   RETURNING r.id, r.job_id AS "jobId", r.attempt, r.scheduled_for AS "scheduledFor",
-            r.not_before AS "notBefore"`;
+            r.not_before AS "notBefore", r.timeout_ms AS "timeoutMs"`;
 
 /** What a replay did. */
 export interface ReplayResult {
@@ -121,6 +121,7 @@ export async function replayDeadLetter(
       attempt: number;
       scheduledFor: Date;
       notBefore: Date;
+      timeoutMs: number;
     }>(REQUEUE_DEAD, [runId]);
     const run = requeued.rows[0];
     // Marked but not re-queued: roll back so the dead letter stays open.

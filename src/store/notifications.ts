@@ -3,8 +3,11 @@ import pg from 'pg';
 import type { Logger } from '../observability/logger.js';
 import { LifecycleError, toError, withTimeout } from '../errors.js';
 
-/** Channels that wake loops early; the loops still poll, so a lost notification only delays. */
-export type Channel = 'helios_jobs' | 'helios_outbox' | 'helios_runs';
+/**
+ * Channels that wake loops early; the loops still poll, so a lost notification only delays.
+ * `helios_handoff` carries payloads (store/handoff.ts) to {@link Notifications.subscribe}rs.
+ */
+export type Channel = 'helios_jobs' | 'helios_outbox' | 'helios_runs' | 'helios_handoff';
 
 /** Tuning of {@link Notifications}; the defaults suit a node. */
 export interface NotificationsOptions {
@@ -25,6 +28,7 @@ export interface NotificationsOptions {
 export class Notifications {
   private client?: pg.Client;
   private readonly waiters = new Map<Channel, Set<() => void>>();
+  private readonly subscribers = new Map<Channel, Set<(payload: string) => void>>();
   private readonly abort = new AbortController();
   private loop?: Promise<void>;
   private stopping?: Promise<void>;
@@ -72,7 +76,10 @@ export class Notifications {
         // closes the half-open client).
         const ready = (async () => {
           await client.connect();
-          client.on('notification', (msg) => this.notify(msg.channel as Channel));
+          client.on('notification', (msg) => {
+            this.notify(msg.channel as Channel);
+            if (msg.payload) this.deliver(msg.channel as Channel, msg.payload);
+          });
           for (const channel of this.channels) await client.query(`LISTEN ${channel}`);
         })();
         ready.catch(() => undefined); // observed below; abandoned on timeout or abort
@@ -98,6 +105,28 @@ export class Notifications {
     if (!set) return;
     this.waiters.delete(channel);
     for (const wake of set) wake();
+  }
+
+  /**
+   * Calls `handler` with the payload of each notification on `channel` received while connected
+   * (none are replayed after a reconnect: a payload is a hint, never the only way). Returns the
+   * unsubscribe function. The channel must be one this instance LISTENs on.
+   */
+  subscribe(channel: Channel, handler: (payload: string) => void): () => void {
+    let set = this.subscribers.get(channel);
+    if (!set) this.subscribers.set(channel, (set = new Set()));
+    set.add(handler);
+    return () => set.delete(handler);
+  }
+
+  private deliver(channel: Channel, payload: string): void {
+    for (const handler of this.subscribers.get(channel) ?? []) {
+      try {
+        handler(payload);
+      } catch (err) {
+        this.logger.warn({ err: toError(err), channel }, 'notification handler failed');
+      }
+    }
   }
 
   /** Sleeps up to `ms`; returns early on a notification on `channel` or when `signal` aborts. */

@@ -232,7 +232,7 @@ const ENQUEUE_ATTEMPT = `INSERT INTO outbox (topic, key, payload, publish_after)
 /** Inserts the outbox row announcing attempt `attempt` of a queued run, due at its not_before. */
 export async function enqueueAttempt(
   db: Queryable,
-  run: { id: string; jobId: string; scheduledFor: Date; notBefore: Date },
+  run: { id: string; jobId: string; scheduledFor: Date; notBefore: Date; timeoutMs: number },
   attempt: number,
   runsTopic: string,
 ): Promise<void> {
@@ -242,6 +242,7 @@ export async function enqueueAttempt(
     attempt,
     scheduledFor: run.scheduledFor.toISOString(),
     notBefore: run.notBefore.toISOString(),
+    timeoutMs: run.timeoutMs,
   };
   await db.query(ENQUEUE_ATTEMPT, [runsTopic, run.jobId, payload, run.notBefore]);
 }

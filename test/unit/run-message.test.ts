@@ -1,6 +1,10 @@
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
-import { InvalidRunMessageError, parseRunMessage } from '../../src/execution/run-message.js';
+import {
+  InvalidRunMessageError,
+  parseRunMessage,
+  parseRunMessages,
+} from '../../src/execution/run-message.js';
 
 const runId = '7d3c2a8e-4b7f-4a51-9a0e-3f7f2b6d9c11';
 const jobId = '0b8a1e43-8f1c-4a9e-b2d4-5c6e7f8a9b0c';
@@ -13,9 +17,11 @@ test('a dispatcher message parses (PostgreSQL timestamp format)', () => {
       attempt: 1,
       scheduledFor: '2026-01-01T00:00:05+00:00',
       notBefore: '2026-01-01T00:00:05.25+00:00',
+      timeoutMs: 30000,
     }),
   );
   assert.equal(message.runId, runId);
+  assert.equal(message.timeoutMs, 30000);
   assert.equal(message.attempt, 1);
   assert.equal(message.scheduledFor.toISOString(), '2026-01-01T00:00:05.000Z');
   assert.equal(message.notBefore.toISOString(), '2026-01-01T00:00:05.250Z');
@@ -26,6 +32,7 @@ test('notBefore defaults to scheduledFor', () => {
     JSON.stringify({ runId, jobId, attempt: 2, scheduledFor: '2026-01-01T00:00:00Z' }),
   );
   assert.equal(message.notBefore.getTime(), message.scheduledFor.getTime());
+  assert.equal(message.timeoutMs, undefined, 'an older message has no timeout');
 });
 
 test('unusable messages are rejected with InvalidRunMessageError', () => {
@@ -38,6 +45,18 @@ test('unusable messages are rejected with InvalidRunMessageError', () => {
     JSON.stringify({ runId, jobId, attempt: 1.5, scheduledFor: '2026-01-01T00:00:00Z' }),
     JSON.stringify({ runId, jobId, attempt: 1, scheduledFor: 'yesterday' }),
     JSON.stringify({ runId, jobId, attempt: 1, scheduledFor: '2026-01-01T00:00:00Z', notBefore: 5 }),
+    JSON.stringify({ runId, jobId, attempt: 1, scheduledFor: '2026-01-01T00:00:00Z', timeoutMs: '5000' }),
+    JSON.stringify({ runId, jobId, attempt: 1, scheduledFor: '2026-01-01T00:00:00Z', timeoutMs: 0 }),
   ];
   for (const value of bad) assert.throws(() => parseRunMessage(value), InvalidRunMessageError, String(value));
+});
+
+test('a hand-off payload is an array of run messages; an unusable item costs only itself', () => {
+  const good = { runId, jobId, attempt: 2, scheduledFor: '2026-01-01T00:00:00Z', timeoutMs: 500 };
+  const messages = parseRunMessages(JSON.stringify([good, { ...good, runId: 'x' }, 42, good]));
+  assert.equal(messages.length, 2);
+  assert.equal(messages[0]!.attempt, 2);
+  assert.equal(messages[0]!.timeoutMs, 500);
+  assert.throws(() => parseRunMessages(JSON.stringify(good)), InvalidRunMessageError);
+  assert.throws(() => parseRunMessages('not json'), InvalidRunMessageError);
 });

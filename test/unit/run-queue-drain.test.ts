@@ -36,6 +36,7 @@ function harness(options: {
   drained: () => boolean;
 }) {
   const calls: Call[] = [];
+  const handedOff: RunMessage[] = [];
   const queue = new RunQueue({
     claim: async (message) => ({ kind: 'claimed', run: await options.claim!(message) }),
     claimLeadMs: 0,
@@ -53,11 +54,12 @@ function harness(options: {
       // The executor: the call ends at its timeout at the latest, or when `signal` aborts it.
       await sleep(run.timeoutMs, undefined, { signal }).catch(() => (call.cut = true));
     },
+    handOff: (messages) => handedOff.push(...messages),
     onBackpressure: () => undefined,
     logger: silentLogger,
     metrics: createMetrics('test'),
   });
-  return { queue, calls };
+  return { queue, calls, handedOff };
 }
 
 test('a run the poller claimed while the drain found the queue idle does not start a call after the drain', async () => {
@@ -111,4 +113,36 @@ test('a call admitted during the drain is not cut when the clock estimate moves 
   // Started ~100 ms into a 600 ms drain with a 650 ms timeout: it cannot end in time, yet the
   // shifted estimate says 800 ms are left.
   assert.ok(!(call!.admitted && call!.cut), 'a call the drain let start was cut by the drain');
+});
+
+test('a draining queue hands over, unclaimed, the held runs due after its deadline or whose announced timeout cannot end before it', async () => {
+  const claimed: string[] = [];
+  const clock = new DbClock();
+  const { queue, calls, handedOff } = harness({
+    clock,
+    drained: () => false,
+    claim: async (message) => {
+      claimed.push(message.runId);
+      return {
+        ...fakeClaimedRun(message.runId, 1),
+        timeoutMs: message.timeoutMs!,
+        notBefore: message.notBefore,
+      };
+    },
+  });
+  const held = (n: number, dueInMs: number, timeoutMs: number): RunMessage => {
+    const at = new Date(clock.now() + dueInMs);
+    const runId = `00000000-0000-4000-8000-00000000000${n}`;
+    return { runId, jobId: runId, attempt: 1, scheduledFor: at, notBefore: at, timeoutMs };
+  };
+  queue.hold(held(2, 100, 200)); // ends by 300 ms: fits a 500 ms drain
+  queue.hold(held(3, 100, 1000)); // would end at 1.1 s: left for another node, not claimed
+  queue.hold(held(4, 2000, 100)); // due after the deadline
+  await queue.drain(500, new Error('worker is stopping'));
+  assert.deepEqual(claimed, ['00000000-0000-4000-8000-000000000002']);
+  assert.deepEqual(
+    handedOff.map((m) => m.runId),
+    ['00000000-0000-4000-8000-000000000003', '00000000-0000-4000-8000-000000000004'],
+  );
+  assert.equal(calls.filter((c) => c.admitted && !c.cut).length, 1);
 });
