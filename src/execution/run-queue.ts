@@ -264,8 +264,11 @@ export class RunQueue {
         // The poller may have claimed this run while a late message's claim of it was failing:
         // the entry is then the poller's, which must stay.
         if (this.executing.get(runId) === execution) this.executing.delete(runId);
-        // Held again without the lead: a forbid or replace run is only claimed once due.
-        if (execution.rehold) this.hold(execution.rehold.message, execution.rehold.retries, false);
+        // Held again without the lead: a forbid or replace run is only claimed once due. A draining
+        // queue holds nothing new: the other workers get it (a forbid or replace run's claim ahead
+        // is always refused, so this is how those runs leave a stopping worker).
+        if (execution.rehold && this.draining) this.options.handOff?.([execution.rehold.message]);
+        else if (execution.rehold) this.hold(execution.rehold.message, execution.rehold.retries, false);
         this.pump();
         this.checkIdle();
       });
@@ -303,7 +306,9 @@ export class RunQueue {
 
   private update(): void {
     const full = this.held.size >= this.options.prefetch;
-    if (full !== this.full) {
+    // A draining queue never asks for more: the intake is stopping, and a message it handed us now
+    // would be dropped with its offset committed.
+    if (full !== this.full && !this.draining) {
       this.full = full;
       this.options.onBackpressure(full);
     }

@@ -43,8 +43,11 @@ export interface WorkerOptions {
 
 type State = 'idle' | 'running' | 'stopping' | 'stopped';
 
-/** How long stop() waits for hand-offs still being sent. */
-const HANDOFF_TIMEOUT_MS = 2_000;
+/**
+ * How long stop() waits for hand-offs still being sent: within the second the node leaves its
+ * worker after the drain (node.ts: drain = shutdown timeout − 1 s).
+ */
+const HANDOFF_TIMEOUT_MS = 500;
 
 /**
  * Executes runs on this node (contract items 5–8). Announcements arrive from Kafka and wait in a
@@ -215,9 +218,14 @@ export class Worker {
         );
         await step('stopping the Kafka consumer', () => intakeStopped);
         await Promise.all(this.loops);
-        // Bounded: a hand-off is a hint; the others' polling fallback covers one that did not go out.
-        await step('handing runs over', () =>
-          withTimeout(Promise.all(this.handOffs), HANDOFF_TIMEOUT_MS, 'handing runs over'),
+        // Bounded, and not a failure of the stop: a hand-off is a hint, and the other workers'
+        // polling fallback claims the runs of one that did not go out (they are still queued).
+        await withTimeout(Promise.all(this.handOffs), HANDOFF_TIMEOUT_MS, 'handing runs over').catch(
+          (err: unknown) =>
+            logger.warn(
+              { err: toError(err) },
+              'hand-off not sent in time; the other workers poll for those runs',
+            ),
         );
       }
       await step('closing HTTP connections', () => this.executor.close());
