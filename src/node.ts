@@ -259,6 +259,11 @@ export class HeliosNode {
         // handing back the claims of calls that did not finish.
         drainTimeoutMs: Math.max(0, config.node.shutdownTimeoutMs - 1000),
         targetPolicy: config.targets.policy,
+        // The registry's live workers but this one; bounded, as a stop waits for it.
+        handOffPeers: async () =>
+          (await withTimeout(listNodes(etcd, config.etcd.prefix), 300, 'listing the workers'))
+            .filter((n) => n.id !== config.node.id && n.roles.includes('worker'))
+            .map((n) => n.id),
         logger,
         metrics: this.metrics,
       });

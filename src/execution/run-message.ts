@@ -20,14 +20,18 @@ export function parseRunMessage(value: string | null): RunMessage {
 }
 
 /**
- * Parses a hand-off payload (store/handoff.ts): a JSON array of run messages. Items that are not
- * run messages are left out; a payload that is not an array is an InvalidRunMessageError.
+ * Parses a hand-off payload (store/handoff.ts), `{ to?, runs: [run message…] }`, for node `self`:
+ * the runs, or none when it is addressed to another node. Items that are not run messages are
+ * left out; a payload of another shape is an InvalidRunMessageError.
  */
-export function parseRunMessages(value: string): RunMessage[] {
-  const raw = parseJson(value);
-  if (!Array.isArray(raw)) throw new InvalidRunMessageError('hand-off payload is not an array');
+export function parseHandOff(value: string, self: string): RunMessage[] {
+  const raw = parseJson(value) as { to?: unknown; runs?: unknown } | null;
+  if (typeof raw !== 'object' || raw === null || !Array.isArray(raw.runs)) {
+    throw new InvalidRunMessageError('hand-off payload has no runs');
+  }
+  if (raw.to !== undefined && raw.to !== self) return [];
   const messages: RunMessage[] = [];
-  for (const item of raw) {
+  for (const item of raw.runs) {
     try {
       messages.push(toRunMessage(item));
     } catch {

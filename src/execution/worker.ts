@@ -17,7 +17,7 @@ import { createClaimBatcher, createCompletionBatcher } from './batching.js';
 import { DbClock } from './db-clock.js';
 import { HttpExecutor } from './http-executor.js';
 import { KafkaIntake } from './intake.js';
-import { InvalidRunMessageError, parseRunMessages } from './run-message.js';
+import { InvalidRunMessageError, parseHandOff } from './run-message.js';
 import { pollOverdue } from './poller.js';
 import { RunClaimer } from './run-claimer.js';
 import { RunQueue } from './run-queue.js';
@@ -37,6 +37,11 @@ export interface WorkerOptions {
   readonly drainTimeoutMs: number;
   /** Default: `compileTargetPolicy()`. */
   readonly targetPolicy?: TargetPolicy;
+  /**
+   * The other live workers' node ids, to address the runs a stopping worker hands over (each to
+   * one of them). Default, or when it fails: none known, every worker receives every run.
+   */
+  readonly handOffPeers?: () => Promise<readonly string[]>;
   readonly logger: Logger;
   readonly metrics: Metrics;
 }
@@ -149,7 +154,7 @@ export class Worker {
     // decides who runs it; a draining queue takes nothing).
     this.unsubscribe = options.notifications.subscribe(HANDOFF_CHANNEL, (payload) => {
       try {
-        for (const message of parseRunMessages(payload)) this.queue.hold(message);
+        for (const message of parseHandOff(payload, options.nodeId)) this.queue.hold(message);
       } catch (err) {
         const level = err instanceof InvalidRunMessageError ? 'warn' : 'error';
         logger[level]({ err: toError(err) }, 'dropping an unusable hand-off');
@@ -238,17 +243,23 @@ export class Worker {
   /** Sends held or handed-back announcements to the other workers (store/handoff.ts); never rejects. */
   private handOff(messages: RunMessage[]): void {
     const logger = this.options.logger.child({ part: 'worker' });
-    const sent: Promise<void> = handOffRuns(this.options.pool, messages).then(
-      () => {
-        this.options.metrics.runsHandedOff.inc(messages.length);
-        logger.info({ runs: messages.length }, 'handed runs over to the other workers');
-      },
-      (err: unknown) =>
-        logger.warn(
-          { err: toError(err), runs: messages.length },
-          'hand-off failed; the other workers poll for these runs once overdue',
-        ),
-    );
+    const peers = (this.options.handOffPeers?.() ?? Promise.resolve([])).catch((err: unknown) => {
+      logger.warn({ err: toError(err) }, 'cannot list the other workers; handing runs over to all');
+      return [];
+    });
+    const sent: Promise<void> = peers
+      .then((to) => handOffRuns(this.options.pool, messages, to))
+      .then(
+        () => {
+          this.options.metrics.runsHandedOff.inc(messages.length);
+          logger.info({ runs: messages.length }, 'handed runs over to the other workers');
+        },
+        (err: unknown) =>
+          logger.warn(
+            { err: toError(err), runs: messages.length },
+            'hand-off failed; the other workers poll for these runs once overdue',
+          ),
+      );
     this.handOffs.add(sent);
     void sent.finally(() => this.handOffs.delete(sent));
   }

@@ -8,32 +8,48 @@ import type { Queryable } from './db.js';
  */
 export const HANDOFF_CHANNEL = 'helios_handoff';
 
-/** NOTIFY payloads must stay under 8000 bytes; a message is about 200. */
+/** NOTIFY payloads must stay under 8000 bytes; a message is about 200 (ASCII: UUIDs, ISO dates, numbers). */
 const MAX_PAYLOAD_BYTES = 7000;
 
-/** One NOTIFY per payload, in one statement. $1 = payloads (JSON arrays of run messages). */
+/** One NOTIFY per payload, in one statement. $1 = payloads (JSON: { to?, runs: run messages }). */
 const NOTIFY = `SELECT pg_notify('${HANDOFF_CHANNEL}', payload) FROM unnest($1::text[]) AS payload`;
 
 /**
- * Announces `messages` to every worker listening on {@link HANDOFF_CHANNEL}. Only a hint: each
- * receiver holds them like Kafka announcements, and the claim in PostgreSQL decides who runs one.
+ * Announces `messages` to the workers listening on {@link HANDOFF_CHANNEL}: each to one of `peers`
+ * in turn (its payload names it in `to`; the others ignore it), or to every worker when no peer is
+ * known. Only a hint: a receiver holds them like Kafka announcements, the claim in PostgreSQL
+ * decides who runs one, and a run whose receiver missed it is still queued for the polling
+ * fallback. Addressing keeps a cluster of N workers from making N − 1 claims of each run.
  * Returns the number of notifications sent.
  */
-export async function handOffRuns(db: Queryable, messages: readonly RunMessage[]): Promise<number> {
+export async function handOffRuns(
+  db: Queryable,
+  messages: readonly RunMessage[],
+  peers: readonly string[] = [],
+): Promise<number> {
+  const byPeer = new Map<string | undefined, RunMessage[]>();
+  messages.forEach((message, i) => {
+    const to = peers.length > 0 ? peers[i % peers.length] : undefined;
+    byPeer.set(to, [...(byPeer.get(to) ?? []), message]);
+  });
   const payloads: string[] = [];
-  let chunk: string[] = [];
-  let bytes = 2;
-  for (const message of messages) {
-    const text = JSON.stringify(message);
-    if (chunk.length > 0 && bytes + text.length + 1 > MAX_PAYLOAD_BYTES) {
-      payloads.push(`[${chunk.join(',')}]`);
+  for (const [to, batch] of byPeer) {
+    const head = to === undefined ? '{"runs":[' : `{"to":${JSON.stringify(to)},"runs":[`;
+    let chunk: string[] = [];
+    let bytes = head.length + 2;
+    const flush = () => {
+      if (chunk.length > 0) payloads.push(`${head}${chunk.join(',')}]}`);
       chunk = [];
-      bytes = 2;
+      bytes = head.length + 2;
+    };
+    for (const message of batch) {
+      const text = JSON.stringify(message);
+      if (chunk.length > 0 && bytes + Buffer.byteLength(text) + 1 > MAX_PAYLOAD_BYTES) flush();
+      chunk.push(text);
+      bytes += Buffer.byteLength(text) + 1;
     }
-    chunk.push(text);
-    bytes += text.length + 1;
+    flush();
   }
-  if (chunk.length > 0) payloads.push(`[${chunk.join(',')}]`);
   if (payloads.length > 0) await db.query(NOTIFY, [payloads]);
   return payloads.length;
 }

@@ -8,6 +8,8 @@ import { RunClaimer } from '../../src/execution/run-claimer.js';
 import { RunQueue } from '../../src/execution/run-queue.js';
 import type { RunMessage } from '../../src/execution/run-message.js';
 import { Worker } from '../../src/execution/worker.js';
+import { parseHandOff } from '../../src/execution/run-message.js';
+import { handOffRuns } from '../../src/store/handoff.js';
 import type { ConcurrencyPolicy } from '../../src/model.js';
 import { silentLogger } from '../../src/observability/logger.js';
 import { createMetrics } from '../../src/observability/metrics.js';
@@ -164,7 +166,11 @@ test('a hand-off that cannot be sent does not make a graceful stop fail (it is "
   assert.ok(deliver, 'the worker subscribes to helios_handoff');
   // A run another worker handed over, due in a minute: held, and handed on by our drain.
   const due = new Date(Date.now() + 60_000).toISOString();
-  deliver(JSON.stringify([{ runId: RUN_ID, jobId: RUN_ID, attempt: 1, scheduledFor: due, timeoutMs: 1000 }]));
+  deliver(
+    JSON.stringify({
+      runs: [{ runId: RUN_ID, jobId: RUN_ID, attempt: 1, scheduledFor: due, timeoutMs: 1000 }],
+    }),
+  );
   const stopped = await worker.stop().then(
     () => undefined,
     (err: unknown) => err,
@@ -210,4 +216,43 @@ test('a draining queue never asks the Kafka intake to resume fetching', async ()
     [],
     'the draining queue told the intake to resume fetching',
   );
+});
+
+test('hand-offs are addressed to the other workers in turn, in payloads PostgreSQL accepts', async () => {
+  const sent: string[] = [];
+  const db = {
+    query: async (_text: string, params: unknown[]) => {
+      sent.push(...(params[0] as string[]));
+      return { rows: [] };
+    },
+  } as unknown as Connections;
+  const at = new Date().toISOString();
+  const messages = Array.from({ length: 100 }, (_, i) => {
+    const runId = `00000000-0000-4000-8000-${String(i).padStart(12, '0')}`;
+    return {
+      runId,
+      jobId: runId,
+      attempt: 1,
+      scheduledFor: new Date(at),
+      notBefore: new Date(at),
+      timeoutMs: 30_000,
+    };
+  });
+  await handOffRuns(db, messages, ['w1', 'w2']);
+  assert.ok(sent.length > 2, 'split into several payloads');
+  for (const payload of sent)
+    assert.ok(Buffer.byteLength(payload) < 8000, `${Buffer.byteLength(payload)} bytes`);
+  const w1 = sent.flatMap((p) => parseHandOff(p, 'w1')).map((m) => m.runId);
+  const w2 = sent.flatMap((p) => parseHandOff(p, 'w2')).map((m) => m.runId);
+  assert.equal(w1.length, 50);
+  assert.equal(w2.length, 50);
+  assert.deepEqual(
+    [...w1, ...w2].sort(),
+    messages.map((m) => m.runId).sort(),
+    'each run to exactly one worker',
+  );
+  // No peer known: every worker gets every run.
+  sent.length = 0;
+  await handOffRuns(db, messages.slice(0, 3), []);
+  assert.equal(sent.flatMap((p) => parseHandOff(p, 'anyone')).length, 3);
 });

@@ -1,10 +1,6 @@
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
-import {
-  InvalidRunMessageError,
-  parseRunMessage,
-  parseRunMessages,
-} from '../../src/execution/run-message.js';
+import { InvalidRunMessageError, parseRunMessage, parseHandOff } from '../../src/execution/run-message.js';
 
 const runId = '7d3c2a8e-4b7f-4a51-9a0e-3f7f2b6d9c11';
 const jobId = '0b8a1e43-8f1c-4a9e-b2d4-5c6e7f8a9b0c';
@@ -51,12 +47,19 @@ test('unusable messages are rejected with InvalidRunMessageError', () => {
   for (const value of bad) assert.throws(() => parseRunMessage(value), InvalidRunMessageError, String(value));
 });
 
-test('a hand-off payload is an array of run messages; an unusable item costs only itself', () => {
+test('a hand-off payload carries run messages for one node or all; an unusable item costs only itself', () => {
   const good = { runId, jobId, attempt: 2, scheduledFor: '2026-01-01T00:00:00Z', timeoutMs: 500 };
-  const messages = parseRunMessages(JSON.stringify([good, { ...good, runId: 'x' }, 42, good]));
+  const runs = [good, { ...good, runId: 'x' }, 42, good];
+  const messages = parseHandOff(JSON.stringify({ runs }), 'node-a');
   assert.equal(messages.length, 2);
   assert.equal(messages[0]!.attempt, 2);
   assert.equal(messages[0]!.timeoutMs, 500);
-  assert.throws(() => parseRunMessages(JSON.stringify(good)), InvalidRunMessageError);
-  assert.throws(() => parseRunMessages('not json'), InvalidRunMessageError);
+  assert.equal(parseHandOff(JSON.stringify({ to: 'node-a', runs }), 'node-a').length, 2);
+  assert.deepEqual(
+    parseHandOff(JSON.stringify({ to: 'node-b', runs }), 'node-a'),
+    [],
+    'addressed to another',
+  );
+  assert.throws(() => parseHandOff(JSON.stringify([good]), 'node-a'), InvalidRunMessageError);
+  assert.throws(() => parseHandOff('not json', 'node-a'), InvalidRunMessageError);
 });
