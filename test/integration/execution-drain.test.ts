@@ -12,11 +12,12 @@ import {
 } from '../support/execution.js';
 import { integrationFixture, type IntegrationFixture } from '../support/fixture.js';
 
-// A stopping worker keeps executing the runs it holds that fall due during its drain (so a rolling
-// restart does not make them late), but only those whose call can end before the drain deadline:
-// a call the drain started and then cut at the deadline may have reached the target already, and
-// the run handed back was called a second time by another node (the rolling restart in CI: a run
-// due a few ms before the deadline, called twice).
+// A stopping worker keeps executing the runs it holds that fall due during its drain, but only those
+// whose call can end before the drain deadline: a call the drain started and then cut at the
+// deadline may have reached the target already, and the run handed back was called a second time
+// by another node (the rolling restart in CI: a run due a few ms before the deadline, called
+// twice). The others it hands over to another worker (NOTIFY helios_handoff), so a rolling restart
+// does not make them late.
 
 let fx: IntegrationFixture;
 
