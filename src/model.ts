@@ -76,6 +76,12 @@ export interface RunMessage {
    * added: such a run is claimed, and handed back if it does not fit.
    */
   readonly timeoutMs?: number;
+  /**
+   * The run's concurrency policy (its snapshot's): only an `allow` run is claimed ahead of its
+   * time, so a worker holds the others for their time instead of trying a claim the database
+   * refuses. Absent from older messages: claimed ahead, and held again when refused.
+   */
+  readonly concurrency?: ConcurrencyPolicy;
 }
 
 const UUID = /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/i;

@@ -181,6 +181,7 @@ function nextAttempt(ctx: AttemptContext, run: ClaimedRun): RunMessage {
     scheduledFor: run.scheduledFor,
     notBefore: new Date(Math.max(run.notBefore.getTime(), ctx.clock.now())),
     timeoutMs: run.timeoutMs,
+    concurrency: run.concurrency,
   };
 }
 

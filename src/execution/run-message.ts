@@ -1,4 +1,4 @@
-import { isUuid, type RunMessage } from '../model.js';
+import { CONCURRENCY_POLICIES, isUuid, type ConcurrencyPolicy, type RunMessage } from '../model.js';
 
 export type { RunMessage };
 
@@ -60,10 +60,24 @@ function toRunMessage(raw: unknown): RunMessage {
   const scheduledFor = date(m.scheduledFor, 'scheduledFor');
   // Older producers may omit notBefore: the first attempt is due when scheduled.
   const notBefore = m.notBefore === undefined ? scheduledFor : date(m.notBefore, 'notBefore');
-  const message: RunMessage = { runId: m.runId, jobId: m.jobId, attempt: m.attempt, scheduledFor, notBefore };
-  if (m.timeoutMs === undefined) return message;
-  if (typeof m.timeoutMs !== 'number' || !Number.isInteger(m.timeoutMs) || m.timeoutMs < 1) {
-    throw new InvalidRunMessageError('timeoutMs');
+  const message: { -readonly [K in keyof RunMessage]: RunMessage[K] } = {
+    runId: m.runId,
+    jobId: m.jobId,
+    attempt: m.attempt,
+    scheduledFor,
+    notBefore,
+  };
+  if (m.timeoutMs !== undefined) {
+    if (typeof m.timeoutMs !== 'number' || !Number.isInteger(m.timeoutMs) || m.timeoutMs < 1) {
+      throw new InvalidRunMessageError('timeoutMs');
+    }
+    message.timeoutMs = m.timeoutMs;
   }
-  return { ...message, timeoutMs: m.timeoutMs };
+  if (m.concurrency !== undefined) {
+    if (!CONCURRENCY_POLICIES.includes(m.concurrency as ConcurrencyPolicy)) {
+      throw new InvalidRunMessageError('concurrency');
+    }
+    message.concurrency = m.concurrency as ConcurrencyPolicy;
+  }
+  return message;
 }

@@ -116,7 +116,9 @@ export class RunQueue {
     // The same announcement twice (re-delivery, or the relay re-publishing) is held once.
     if (existing && existing.message.attempt >= message.attempt) return;
     if (existing) this.forget(message.runId);
-    const entry: Held = { message, retries, early };
+    // Only `allow` runs are claimed ahead (store/runs.ts); a policy the message names otherwise is
+    // held for its time rather than refused first.
+    const entry: Held = { message, retries, early: early && (message.concurrency ?? 'allow') === 'allow' };
     this.held.set(message.runId, entry);
     this.arm(entry);
     this.update();

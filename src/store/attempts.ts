@@ -1,4 +1,5 @@
 import type pg from 'pg';
+import type { ConcurrencyPolicy } from '../model.js';
 import type { Queryable } from './db.js';
 import { buryRun } from './dead-letters.js';
 import { enqueueAttempt } from './runs.js';
@@ -143,7 +144,7 @@ const FAIL = `
   WHERE id = $1 AND attempt = $2 AND state = 'running'
     AND (claimed_by = $3 OR ($3::text IS NULL AND claim_expires_at < now()))
   RETURNING id, job_id AS "jobId", state, attempt, scheduled_for AS "scheduledFor",
-            not_before AS "notBefore", timeout_ms AS "timeoutMs"`;
+            not_before AS "notBefore", timeout_ms AS "timeoutMs", concurrency`;
 
 /** Where retries and dead letters are announced. */
 export interface Topics {
@@ -177,6 +178,7 @@ export async function failAttempt(
     scheduledFor: Date;
     notBefore: Date;
     timeoutMs: number;
+    concurrency: ConcurrencyPolicy;
   }>(FAIL, [
     run.id,
     run.attempt,
@@ -208,7 +210,7 @@ const RELEASE = `
                   claimed_by = NULL, claim_expires_at = NULL, max_attempts = max_attempts + 1
   WHERE id = $1 AND claimed_by = $2 AND attempt = $3 AND state = 'running'
   RETURNING id, job_id AS "jobId", attempt, scheduled_for AS "scheduledFor", not_before AS "notBefore",
-            timeout_ms AS "timeoutMs"`;
+            timeout_ms AS "timeoutMs", concurrency`;
 
 /** Returns false when the claim was already lost. */
 export async function releaseClaim(
@@ -241,6 +243,7 @@ async function requeueUncharged(
     scheduledFor: Date;
     notBefore: Date;
     timeoutMs: number;
+    concurrency: ConcurrencyPolicy;
   }>(sql, params);
   const row = rows[0];
   if (!row) return false;
@@ -259,7 +262,7 @@ const FORGIVE_EXPIRED = `
                   max_attempts = max_attempts + 1, expiries = expiries + 1, last_error = $3
   WHERE id = $1 AND attempt = $2 AND state = 'running' AND claim_expires_at < now() AND expiries < $4
   RETURNING id, job_id AS "jobId", attempt, scheduled_for AS "scheduledFor", not_before AS "notBefore",
-            timeout_ms AS "timeoutMs"`;
+            timeout_ms AS "timeoutMs", concurrency`;
 
 /**
  * The reaper's answer to an expired claim while the run's forgiven expiries are under `bound`.

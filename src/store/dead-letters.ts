@@ -1,5 +1,5 @@
 import type pg from 'pg';
-import { isUuid } from '../model.js';
+import { isUuid, type ConcurrencyPolicy } from '../model.js';
 import type { Queryable } from './db.js';
 import { inTransaction } from './db.js';
 import { enqueueAttempt } from './runs.js';
@@ -85,7 +85,7 @@ const REQUEUE_DEAD = `
   FROM jobs j
   WHERE r.id = $1 AND r.state = 'dead' AND j.id = r.job_id
   RETURNING r.id, r.job_id AS "jobId", r.attempt, r.scheduled_for AS "scheduledFor",
-            r.not_before AS "notBefore", r.timeout_ms AS "timeoutMs"`;
+            r.not_before AS "notBefore", r.timeout_ms AS "timeoutMs", r.concurrency`;
 
 /** What a replay did. */
 export interface ReplayResult {
@@ -122,6 +122,7 @@ export async function replayDeadLetter(
       scheduledFor: Date;
       notBefore: Date;
       timeoutMs: number;
+      concurrency: ConcurrencyPolicy;
     }>(REQUEUE_DEAD, [runId]);
     const run = requeued.rows[0];
     // Marked but not re-queued: roll back so the dead letter stays open.

@@ -44,12 +44,12 @@ export async function databaseClock(db: Queryable): Promise<Date> {
 
 /**
  * The first-attempt message announcing a run, built from a row with `id, job_id, scheduled_for,
- * not_before, timeout_ms` (the dispatcher's and the manual trigger's runs). Workers parse it in
+ * not_before, timeout_ms, concurrency` (the dispatcher's and the manual trigger's runs). Workers parse it in
  * execution/run-message.ts.
  */
 export const FIRST_ATTEMPT_MESSAGE = `jsonb_build_object('runId', id, 'jobId', job_id, 'attempt', 1,
                             'scheduledFor', scheduled_for, 'notBefore', not_before,
-                            'timeoutMs', timeout_ms)`;
+                            'timeoutMs', timeout_ms, 'concurrency', concurrency)`;
 
 /**
  * The `runs` columns a run copies from its job (RunSnapshot in model.ts), and the same columns of
@@ -73,7 +73,7 @@ const CREATE_RUNS = `
     FROM unnest($1::uuid[], $2::timestamptz[]) AS o (job_id, scheduled_for)
     JOIN jobs j ON j.id = o.job_id
     ON CONFLICT (job_id, scheduled_for) DO NOTHING
-    RETURNING id, job_id, scheduled_for, not_before, timeout_ms
+    RETURNING id, job_id, scheduled_for, not_before, timeout_ms, concurrency
   )
   INSERT INTO outbox (topic, key, payload)
   SELECT $4, job_id::text, ${FIRST_ATTEMPT_MESSAGE}

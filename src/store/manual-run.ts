@@ -12,7 +12,7 @@ const CREATE_MANUAL_RUN = `
     SELECT j.id, now(), 'manual', 'queued', ${JOB_SNAPSHOT_VALUES}, now()
     FROM jobs j WHERE j.id = $1
     ON CONFLICT (job_id, scheduled_for) DO NOTHING
-    RETURNING id, job_id, scheduled_for, not_before, timeout_ms
+    RETURNING id, job_id, scheduled_for, not_before, timeout_ms, concurrency
   ), queued AS (
     INSERT INTO outbox (topic, key, payload)
     SELECT $2, job_id::text, ${FIRST_ATTEMPT_MESSAGE}

@@ -232,7 +232,14 @@ const ENQUEUE_ATTEMPT = `INSERT INTO outbox (topic, key, payload, publish_after)
 /** Inserts the outbox row announcing attempt `attempt` of a queued run, due at its not_before. */
 export async function enqueueAttempt(
   db: Queryable,
-  run: { id: string; jobId: string; scheduledFor: Date; notBefore: Date; timeoutMs: number },
+  run: {
+    id: string;
+    jobId: string;
+    scheduledFor: Date;
+    notBefore: Date;
+    timeoutMs: number;
+    concurrency: ConcurrencyPolicy;
+  },
   attempt: number,
   runsTopic: string,
 ): Promise<void> {
@@ -243,6 +250,7 @@ export async function enqueueAttempt(
     scheduledFor: run.scheduledFor.toISOString(),
     notBefore: run.notBefore.toISOString(),
     timeoutMs: run.timeoutMs,
+    concurrency: run.concurrency,
   };
   await db.query(ENQUEUE_ATTEMPT, [runsTopic, run.jobId, payload, run.notBefore]);
 }

@@ -14,10 +14,12 @@ test('a dispatcher message parses (PostgreSQL timestamp format)', () => {
       scheduledFor: '2026-01-01T00:00:05+00:00',
       notBefore: '2026-01-01T00:00:05.25+00:00',
       timeoutMs: 30000,
+      concurrency: 'forbid',
     }),
   );
   assert.equal(message.runId, runId);
   assert.equal(message.timeoutMs, 30000);
+  assert.equal(message.concurrency, 'forbid');
   assert.equal(message.attempt, 1);
   assert.equal(message.scheduledFor.toISOString(), '2026-01-01T00:00:05.000Z');
   assert.equal(message.notBefore.toISOString(), '2026-01-01T00:00:05.250Z');
@@ -43,6 +45,7 @@ test('unusable messages are rejected with InvalidRunMessageError', () => {
     JSON.stringify({ runId, jobId, attempt: 1, scheduledFor: '2026-01-01T00:00:00Z', notBefore: 5 }),
     JSON.stringify({ runId, jobId, attempt: 1, scheduledFor: '2026-01-01T00:00:00Z', timeoutMs: '5000' }),
     JSON.stringify({ runId, jobId, attempt: 1, scheduledFor: '2026-01-01T00:00:00Z', timeoutMs: 0 }),
+    JSON.stringify({ runId, jobId, attempt: 1, scheduledFor: '2026-01-01T00:00:00Z', concurrency: 'never' }),
   ];
   for (const value of bad) assert.throws(() => parseRunMessage(value), InvalidRunMessageError, String(value));
 });

@@ -58,3 +58,32 @@ test('a retry announced while its previous attempt is still executing is claimed
   assert.deepEqual(executed, [1, 2]);
   await queue.drain(100, new Error('test over'));
 });
+
+test('a forbid or replace announcement is claimed at its time, not ahead (the database refuses it early)', async () => {
+  const clock = new DbClock();
+  for (const concurrency of ['allow', 'forbid', 'replace'] as const) {
+    const claimedIn: number[] = [];
+    const due = clock.now() + 200;
+    const queue = new RunQueue({
+      claim: async () => {
+        claimedIn.push(due - clock.now());
+        return { kind: 'done' };
+      },
+      claimLeadMs: 100,
+      concurrency: 4,
+      prefetch: 100,
+      clock,
+      run: async () => undefined,
+      onBackpressure: () => undefined,
+      logger: silentLogger,
+      metrics: createMetrics('test'),
+    });
+    const at = new Date(due);
+    queue.hold({ runId: RUN_ID, jobId: RUN_ID, attempt: 1, scheduledFor: at, notBefore: at, concurrency });
+    await sleep(300);
+    await queue.drain(100, new Error('test over'));
+    assert.equal(claimedIn.length, 1, concurrency);
+    if (concurrency === 'allow') assert.ok(claimedIn[0]! > 50, `allow claimed ${claimedIn[0]} ms ahead`);
+    else assert.ok(claimedIn[0]! <= 5, `${concurrency} claimed ${claimedIn[0]} ms ahead`);
+  }
+});
