@@ -162,8 +162,9 @@ export class RunQueue {
 
   /**
    * Stops taking work; waits up to `timeoutMs` for held runs due within that time and for calls in
-   * flight; then drops what is still held (the poller of another node claims it once overdue) and
-   * aborts the calls with `reason`. Ends the claim watch.
+   * flight; then hands what is still held to the other workers (`handOff`; their polling fallback
+   * claims it once overdue if that hint is lost) and aborts the calls with `reason`. Ends the claim
+   * watch.
    *
    * A held run that falls due meanwhile is claimed and called only if its call can end (its
    * timeout) before the deadline: a call the drain itself started and then aborted may already have
