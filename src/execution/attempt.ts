@@ -77,9 +77,9 @@ export async function runAttempt(
       // the run to the reaper, whose forgiven expiries are bounded (past them an attempt is charged).
       const released = await whileClaimed(ctx, run, log, () =>
         inTransaction(pool, (client) => releaseClaim(client, run, nodeId, report, ctx.topics.runsTopic)),
-      ).catch(() => false);
-      if (released && notMade.outcome === 'stopping') ctx.handOff?.([nextAttempt(ctx, run)]);
-      log().warn({ released }, notMade.error);
+      ).catch(() => null);
+      if (released && notMade.outcome === 'stopping') ctx.handOff?.([released]);
+      log().warn({ released: Boolean(released) }, notMade.error);
       return;
     }
     if (run.attempt === 1)
@@ -95,9 +95,9 @@ export async function runAttempt(
         const released = await whileClaimed(ctx, run, log, () =>
           inTransaction(pool, (client) => releaseClaim(client, run, nodeId, report, ctx.topics.runsTopic)),
         );
-        if (released) ctx.handOff?.([nextAttempt(ctx, run)]);
+        if (released) ctx.handOff?.([released]);
         metrics.runsExecuted.inc({ outcome: 'cancelled' });
-        log().info({ released }, 'call aborted by shutdown; claim handed back');
+        log().info({ released: Boolean(released) }, 'call aborted by shutdown; claim handed back');
         return;
       }
       // The claim is gone (replaced, or expired and taken over): whoever took it records the run.
@@ -170,19 +170,6 @@ function whyNotStart(
     };
   }
   return undefined;
-}
-
-/** The announcement of the attempt after a released one: due when the run was, or now (releaseClaim). */
-function nextAttempt(ctx: AttemptContext, run: ClaimedRun): RunMessage {
-  return {
-    runId: run.id,
-    jobId: run.jobId,
-    attempt: run.attempt + 1,
-    scheduledFor: run.scheduledFor,
-    notBefore: new Date(Math.max(run.notBefore.getTime(), ctx.clock.now())),
-    timeoutMs: run.timeoutMs,
-    concurrency: run.concurrency,
-  };
 }
 
 /** First pause between tries of a settle write, doubling up to SETTLE_RETRY_MAX_MS. */

@@ -1,8 +1,8 @@
 import type pg from 'pg';
-import type { ConcurrencyPolicy } from '../model.js';
+import type { RunMessage } from '../model.js';
 import type { Queryable } from './db.js';
 import { buryRun } from './dead-letters.js';
-import { enqueueAttempt } from './runs.js';
+import { enqueueAttempt, REQUEUED_RUN_COLUMNS, type RequeuedRun } from './runs.js';
 
 /** How an attempt ended, as recorded in run_attempts.outcome. */
 export type AttemptOutcome = 'succeeded' | 'failed' | 'timeout' | 'expired' | 'replaced' | 'cancelled';
@@ -143,8 +143,7 @@ const FAIL = `
     claimed_by = NULL, claim_expires_at = NULL, last_status = $5, last_error = $6
   WHERE id = $1 AND attempt = $2 AND state = 'running'
     AND (claimed_by = $3 OR ($3::text IS NULL AND claim_expires_at < now()))
-  RETURNING id, job_id AS "jobId", state, attempt, scheduled_for AS "scheduledFor",
-            not_before AS "notBefore", timeout_ms AS "timeoutMs", concurrency`;
+  RETURNING state, ${REQUEUED_RUN_COLUMNS}`;
 
 /** Where retries and dead letters are announced. */
 export interface Topics {
@@ -170,16 +169,7 @@ export async function failAttempt(
 ): Promise<FailureResult | null> {
   const nodeId = 'nodeId' in settler ? settler.nodeId : null;
   const error = clean(report.error, 2000);
-  const { rows } = await client.query<{
-    id: string;
-    jobId: string;
-    state: 'queued' | 'dead';
-    attempt: number;
-    scheduledFor: Date;
-    notBefore: Date;
-    timeoutMs: number;
-    concurrency: ConcurrencyPolicy;
-  }>(FAIL, [
+  const { rows } = await client.query<RequeuedRun & { state: 'queued' | 'dead' }>(FAIL, [
     run.id,
     run.attempt,
     nodeId,
@@ -195,7 +185,7 @@ export async function failAttempt(
     const deadLetterId = await buryRun(client, row, { error, statusCode: report.statusCode }, topics);
     return { state: 'dead', deadLetterId };
   }
-  await enqueueAttempt(client, row, row.attempt + 1, topics.runsTopic);
+  await enqueueAttempt(client, row, topics.runsTopic);
   return { state: 'queued', notBefore: row.notBefore };
 }
 
@@ -209,24 +199,24 @@ const RELEASE = `
   UPDATE runs SET state = 'queued', not_before = greatest(not_before, now()),
                   claimed_by = NULL, claim_expires_at = NULL, max_attempts = max_attempts + 1
   WHERE id = $1 AND claimed_by = $2 AND attempt = $3 AND state = 'running'
-  RETURNING id, job_id AS "jobId", attempt, scheduled_for AS "scheduledFor", not_before AS "notBefore",
-            timeout_ms AS "timeoutMs", concurrency`;
+  RETURNING ${REQUEUED_RUN_COLUMNS}`;
 
-/** Returns false when the claim was already lost. */
+/** Returns the next attempt's announcement, or null when the claim was already lost. */
 export async function releaseClaim(
   client: pg.PoolClient,
   run: { id: string; attempt: number },
   nodeId: string,
   report: AttemptReport,
   runsTopic: string,
-): Promise<boolean> {
+): Promise<RunMessage | null> {
   return requeueUncharged(client, RELEASE, [run.id, nodeId, run.attempt], run, report, runsTopic);
 }
 
 /**
  * Runs `sql` (an UPDATE that puts a running run back to `queued` without using up an attempt and
- * RETURNS the run), then records the attempt's outcome and announces the next attempt. False
- * when the UPDATE matched nothing (the claim was lost meanwhile).
+ * RETURNS it as a {@link RequeuedRun}), then records the attempt's outcome and announces the next
+ * attempt. Returns that announcement; null when the UPDATE matched nothing (the claim was lost
+ * meanwhile).
  */
 async function requeueUncharged(
   client: pg.PoolClient,
@@ -235,21 +225,12 @@ async function requeueUncharged(
   run: { id: string; attempt: number },
   report: AttemptReport,
   runsTopic: string,
-): Promise<boolean> {
-  const { rows } = await client.query<{
-    id: string;
-    jobId: string;
-    attempt: number;
-    scheduledFor: Date;
-    notBefore: Date;
-    timeoutMs: number;
-    concurrency: ConcurrencyPolicy;
-  }>(sql, params);
+): Promise<RunMessage | null> {
+  const { rows } = await client.query<RequeuedRun>(sql, params);
   const row = rows[0];
-  if (!row) return false;
+  if (!row) return null;
   await recordAttempt(client, run.id, run.attempt, report);
-  await enqueueAttempt(client, row, row.attempt + 1, runsTopic);
-  return true;
+  return enqueueAttempt(client, row, runsTopic);
 }
 
 /**
@@ -261,8 +242,7 @@ const FORGIVE_EXPIRED = `
   UPDATE runs SET state = 'queued', not_before = now(), claimed_by = NULL, claim_expires_at = NULL,
                   max_attempts = max_attempts + 1, expiries = expiries + 1, last_error = $3
   WHERE id = $1 AND attempt = $2 AND state = 'running' AND claim_expires_at < now() AND expiries < $4
-  RETURNING id, job_id AS "jobId", attempt, scheduled_for AS "scheduledFor", not_before AS "notBefore",
-            timeout_ms AS "timeoutMs", concurrency`;
+  RETURNING ${REQUEUED_RUN_COLUMNS}`;
 
 /**
  * The reaper's answer to an expired claim while the run's forgiven expiries are under `bound`.
@@ -281,7 +261,7 @@ export async function forgiveExpiredClaim(
   runsTopic: string,
 ): Promise<boolean> {
   const params = [run.id, run.attempt, clean(report.error, 2000), bound];
-  return requeueUncharged(client, FORGIVE_EXPIRED, params, run, report, runsTopic);
+  return (await requeueUncharged(client, FORGIVE_EXPIRED, params, run, report, runsTopic)) !== null;
 }
 
 /** A run whose claim expired, locked for the reaper. */

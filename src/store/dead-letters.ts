@@ -1,8 +1,8 @@
 import type pg from 'pg';
-import { isUuid, type ConcurrencyPolicy } from '../model.js';
+import { isUuid } from '../model.js';
 import type { Queryable } from './db.js';
 import { inTransaction } from './db.js';
-import { enqueueAttempt } from './runs.js';
+import { enqueueAttempt, type RequeuedRun } from './runs.js';
 
 /** Records a dead run. $1 = run id, $2 = job id, $3 = last attempt, $4 = error, $5 = status. */
 const INSERT_DEAD_LETTER = `
@@ -77,7 +77,8 @@ const MARK_REPLAYED = `
  * max_attempts (attempt numbers keep counting up, so the budget is attempt + max_attempts),
  * and its forgiven claim expiries start again from zero: an operator who replays a run that died
  * in a crash loop gets the same protection from a lost claim acknowledgement as a new run.
- * The target is the run's own snapshot. $1 = run id.
+ * The target is the run's own snapshot. Returns a RequeuedRun (REQUEUED_RUN_COLUMNS, qualified
+ * here: jobs has timeout_ms and concurrency too). $1 = run id.
  */
 const REQUEUE_DEAD = `
   UPDATE runs r SET state = 'queued', not_before = now(), finished_at = NULL, reason = 'replayed',
@@ -115,20 +116,12 @@ export async function replayDeadLetter(
     const marked = await client.query<{ runId: string }>(MARK_REPLAYED, [deadLetterId]);
     const runId = marked.rows[0]?.runId;
     if (!runId) return null;
-    const requeued = await client.query<{
-      id: string;
-      jobId: string;
-      attempt: number;
-      scheduledFor: Date;
-      notBefore: Date;
-      timeoutMs: number;
-      concurrency: ConcurrencyPolicy;
-    }>(REQUEUE_DEAD, [runId]);
+    const requeued = await client.query<RequeuedRun>(REQUEUE_DEAD, [runId]);
     const run = requeued.rows[0];
     // Marked but not re-queued: roll back so the dead letter stays open.
     if (!run) throw new NothingToReplay();
-    await enqueueAttempt(client, run, run.attempt + 1, options.runsTopic);
-    return { runId: run.id, jobId: run.jobId, attempt: run.attempt + 1 };
+    const announced = await enqueueAttempt(client, run, options.runsTopic);
+    return { runId: run.id, jobId: run.jobId, attempt: announced.attempt };
   }).catch((err: unknown) => {
     if (err instanceof NothingToReplay) return null;
     throw err;

@@ -1,4 +1,4 @@
-import type { ConcurrencyPolicy, RunTarget } from '../model.js';
+import type { ConcurrencyPolicy, RunMessage, RunTarget } from '../model.js';
 import type { Queryable } from './db.js';
 
 /** A run this node has claimed: everything needed to execute the attempt and settle it. */
@@ -229,28 +229,44 @@ export async function findLostClaims(
 /** The message that announces the next attempt of a run. $1 topic, $2 key, $3 payload, $4 publish after. */
 const ENQUEUE_ATTEMPT = `INSERT INTO outbox (topic, key, payload, publish_after) VALUES ($1, $2, $3, $4)`;
 
-/** Inserts the outbox row announcing attempt `attempt` of a queued run, due at its not_before. */
+/**
+ * A queued run as the statements that re-queue it return it (RETURNING … ANNOUNCED_COLUMNS): what
+ * the announcement of its next attempt is made of.
+ */
+export interface RequeuedRun {
+  readonly id: string;
+  readonly jobId: string;
+  /** The attempt that ended; the next one is announced. */
+  readonly attempt: number;
+  readonly scheduledFor: Date;
+  readonly notBefore: Date;
+  readonly timeoutMs: number;
+  readonly concurrency: ConcurrencyPolicy;
+}
+
+/** The columns of a {@link RequeuedRun}, for a RETURNING clause on `runs` (unqualified). */
+export const REQUEUED_RUN_COLUMNS = `id, job_id AS "jobId", attempt, scheduled_for AS "scheduledFor",
+  not_before AS "notBefore", timeout_ms AS "timeoutMs", concurrency`;
+
+/**
+ * Inserts the outbox row announcing the next attempt of a queued run, due at its not_before.
+ * Returns the announcement, as workers parse it.
+ */
 export async function enqueueAttempt(
   db: Queryable,
-  run: {
-    id: string;
-    jobId: string;
-    scheduledFor: Date;
-    notBefore: Date;
-    timeoutMs: number;
-    concurrency: ConcurrencyPolicy;
-  },
-  attempt: number,
+  run: RequeuedRun,
   runsTopic: string,
-): Promise<void> {
-  const payload = {
+): Promise<RunMessage> {
+  const message: RunMessage = {
     runId: run.id,
     jobId: run.jobId,
-    attempt,
-    scheduledFor: run.scheduledFor.toISOString(),
-    notBefore: run.notBefore.toISOString(),
+    attempt: run.attempt + 1,
+    scheduledFor: run.scheduledFor,
+    notBefore: run.notBefore,
     timeoutMs: run.timeoutMs,
     concurrency: run.concurrency,
   };
-  await db.query(ENQUEUE_ATTEMPT, [runsTopic, run.jobId, payload, run.notBefore]);
+  // Dates serialise as ISO-8601 UTC in the JSON payload.
+  await db.query(ENQUEUE_ATTEMPT, [runsTopic, run.jobId, message, run.notBefore]);
+  return message;
 }

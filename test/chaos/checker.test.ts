@@ -144,9 +144,12 @@ test('the checker reports a missing occurrence', () => {
   );
 });
 
-test('the checker reports a second delivery when the fault hit another node than the claimant', () => {
-  const obs = history();
-  const again = obs.runs[2]!; // 12 s, claimed by chaos-a, answered 200
+/**
+ * The 12 s run (its first call on chaos-a at 12.005 s, answered 200) is called again 3 s later, as
+ * attempt 2 on chaos-b: a redelivery the checker must explain by a fault or report.
+ */
+function callAgainOnChaosB(obs: Crafted): void {
+  const again = obs.runs[2]!;
   obs.deliveries.push(delivery(again, 2, again.scheduledFor + 3000));
   obs.attempts.push({
     runId: again.id,
@@ -156,6 +159,11 @@ test('the checker reports a second delivery when the fault hit another node than
     finishedAt: null,
     outcome: 'succeeded',
   });
+}
+
+test('the checker reports a second delivery when the fault hit another node than the claimant', () => {
+  const obs = history();
+  callAgainOnChaosB(obs);
   obs.faults.push({
     kind: 'kill-worker-mid-call',
     node: 'chaos-c',
@@ -175,16 +183,7 @@ test('the checker reports a second delivery when the fault hit another node than
 
 test('a graceful stop explains a second call only of a call in flight when the stop began', () => {
   const obs = history();
-  const again = obs.runs[2]!; // 12 s, its first call on chaos-a at 12.005 s
-  obs.deliveries.push({ ...delivery(again, 2, again.scheduledFor + 3000) });
-  obs.attempts.push({
-    runId: again.id,
-    attempt: 2,
-    nodeId: 'chaos-b',
-    startedAt: again.scheduledFor + 3000,
-    finishedAt: null,
-    outcome: 'succeeded',
-  });
+  callAgainOnChaosB(obs);
   obs.processes.push({ name: 'chaos-a', pid: 3, logs: [], exitedAt: sec(13) });
   // SIGTERM of chaos-a just after the call started: the drain may cut it, so it may run again.
   obs.faults.push({
