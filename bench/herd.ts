@@ -4,7 +4,7 @@
  * and its next_run_at is that instant, so the leader sees all of them due at once. Also prints
  * where the time went, from the database: runs created, outbox published, runs claimed.
  *
- *   npm run build && npx tsx bench/herd.ts [--jobs 10000] [--runs 3] [--profile DIR] [--env HELIOS_X=Y]…
+ *   npm run build && npx tsx bench/herd.ts [--jobs 10000] [--runs 3] [--nodes 3] [--profile DIR] [--env HELIOS_X=Y]…
  */
 import { cpus } from 'node:os';
 import { setTimeout as sleep } from 'node:timers/promises';
@@ -38,6 +38,12 @@ export interface HerdRun {
    * until the last call arrived: dispatch, publish, claim, call and completion of every run.
    */
   readonly cpuPerRun: Record<CpuCategory | 'total', number>;
+  /**
+   * The same from the due instant on: claims, calls and completions only (dispatch, publish and
+   * the announcements' consumption happen before it, within the lookahead). What the herd's
+   * duration depends on.
+   */
+  readonly afterDueCpuPerRun: Record<CpuCategory | 'total', number>;
 }
 
 export interface HerdResult {
@@ -46,6 +52,7 @@ export interface HerdResult {
   readonly medianMs: number;
   /** Median over runs, per category. */
   readonly cpuPerRun: Record<CpuCategory | 'total', number>;
+  readonly afterDueCpuPerRun: Record<CpuCategory | 'total', number>;
 }
 
 /** Cron (6 fields, seconds first) that fires once a day at `at`'s UTC second. */
@@ -59,14 +66,19 @@ function onceADayAt(at: Date): string {
  */
 export async function herdOnce(
   jobs: number,
-  options: { profileDir?: string; env?: Record<string, string> } = {},
+  options: { profileDir?: string; env?: Record<string, string>; nodes?: number } = {},
 ): Promise<HerdRun> {
   const { profileDir } = options;
   const base = profileDir ? profiled(profileDir) : {};
-  const cluster = await BenchCluster.start({ ...base, env: { ...base.env, ...options.env } });
+  const cluster = await BenchCluster.start({
+    ...base,
+    nodes: options.nodes,
+    env: { ...base.env, ...options.env },
+  });
   const sampler = new ActivitySampler(cluster.db.pool, cluster.db.name);
   const cpu = new CpuMeter(cluster.cpuGroups());
   const whole = new CpuMeter(cluster.cpuGroups());
+  const afterDue = new CpuMeter(cluster.cpuGroups());
   let cpuReport = '';
   try {
     // Far enough ahead that the insert is done before the dispatcher looks (the lookahead, 5 s by
@@ -82,9 +94,12 @@ export async function herdOnce(
       cpu.restart();
       for (const node of cluster.nodes) node.signal('SIGUSR2'); // start the CPU profiles
     }
+    await sleep(due - Date.now());
+    afterDue.restart();
     const deadline = due + 60_000;
     while (cluster.target.count < jobs && Date.now() < deadline) await sleep(20);
     const wholeSample = await whole.sample(cpus().length);
+    const afterDueSample = await afterDue.sample(cpus().length);
     sampler.stop();
     if (profileDir) {
       cpuReport =
@@ -117,6 +132,7 @@ export async function herdOnce(
         claimed: at(rows[0]?.claimed),
       },
       cpuPerRun: cpuPerRun(wholeSample, jobs),
+      afterDueCpuPerRun: cpuPerRun(afterDueSample, jobs),
     };
   } finally {
     sampler.stop();
@@ -136,7 +152,13 @@ export async function herdOnce(
 
 export async function herd(
   jobs: number,
-  options: { runs: number; profileDir?: string; env?: Record<string, string>; log?: (line: string) => void },
+  options: {
+    runs: number;
+    profileDir?: string;
+    env?: Record<string, string>;
+    nodes?: number;
+    log?: (line: string) => void;
+  },
 ): Promise<HerdResult> {
   const runs: HerdRun[] = [];
   for (let i = 0; i < options.runs; i++) {
@@ -149,12 +171,14 @@ export async function herd(
         `last claimed ${ms(run.phases.claimed)}`,
     );
     options.log?.(`  CPU per run (insert → last arrival): ${describeCpuPerRun(run.cpuPerRun)}`);
+    options.log?.(`  of which from the due instant on: ${describeCpuPerRun(run.afterDueCpuPerRun)}`);
   }
   return {
     jobs,
     runs,
     medianMs: median(runs.map((r) => r.lastMs)),
     cpuPerRun: medianCpuPerRun(runs.map((r) => r.cpuPerRun)),
+    afterDueCpuPerRun: medianCpuPerRun(runs.map((r) => r.afterDueCpuPerRun)),
   };
 }
 
@@ -165,12 +189,15 @@ async function main(): Promise<void> {
       runs: { type: 'string', default: '3' },
       profile: { type: 'string' },
       env: { type: 'string', multiple: true },
+      nodes: { type: 'string', default: '3' },
     },
   });
   const env = envArgs(values.env);
   const jobs = Number(values.jobs);
-  console.log(`Helios herd: ${jobs} jobs due in one second, 3 nodes, ${machine()}`);
+  const nodes = Number(values.nodes);
+  console.log(`Helios herd: ${jobs} jobs due in one second, ${nodes} nodes, ${machine()}`);
   const result = await herd(jobs, {
+    nodes,
     runs: Number(values.runs),
     profileDir: values.profile,
     env,
@@ -178,6 +205,7 @@ async function main(): Promise<void> {
   });
   console.log(`helios: median ${ms(result.medianMs)} over ${result.runs.length} runs`);
   console.log(`CPU per run (medians): ${describeCpuPerRun(result.cpuPerRun)}`);
+  console.log(`  from the due instant on: ${describeCpuPerRun(result.afterDueCpuPerRun)}`);
 }
 
 if (import.meta.url === pathToFileURL(process.argv[1] ?? '').href) {

@@ -4,7 +4,9 @@
  * `process.cpuUsage()`) divided by the calls, after a warm-up. The target runs in another process
  * so its CPU is not counted. Run it before and after a change to the executor or to undici.
  *
- *   npx tsx bench/http-cpu.ts [--calls 20000] [--window 200] [--repeat 3]
+ *   npx tsx bench/http-cpu.ts [--calls 20000] [--window 200] [--repeat 3] [--plain]
+ *
+ * `--plain` measures the peers' call instead (a bare undici Agent.request, bench/peers/herd-worker.ts).
  */
 import { fork } from 'node:child_process';
 import { once } from 'node:events';
@@ -16,15 +18,57 @@ import { machine, median } from './lib/stats.js';
 
 const WARMUP_CALLS = 2_000;
 
+/**
+ * The peers' call (bench/peers/herd-worker.ts): the same request through a bare undici Agent, no
+ * timeout, policy, excerpt or report. What the executor adds is the difference.
+ */
+async function plainCaller(
+  url: string,
+): Promise<{ call: (i: number) => Promise<boolean>; close: () => Promise<void> }> {
+  const { Agent } = await import('undici');
+  const agent = new Agent({ keepAliveTimeout: 4_000, allowH2: false });
+  const body = JSON.stringify({ bench: true });
+  const scheduledFor = new Date().toISOString();
+  return {
+    call: async (i) => {
+      const response = await agent.request({
+        origin: url,
+        path: '/tick',
+        method: 'POST',
+        headers: {
+          'content-type': 'application/json',
+          'idempotency-key': `cpu-${i}`,
+          'x-helios-job-id': 'http-cpu',
+          'x-helios-run-id': `cpu-${i}`,
+          'x-helios-scheduled-for': scheduledFor,
+          'x-helios-attempt': '1',
+        },
+        body,
+      });
+      await response.body.text();
+      return response.statusCode >= 200 && response.statusCode < 300;
+    },
+    close: () => agent.close(),
+  };
+}
+
 /** One client: warm-up, then `calls` calls `window` at a time; sends µs of CPU per call and failures. */
-async function client(url: string, calls: number, window: number): Promise<void> {
+async function client(url: string, calls: number, window: number, plain: boolean): Promise<void> {
   const { HttpExecutor } = await import('../src/execution/http-executor.js');
   const executor = new HttpExecutor();
+  const bare = plain ? await plainCaller(url) : undefined;
   let sent = 0;
   let failed = 0;
   let firstFailure: string | undefined;
   const scheduledFor = new Date();
   const one = async (i: number) => {
+    if (bare) {
+      if (!(await bare.call(i))) {
+        failed++;
+        firstFailure ??= `call ${i}: not 2xx`;
+      }
+      return;
+    }
     // Every call gets its own signal, as a worker gives it.
     const report = await executor.execute(
       {
@@ -55,6 +99,7 @@ async function client(url: string, calls: number, window: number): Promise<void>
   await batch(calls);
   const used = process.cpuUsage(before);
   await executor.close();
+  await bare?.close();
   process.send!({ perCall: (used.user + used.system) / calls, failed, firstFailure });
 }
 
@@ -66,16 +111,29 @@ async function main(): Promise<void> {
       calls: { type: 'string', default: '20000' },
       window: { type: 'string', default: '200' },
       repeat: { type: 'string', default: '3' },
+      plain: { type: 'boolean', default: false },
     },
   });
-  if (values.client) return client(positionals[0]!, Number(positionals[1]), Number(positionals[2]));
+  if (values.client)
+    return client(
+      positionals[0]!,
+      Number(positionals[1]),
+      Number(positionals[2]),
+      positionals[3] === 'plain',
+    );
   // The target in a child process of its own, so only the client's CPU is counted.
   const target = fork(fileURLToPath(import.meta.url), ['--target']);
   const [url] = (await once(target, 'message')) as [string];
   const figures: number[] = [];
   try {
     for (let r = 0; r < Number(values.repeat); r++) {
-      const child = fork(fileURLToPath(import.meta.url), ['--client', url, values.calls, values.window]);
+      const child = fork(fileURLToPath(import.meta.url), [
+        '--client',
+        url,
+        values.calls,
+        values.window,
+        values.plain ? 'plain' : 'executor',
+      ]);
       let result: { perCall: number; failed: number; firstFailure?: string } | undefined;
       child.once('message', (m: typeof result) => (result = m));
       const [code] = (await once(child, 'exit')) as [number | null];
@@ -90,7 +148,7 @@ async function main(): Promise<void> {
   const undici = new URL('../node_modules/undici/package.json', import.meta.url);
   const { version } = JSON.parse(readFileSync(undici, 'utf8')) as { version: string };
   console.log(
-    `HttpExecutor CPU per call (undici ${version}, ${values.calls} calls, ${values.window} at a time), ${machine()}: ` +
+    `${values.plain ? "bare undici Agent.request (the peers' call)" : 'HttpExecutor'} CPU per call (undici ${version}, ${values.calls} calls, ${values.window} at a time), ${machine()}: ` +
       `median ${median(figures).toFixed(1)} µs (runs: ${figures.map((f) => f.toFixed(1)).join(', ')})`,
   );
 }

@@ -66,6 +66,11 @@ function summary(r: Results): string {
       '≤ 2 s (1 s)',
     ]);
     rows.push(['  CPU per run, herd (insert → last call)', cpuCell(r.herd.cpuPerRun), '≤ 0.2 ms']);
+    rows.push([
+      '    of which from the due instant on (claim, call, completion)',
+      cpuCell(r.herd.afterDueCpuPerRun),
+      '',
+    ]);
   }
   if (r.herdFloor?.length) {
     rows.push([
