@@ -16,7 +16,10 @@ export interface RunQueueOptions {
    * path; the call itself waits for not_before (ClaimOptions.leadMs must be the same).
    */
   readonly claimLeadMs: number;
-  /** Claims and executions in progress at once. */
+  /**
+   * Claims and calls in progress at once. A run whose call has ended gives its slot back while its
+   * outcome is written, up to as many such runs again (see {@link RunQueue}).
+   */
   readonly concurrency: number;
   /** Announcements held (waiting for their time or a slot) before back-pressure applies. */
   readonly prefetch: number;
@@ -24,12 +27,15 @@ export interface RunQueueOptions {
   /**
    * Executes a claimed run; `signal` aborts the call. `drainLeftMs` is given while draining: the
    * time left, when called, before the drain aborts what still runs, so a call that could not end
-   * by then must not start (attempt.ts hands its claim back instead). Must not reject.
+   * by then must not start (attempt.ts hands its claim back instead). `callEnded` is called once
+   * the call has ended (or will not be made) and only its outcome is left to write. Must not
+   * reject.
    */
   readonly run: (
     run: ClaimedRun,
     signal: AbortSignal,
     drainLeftMs: (() => number) | undefined,
+    callEnded: () => void,
   ) => Promise<void>;
   /**
    * Given, while draining, the held announcements this queue leaves uncalled (due after the drain
@@ -62,6 +68,8 @@ interface Execution {
   done?: Promise<void>;
   /** Set when the claim found the run not yet due: held again once this execution is gone. */
   rehold?: { message: RunMessage; retries: number };
+  /** Its call has ended (or will not be made); only the outcome's write is left. */
+  settling?: boolean;
 }
 
 /** Longest setTimeout Node accepts; a longer hold re-arms. */
@@ -74,12 +82,20 @@ const MAX_TIMER_MS = 2_147_483_647;
  * database clock) → ready (due, waiting for a slot) → claiming/executing (at most `concurrency`).
  * Only the claim in PostgreSQL makes a run ours; this queue only decides *when* to try, so losing
  * it (a crash) loses nothing but time: the polling fallback claims what was held here.
+ *
+ * A slot is given back when the call ends, not when its outcome is written: under load the next
+ * run's claim and call no longer wait for that write's round trip (lateness). At most
+ * `concurrency` runs settle this way at once; past that a settling run keeps its slot until one is
+ * written, so a slow database slows the intake instead of piling up finished calls. An execution stays in
+ * `executing` until written, so a drain, `hold` and the claim watch see it as before.
  */
 export class RunQueue {
   private readonly held = new Map<string, Held>();
   private readonly ready: string[] = [];
   private readonly executing = new Map<string, Execution>();
   private reserved = 0;
+  /** Executions whose call has ended and whose outcome is being written (see callEnded()). */
+  private settling = 0;
   private full = false;
   private draining = false;
   /**
@@ -151,7 +167,9 @@ export class RunQueue {
       // A poll whose claims came back after the drain ended: nothing would abort the call any
       // more, and the executor is closed next. Called with the stop reason, it hands them back.
       if (this.drainedWith) execution.controller.abort(this.drainedWith);
-      await this.options.run(run, execution.controller.signal, this.drainLeftMs);
+      await this.options.run(run, execution.controller.signal, this.drainLeftMs, () =>
+        this.callEnded(execution),
+      );
     });
   }
 
@@ -210,8 +228,17 @@ export class RunQueue {
     this.watch.abort();
   }
 
+  /** Slots taken: claims and calls, and the settling runs beyond `concurrency` of them. */
   private busy(): number {
-    return this.executing.size + this.reserved;
+    return this.executing.size - Math.min(this.settling, this.options.concurrency) + this.reserved;
+  }
+
+  /** The execution's call is over: its slot goes to the next ready run (see busy()). */
+  private callEnded(execution: Execution): void {
+    if (execution.settling || this.executing.get(execution.runId) !== execution) return;
+    execution.settling = true;
+    this.settling += 1;
+    this.pump();
   }
 
   private arm(entry: Held): void {
@@ -260,6 +287,13 @@ export class RunQueue {
 
   private track(runId: string, announced: number, work: (execution: Execution) => Promise<void>): void {
     const execution: Execution = { runId, announced, attempt: 0, controller: new AbortController() };
+    // An entry replaced here (the poller's claim of a run whose execution is winding down) is no
+    // longer counted: neither as executing nor as settling.
+    const replaced = this.executing.get(runId);
+    if (replaced?.settling) {
+      replaced.settling = false;
+      this.settling -= 1;
+    }
     this.executing.set(runId, execution);
     execution.done = work(execution)
       .catch((err: unknown) => this.options.logger.error({ err: toError(err), run: runId }, 'run failed'))
@@ -267,6 +301,7 @@ export class RunQueue {
         // The poller may have claimed this run while a late message's claim of it was failing:
         // the entry is then the poller's, which must stay.
         if (this.executing.get(runId) === execution) this.executing.delete(runId);
+        if (execution.settling) this.settling -= 1;
         // Held again without the lead: a forbid or replace run is only claimed once due. A draining
         // queue holds nothing new: the other workers get it (a forbid or replace run's claim ahead
         // is always refused, so this is how those runs leave a stopping worker).
@@ -297,7 +332,7 @@ export class RunQueue {
     const wait = this.options.clock.msUntil(run.notBefore);
     if (wait > 0) await sleep(Math.ceil(wait), undefined, { signal }).catch(() => undefined);
     // Read now: a drain that began while this run waited for its time applies to it.
-    await this.options.run(run, signal, this.drainLeftMs);
+    await this.options.run(run, signal, this.drainLeftMs, () => this.callEnded(execution));
   }
 
   /** Idle: nothing held or executing, and no poll claiming into reserved slots (its runs come next). */
@@ -316,6 +351,6 @@ export class RunQueue {
       this.options.onBackpressure(full);
     }
     this.options.metrics.runsHeld.set(this.held.size);
-    this.options.metrics.runsInFlight.set(this.executing.size);
+    this.options.metrics.runsInFlight.set(this.executing.size - this.settling);
   }
 }

@@ -107,7 +107,7 @@ export class Worker {
       concurrency: options.settings.concurrency,
       prefetch: options.settings.prefetch,
       clock: this.clock,
-      run: (run, signal, drainLeftMs) => runAttempt(context, run, signal, drainLeftMs),
+      run: (run, signal, drainLeftMs, callEnded) => runAttempt(context, run, signal, drainLeftMs, callEnded),
       handOff: (messages) => this.handOff(messages),
       onBackpressure: (full) => (full ? this.intake.pause() : this.intake.resume()),
       logger,

@@ -224,7 +224,7 @@ export function createMetrics(nodeId: string) {
     }),
     runsInFlight: new Gauge({
       name: 'helios_worker_in_flight_runs',
-      help: 'Runs being claimed or executed by this worker',
+      help: 'Runs being claimed or called by this worker (not those whose call ended and whose outcome is being written)',
       registers: [registry],
     }),
   };

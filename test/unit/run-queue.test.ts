@@ -87,3 +87,38 @@ test('a forbid or replace announcement is claimed at its time, not ahead (the da
     else assert.ok(claimedIn[0]! <= 5, `${concurrency} claimed ${claimedIn[0]} ms ahead`);
   }
 });
+
+test('a run whose call has ended gives its slot to the next while its outcome is written, at most `concurrency` of them', async () => {
+  const ids = [2, 3, 4].map((n) => `00000000-0000-4000-8000-00000000000${n}`);
+  const started: string[] = [];
+  const settle = new Map<string, () => void>();
+  const queue = new RunQueue({
+    claim: async (request) => ({ kind: 'claimed', run: fakeClaimedRun(request.runId, request.attempt) }),
+    claimLeadMs: 0,
+    concurrency: 1,
+    prefetch: 100,
+    clock: new DbClock(),
+    run: async (run, _signal, _drainLeftMs, callEnded) => {
+      started.push(run.id);
+      callEnded(); // the call is over at once; its outcome's write waits for settle()
+      await new Promise<void>((resolve) => settle.set(run.id, resolve));
+    },
+    onBackpressure: () => undefined,
+    logger: silentLogger,
+    metrics: createMetrics('test'),
+  });
+  for (const runId of ids) {
+    queue.hold({ runId, jobId: runId, attempt: 1, scheduledFor: new Date(), notBefore: new Date() });
+  }
+  await sleep(30);
+  // The first settles in the background; the second calls in the one slot; the third waits: one
+  // run settling (= concurrency) is as many as may give their slot back.
+  assert.deepEqual(started, ids.slice(0, 2));
+  settle.get(ids[0]!)!();
+  await sleep(30);
+  // The first written: the second's call had ended too, so its slot goes to the third.
+  assert.deepEqual(started, ids);
+  settle.get(ids[1]!)!();
+  settle.get(ids[2]!)!();
+  await queue.drain(100, new Error('test over'));
+});
