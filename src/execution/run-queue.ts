@@ -1,5 +1,5 @@
 import { setTimeout as sleep } from 'node:timers/promises';
-import { toError, withTimeout } from '../errors.js';
+import { ClaimLostError, toError, withTimeout } from '../errors.js';
 import type { Logger } from '../observability/logger.js';
 import type { Metrics } from '../observability/metrics.js';
 import type { RunMessage } from '../model.js';
@@ -93,6 +93,11 @@ export class RunQueue {
   private readonly held = new Map<string, Held>();
   private readonly ready: string[] = [];
   private readonly executing = new Map<string, Execution>();
+  /**
+   * Executions whose entry in `executing` the poller's claim of the same run replaced: aborted
+   * (their claim is gone), but counted (slot, settling, drain) until they have ended.
+   */
+  private readonly superseded = new Set<Execution>();
   private reserved = 0;
   /** Executions whose call has ended and whose outcome is being written (see callEnded()). */
   private settling = 0;
@@ -213,9 +218,11 @@ export class RunQueue {
     const dropped = this.held.size;
     if (dropped > 0) this.options.handOff?.([...this.held.values()].map((entry) => entry.message));
     for (const runId of [...this.held.keys()]) this.forget(runId);
-    const running = [...this.executing.values()];
-    if (dropped > 0 || running.length > 0) {
-      this.options.logger.warn({ dropped, aborted: running.length }, 'drain deadline passed');
+    const running = [...this.executing.values(), ...this.superseded];
+    // Settling executions' calls are over: only their writes are waited for.
+    const calling = running.filter((execution) => !execution.settling).length;
+    if (dropped > 0 || calling > 0) {
+      this.options.logger.warn({ dropped, aborted: calling }, 'drain deadline passed');
     }
     for (const execution of running) execution.controller.abort(reason);
     this.drainedWith = reason;
@@ -230,15 +237,20 @@ export class RunQueue {
 
   /** Slots taken: claims and calls, and the settling runs beyond `concurrency` of them. */
   private busy(): number {
-    return this.executing.size - Math.min(this.settling, this.options.concurrency) + this.reserved;
+    const executions = this.executing.size + this.superseded.size;
+    return executions - Math.min(this.settling, this.options.concurrency) + this.reserved;
   }
 
   /** The execution's call is over: its slot goes to the next ready run (see busy()). */
   private callEnded(execution: Execution): void {
-    if (execution.settling || this.executing.get(execution.runId) !== execution) return;
+    if (execution.settling || !this.isTracked(execution)) return;
     execution.settling = true;
     this.settling += 1;
     this.pump();
+  }
+
+  private isTracked(execution: Execution): boolean {
+    return this.executing.get(execution.runId) === execution || this.superseded.has(execution);
   }
 
   private arm(entry: Held): void {
@@ -287,12 +299,14 @@ export class RunQueue {
 
   private track(runId: string, announced: number, work: (execution: Execution) => Promise<void>): void {
     const execution: Execution = { runId, announced, attempt: 0, controller: new AbortController() };
-    // An entry replaced here (the poller's claim of a run whose execution is winding down) is no
-    // longer counted: neither as executing nor as settling.
+    // An entry replaced here (the poller's claim of a run whose execution is still calling or
+    // winding down: its claim expired and the run was re-queued) has lost its claim: its call is
+    // aborted now rather than at the claim watch's next check, and it keeps its slot (and the
+    // drain waits for it) until it has ended.
     const replaced = this.executing.get(runId);
-    if (replaced?.settling) {
-      replaced.settling = false;
-      this.settling -= 1;
+    if (replaced) {
+      this.superseded.add(replaced);
+      replaced.controller.abort(new ClaimLostError(`run ${runId} was claimed again by this node`));
     }
     this.executing.set(runId, execution);
     execution.done = work(execution)
@@ -301,6 +315,7 @@ export class RunQueue {
         // The poller may have claimed this run while a late message's claim of it was failing:
         // the entry is then the poller's, which must stay.
         if (this.executing.get(runId) === execution) this.executing.delete(runId);
+        this.superseded.delete(execution);
         if (execution.settling) this.settling -= 1;
         // Held again without the lead: a forbid or replace run is only claimed once due. A draining
         // queue holds nothing new: the other workers get it (a forbid or replace run's claim ahead
@@ -337,7 +352,13 @@ export class RunQueue {
 
   /** Idle: nothing held or executing, and no poll claiming into reserved slots (its runs come next). */
   private checkIdle(): void {
-    if (this.onIdle && this.held.size === 0 && this.executing.size === 0 && this.reserved === 0) {
+    if (
+      this.onIdle &&
+      this.held.size === 0 &&
+      this.executing.size === 0 &&
+      this.superseded.size === 0 &&
+      this.reserved === 0
+    ) {
       this.onIdle();
     }
   }
@@ -351,6 +372,6 @@ export class RunQueue {
       this.options.onBackpressure(full);
     }
     this.options.metrics.runsHeld.set(this.held.size);
-    this.options.metrics.runsInFlight.set(this.executing.size - this.settling);
+    this.options.metrics.runsInFlight.set(this.executing.size + this.superseded.size - this.settling);
   }
 }
