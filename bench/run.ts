@@ -63,7 +63,7 @@ function summary(r: Results): string {
     rows.push([
       `herd: ${r.herd.jobs.toLocaleString('en')} jobs due in one second → last call`,
       `${seconds(r.herd.medianMs)}${runs(r.herd.runs.length)}`,
-      '≤ 2 s (1 s)',
+      '≤ 1.0 s, and ahead of every peer making the same call',
     ]);
     rows.push(['  CPU per run, herd (insert → last call)', cpuCell(r.herd.cpuPerRun), '≤ 0.2 ms']);
     rows.push([
@@ -99,7 +99,7 @@ function summary(r: Results): string {
     rows.push([`  same herd, ${peer.peer}, no HTTP → all started`, seconds(peer.medianMs), '']);
   }
   for (const l of r.lateness ?? []) {
-    const target = l.rate === 500 ? 'p99 ≤ 100 ms (20 ms)' : '';
+    const target = l.rate === 500 ? 'p99 ≤ floor p99 + 5 ms' : '';
     rows.push([
       `lateness at ${l.rate} runs/s: p50 / p99 / max`,
       `${ms(l.p50)} / ${ms(l.p99)} / ${ms(l.max)}${runs(l.runs.length)}`,
@@ -125,21 +125,21 @@ function summary(r: Results): string {
             ? `; ${failed.offered}/s offered → ${failed.completed.toFixed(0)}/s, depth ${failed.endDepth}`
             : '')
         : 'none sustained',
-      '≥ 2,000 runs/s (5,000)',
+      '≥ 5,000 runs/s',
     ]);
   }
   if (r.failover) {
     rows.push([
       `failover: kill -9 leader → first dispatch (${r.failover.tries.length} tries)`,
       `median ${ms(r.failover.median)}, max ${ms(r.failover.max)}`,
-      `≤ TTL + 1 s = ${r.failover.ttlMs + 1000} ms`,
+      'max ≤ 3.5 s',
     ]);
   }
   if (r.memory) {
     rows.push([
       `memory: peak RSS per node, ${r.memory.jobs.toLocaleString('en')} jobs defined`,
       r.memory.nodes.map((n) => `${n.peakMb.toFixed(0)} MB`).join(' / '),
-      '≤ 200 MB',
+      '≤ 120 MB',
     ]);
   }
   if (r.soak) {
