@@ -85,9 +85,10 @@ const MAX_TIMER_MS = 2_147_483_647;
  *
  * A slot is given back when the call ends, not when its outcome is written: under load the next
  * run's claim and call no longer wait for that write's round trip (lateness). At most
- * `concurrency` runs settle this way at once; past that a settling run keeps its slot until one is
- * written, so a slow database slows the intake instead of piling up finished calls. An execution stays in
- * `executing` until written, so a drain, `hold` and the claim watch see it as before.
+ * `concurrency` runs settle this way at once; past that a settling run keeps its slot until one
+ * is written, so a slow database slows the intake instead of piling up finished calls. An
+ * execution stays in `executing` until written, so a drain, `hold` and the claim watch see it as
+ * before.
  */
 export class RunQueue {
   private readonly held = new Map<string, Held>();
