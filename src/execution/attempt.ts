@@ -54,6 +54,11 @@ export async function runAttempt(
   // Bound lazily: most attempts log nothing, and a child logger per run is measurable at 200/s.
   let child: Logger | undefined;
   const log = () => (child ??= logger.child({ run: run.id, job: run.jobId, attempt: run.attempt }));
+  // Hands the claim back without using up an attempt, retried while it holds (whileClaimed).
+  const release = (report: AttemptReport) =>
+    whileClaimed(ctx, run, log, () =>
+      inTransaction(pool, (client) => releaseClaim(client, run, nodeId, report, ctx.topics.runsTopic)),
+    );
   try {
     if (run.concurrency === 'replace') {
       const replaced = await replaceOlderRuns(pool, run.jobId);
@@ -77,9 +82,7 @@ export async function runAttempt(
       };
       // Retried while the claim holds, as a settle write is: a release lost to a failed write left
       // the run to the reaper, whose forgiven expiries are bounded (past them an attempt is charged).
-      const released = await whileClaimed(ctx, run, log, () =>
-        inTransaction(pool, (client) => releaseClaim(client, run, nodeId, report, ctx.topics.runsTopic)),
-      ).catch(() => null);
+      const released = await release(report).catch(() => null);
       if (released && notMade.outcome === 'stopping') ctx.handOff?.([released]);
       log().warn({ released: Boolean(released) }, notMade.error);
       return;
@@ -96,9 +99,7 @@ export async function runAttempt(
     if (report.outcome === 'cancelled') {
       const reason: unknown = cancel.reason;
       if (reason instanceof WorkerStoppingError) {
-        const released = await whileClaimed(ctx, run, log, () =>
-          inTransaction(pool, (client) => releaseClaim(client, run, nodeId, report, ctx.topics.runsTopic)),
-        );
+        const released = await release(report);
         if (released) ctx.handOff?.([released]);
         metrics.runsExecuted.inc({ outcome: 'cancelled' });
         log().info({ released: Boolean(released) }, 'call aborted by shutdown; claim handed back');

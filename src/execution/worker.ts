@@ -68,6 +68,8 @@ export class Worker {
   private readonly intake: KafkaIntake;
   private readonly queue: RunQueue;
   private readonly loops: Promise<void>[] = [];
+  /** The worker's own logger (`part: worker`). */
+  private readonly logger: Logger;
   /** Hand-offs being sent while stopping; stop() waits for them (bounded). */
   private readonly handOffs = new Set<Promise<void>>();
   private unsubscribe?: () => void;
@@ -75,7 +77,7 @@ export class Worker {
   private stopping?: Promise<void>;
 
   constructor(private readonly options: WorkerOptions) {
-    const logger = options.logger.child({ part: 'worker' });
+    const logger = (this.logger = options.logger.child({ part: 'worker' }));
     this.executor = new HttpExecutor({
       maxExcerptBytes: options.settings.maxExcerptBytes,
       targetPolicy: options.targetPolicy,
@@ -144,7 +146,7 @@ export class Worker {
   private async startParts(): Promise<void> {
     this.state = 'running';
     const { options } = this;
-    const logger = options.logger.child({ part: 'worker' });
+    const logger = this.logger;
     await this.clock.sync(options.pool).catch((err: unknown) => {
       logger.warn({ err: toError(err) }, 'cannot read the database clock yet; assuming ours');
     });
@@ -204,7 +206,7 @@ export class Worker {
       // A start still syncing the clock sees the abort and starts nothing.
       this.abort.abort();
       await this.starting?.catch(() => undefined);
-      const logger = this.options.logger.child({ part: 'worker' });
+      const logger = this.logger;
       const failures: Error[] = [];
       const step = async (what: string, work: () => Promise<unknown>) => {
         try {
@@ -242,7 +244,7 @@ export class Worker {
 
   /** Sends held or handed-back announcements to the other workers (store/handoff.ts); never rejects. */
   private handOff(messages: RunMessage[]): void {
-    const logger = this.options.logger.child({ part: 'worker' });
+    const logger = this.logger;
     const peers = (this.options.handOffPeers?.() ?? Promise.resolve([])).catch((err: unknown) => {
       logger.warn({ err: toError(err) }, 'cannot list the other workers; handing runs over to all');
       return [];

@@ -30,7 +30,9 @@ export async function handOffRuns(
   const byPeer = new Map<string | undefined, RunMessage[]>();
   messages.forEach((message, i) => {
     const to = peers.length > 0 ? peers[i % peers.length] : undefined;
-    byPeer.set(to, [...(byPeer.get(to) ?? []), message]);
+    const batch = byPeer.get(to);
+    if (batch) batch.push(message);
+    else byPeer.set(to, [message]);
   });
   const payloads: string[] = [];
   for (const [to, batch] of byPeer) {

@@ -230,7 +230,7 @@ export async function findLostClaims(
 const ENQUEUE_ATTEMPT = `INSERT INTO outbox (topic, key, payload, publish_after) VALUES ($1, $2, $3, $4)`;
 
 /**
- * A queued run as the statements that re-queue it return it (RETURNING … ANNOUNCED_COLUMNS): what
+ * A queued run as the statements that re-queue it return it (RETURNING REQUEUED_RUN_COLUMNS): what
  * the announcement of its next attempt is made of.
  */
 export interface RequeuedRun {
