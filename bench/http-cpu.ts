@@ -26,27 +26,13 @@ async function plainCaller(
   url: string,
 ): Promise<{ call: (i: number) => Promise<boolean>; close: () => Promise<void> }> {
   const { Agent } = await import('undici');
+  const { peerCall } = await import('./lib/peer-call.js');
   const agent = new Agent({ keepAliveTimeout: 4_000, allowH2: false });
-  const body = JSON.stringify({ bench: true });
   const scheduledFor = new Date().toISOString();
   return {
     call: async (i) => {
-      const response = await agent.request({
-        origin: url,
-        path: '/tick',
-        method: 'POST',
-        headers: {
-          'content-type': 'application/json',
-          'idempotency-key': `cpu-${i}`,
-          'x-helios-job-id': 'http-cpu',
-          'x-helios-run-id': `cpu-${i}`,
-          'x-helios-scheduled-for': scheduledFor,
-          'x-helios-attempt': '1',
-        },
-        body,
-      });
-      await response.body.text();
-      return response.statusCode >= 200 && response.statusCode < 300;
+      const status = await peerCall(agent, url, `cpu-${i}`, scheduledFor);
+      return status >= 200 && status < 300;
     },
     close: () => agent.close(),
   };

@@ -7,6 +7,7 @@
  * call's arrival at the target, measured by herd.ts as for Helios.
  */
 import { Agent } from 'undici';
+import { peerCall } from '../lib/peer-call.js';
 import { nowMs } from '../lib/stats.js';
 import { peers } from './peers.js';
 import type { PeerSettings } from './peer.js';
@@ -31,29 +32,13 @@ let failures = 0;
 
 // undici's defaults otherwise, as the Helios executor: keep-alive 4 s, HTTP/1.1.
 const agent = new Agent({ connections: CONNECTIONS, keepAliveTimeout: 4_000, allowH2: false });
-const body = JSON.stringify({ bench: true });
 
-/** The call a Helios worker makes for a herd job (http-executor.ts prepare()). */
+/** The call a Helios worker makes for a herd job (lib/peer-call.ts). */
 async function call(n: number): Promise<void> {
-  const id = `peer-${n}`;
-  const response = await agent.request({
-    origin: target!,
-    path: '/tick',
-    method: 'POST',
-    headers: {
-      'content-type': 'application/json',
-      'idempotency-key': id,
-      'x-helios-job-id': id,
-      'x-helios-run-id': id,
-      'x-helios-scheduled-for': scheduledFor,
-      'x-helios-attempt': '1',
-    },
-    body,
-  });
-  await response.body.text();
-  if (response.statusCode < 200 || response.statusCode >= 300) {
+  const status = await peerCall(agent, target!, `peer-${n}`, scheduledFor);
+  if (status < 200 || status >= 300) {
     failures++;
-    throw new Error(`HTTP ${response.statusCode}`);
+    throw new Error(`HTTP ${status}`);
   }
 }
 
