@@ -17,10 +17,17 @@ export interface RunQueueOptions {
    */
   readonly claimLeadMs: number;
   /**
-   * Claims and calls in progress at once. A run whose call has ended gives its slot back while its
-   * outcome is written, up to as many such runs again (see {@link RunQueue}).
+   * Calls in progress at once (execution slots). A run whose call has ended gives its slot back
+   * while its outcome is written, up to as many such runs again (see {@link RunQueue}). Claims do
+   * not take a slot: a run is claimed ahead and takes one when it is due.
    */
   readonly concurrency: number;
+  /**
+   * A claim's deadline is its run's not_before + timeout + this (ClaimOptions.graceMs): a run
+   * claimed ahead must get its slot within it, so runs are claimed ahead of free slots only as
+   * many as the slots can start within half of it at their recent pace.
+   */
+  readonly claimGraceMs: number;
   /** Announcements held (waiting for their time or a slot) before back-pressure applies. */
   readonly prefetch: number;
   readonly clock: DbClock;
@@ -70,18 +77,45 @@ interface Execution {
   rehold?: { message: RunMessage; retries: number };
   /** Its call has ended (or will not be made); only the outcome's write is left. */
   settling?: boolean;
+  /**
+   * Holds an execution slot (see {@link RunQueue}): from when it was given one (a claimed run once
+   * due; the poller's runs at once, in the slots it reserved) until the execution has ended.
+   */
+  slotted: boolean;
+  /** performance.now() when it got its slot: the call time estimate's sample starts there. */
+  slotAt: number;
+}
+
+/** A claimed, due run waiting for a slot; `grant` gives it one. */
+interface SlotWaiter {
+  readonly execution: Execution;
+  readonly grant: () => void;
 }
 
 /** Longest setTimeout Node accepts; a longer hold re-arms. */
 const MAX_TIMER_MS = 2_147_483_647;
+/** The call time (slot to call end) assumed before this node has made a call: a typical webhook. */
+const INITIAL_CALL_MS = 50;
+/** Weight of each new call in the call time estimate (an exponential moving average). */
+const CALL_MS_WEIGHT = 0.05;
 
 /**
  * The worker's in-memory timing and execution slots, with no database of its own (unit-tested
  * with fakes): the claim is a function it is given (run-claimer.ts).
- * The pipeline: held announcements (a timer each, until not_before by the
- * database clock) → ready (due, waiting for a slot) → claiming/executing (at most `concurrency`).
- * Only the claim in PostgreSQL makes a run ours; this queue only decides *when* to try, so losing
- * it (a crash) loses nothing but time: the polling fallback claims what was held here.
+ * The pipeline: held announcements (a timer each, until `claimLeadMs` before not_before by the
+ * database clock) → ready → claimed (batched by the claimer, no slot) → at not_before, a slot →
+ * the call (at most `concurrency` at once). Only the claim in PostgreSQL makes a run ours; this
+ * queue only decides *when* to try, so losing it (a crash) loses nothing but time: the polling
+ * fallback claims what was held here, the reaper what was claimed.
+ *
+ * Claims run ahead of the slots: a herd's claims are made in large statements before it is due,
+ * not one small statement per freed slot after it (their round trips and per-statement CPU were
+ * on the herd's critical path). How far ahead is bounded by the claim's deadline: a claimed run
+ * must get its slot within `claimGraceMs` of not_before, or it is handed back unstarted
+ * (attempt.ts, `claim-too-late`). So beyond the free slots, only as many runs are claimed ahead
+ * as the slots start in half that time at their recent pace (Little's law: `concurrency` slots
+ * held `callMs` each start `concurrency / callMs` runs per ms). With targets that answer in
+ * seconds this is about nothing, and a run is claimed only when a slot is free for it, as before.
  *
  * A slot is given back when the call ends, not when its outcome is written: under load the next
  * run's claim and call no longer wait for that write's round trip (lateness). At most
@@ -100,6 +134,14 @@ export class RunQueue {
    */
   private readonly superseded = new Set<Execution>();
   private reserved = 0;
+  /** Executions holding a slot (in `executing` or `superseded`). */
+  private slotted = 0;
+  /** Executions claiming or claimed without a slot yet (waiting for not_before or a slot). */
+  private ahead = 0;
+  /** Claimed, due runs waiting for a slot, first come first served. */
+  private readonly slotWaiters: SlotWaiter[] = [];
+  /** Recent time a slot was held until the call ended, ms (see RunQueue). */
+  private callMs = INITIAL_CALL_MS;
   /** Executions whose call has ended and whose outcome is being written (see callEnded()). */
   private settling = 0;
   private full = false;
@@ -149,7 +191,7 @@ export class RunQueue {
   /** Slots the polling fallback may claim now. */
   freeSlots(): number {
     if (this.draining) return 0;
-    return Math.max(0, this.options.concurrency - this.busy() - this.ready.length);
+    return Math.max(0, this.options.concurrency - this.busy() - this.ahead - this.ready.length);
   }
 
   /** Reserves `n` slots; the returned function gives them back (once). */
@@ -168,7 +210,7 @@ export class RunQueue {
   /** Executes a run claimed elsewhere (the poller), in a slot the caller reserved. */
   execute(run: ClaimedRun): void {
     this.forget(run.id);
-    this.track(run.id, run.attempt, async (execution) => {
+    this.track(run.id, run.attempt, true, async (execution) => {
       execution.attempt = run.attempt;
       // A poll whose claims came back after the drain ended: nothing would abort the call any
       // more, and the executor is closed next. Called with the stop reason, it hands them back.
@@ -220,8 +262,9 @@ export class RunQueue {
     if (dropped > 0) this.options.handOff?.([...this.held.values()].map((entry) => entry.message));
     for (const runId of [...this.held.keys()]) this.forget(runId);
     const running = [...this.executing.values(), ...this.superseded];
-    // Settling executions' calls are over: only their writes are waited for.
-    const calling = running.filter((execution) => !execution.settling).length;
+    // Settling executions' calls are over: only their writes are waited for. Claimed runs without
+    // a slot have not called: aborted, they hand their claims back.
+    const calling = running.filter((execution) => execution.slotted && !execution.settling).length;
     if (dropped > 0 || calling > 0) {
       this.options.logger.warn({ dropped, aborted: calling }, 'drain deadline passed');
     }
@@ -236,18 +279,68 @@ export class RunQueue {
     this.watch.abort();
   }
 
-  /** Slots taken: claims and calls, and the settling runs beyond `concurrency` of them. */
+  /** Slots taken: calls, and the settling runs beyond `concurrency` of them, and reservations. */
   private busy(): number {
-    const executions = this.executing.size + this.superseded.size;
-    return executions - Math.min(this.settling, this.options.concurrency) + this.reserved;
+    return this.slotted - Math.min(this.settling, this.options.concurrency) + this.reserved;
   }
 
-  /** The execution's call is over: its slot goes to the next ready run (see busy()). */
+  /**
+   * Runs that may be claiming or claimed without a slot: one per free slot, and beyond those as
+   * many as the slots start within half the claim grace at the recent call time (see RunQueue).
+   */
+  private claimBudget(): number {
+    const { concurrency, claimGraceMs, prefetch } = this.options;
+    const free = Math.max(0, concurrency - this.busy());
+    const ahead = Math.floor((concurrency * claimGraceMs) / 2 / Math.max(1, this.callMs));
+    return free + Math.min(ahead, prefetch);
+  }
+
+  /**
+   * The execution's call is over: its slot goes to the next claimed run (see busy()). Nothing for
+   * an execution without a slot (aborted before it got one: it made no call).
+   */
   private callEnded(execution: Execution): void {
-    if (execution.settling || !this.isTracked(execution)) return;
+    if (!execution.slotted || execution.settling || !this.isTracked(execution)) return;
     execution.settling = true;
     this.settling += 1;
+    this.callMs += (performance.now() - execution.slotAt - this.callMs) * CALL_MS_WEIGHT;
     this.pump();
+  }
+
+  /**
+   * Resolves once the execution holds a slot, or at once when `signal` aborts (the claim was lost
+   * or the worker is stopping: the run is then handed back or dropped without a call).
+   */
+  private slotFor(execution: Execution, signal: AbortSignal): Promise<void> {
+    if (execution.slotted || signal.aborted) return Promise.resolve();
+    if (this.slotWaiters.length === 0 && this.busy() < this.options.concurrency) {
+      this.giveSlot(execution);
+      return Promise.resolve();
+    }
+    return new Promise<void>((resolve) => {
+      const waiter: SlotWaiter = {
+        execution,
+        grant: () => {
+          signal.removeEventListener('abort', onAbort);
+          this.giveSlot(execution);
+          resolve();
+        },
+      };
+      const onAbort = () => {
+        const index = this.slotWaiters.indexOf(waiter);
+        if (index >= 0) this.slotWaiters.splice(index, 1);
+        resolve();
+      };
+      signal.addEventListener('abort', onAbort, { once: true });
+      this.slotWaiters.push(waiter);
+    });
+  }
+
+  private giveSlot(execution: Execution): void {
+    execution.slotted = true;
+    execution.slotAt = performance.now();
+    this.ahead -= 1;
+    this.slotted += 1;
   }
 
   private isTracked(execution: Execution): boolean {
@@ -286,20 +379,37 @@ export class RunQueue {
     this.update();
   }
 
-  /** Starts ready runs while slots are free. */
+  /** Gives free slots to claimed runs that are due, then claims ready runs within the budget. */
   private pump(): void {
-    while (this.ready.length > 0 && this.busy() < this.options.concurrency) {
+    while (this.slotWaiters.length > 0 && this.busy() < this.options.concurrency) {
+      this.slotWaiters.shift()!.grant();
+    }
+    while (this.ready.length > 0 && this.ahead < this.claimBudget()) {
       const runId = this.ready.shift()!;
       const entry = this.held.get(runId);
       if (!entry) continue;
       this.held.delete(runId);
-      this.track(runId, entry.message.attempt, (execution) => this.claimAndRun(entry, execution));
+      this.track(runId, entry.message.attempt, false, (execution) => this.claimAndRun(entry, execution));
     }
     this.update();
   }
 
-  private track(runId: string, announced: number, work: (execution: Execution) => Promise<void>): void {
-    const execution: Execution = { runId, announced, attempt: 0, controller: new AbortController() };
+  private track(
+    runId: string,
+    announced: number,
+    slotted: boolean,
+    work: (execution: Execution) => Promise<void>,
+  ): void {
+    const execution: Execution = {
+      runId,
+      announced,
+      attempt: 0,
+      controller: new AbortController(),
+      slotted,
+      slotAt: performance.now(),
+    };
+    if (slotted) this.slotted += 1;
+    else this.ahead += 1;
     // An entry replaced here (the poller's claim of a run whose execution is still calling or
     // winding down: its claim expired and the run was re-queued) has lost its claim: its call is
     // aborted now rather than at the claim watch's next check, and it keeps its slot (and the
@@ -318,6 +428,8 @@ export class RunQueue {
         if (this.executing.get(runId) === execution) this.executing.delete(runId);
         this.superseded.delete(execution);
         if (execution.settling) this.settling -= 1;
+        if (execution.slotted) this.slotted -= 1;
+        else this.ahead -= 1;
         // Held again without the lead: a forbid or replace run is only claimed once due. A draining
         // queue holds nothing new: the other workers get it (a forbid or replace run's claim ahead
         // is always refused, so this is how those runs leave a stopping worker).
@@ -347,6 +459,8 @@ export class RunQueue {
     // Rounded up, so a call never starts before its time by our estimate of the database clock.
     const wait = this.options.clock.msUntil(run.notBefore);
     if (wait > 0) await sleep(Math.ceil(wait), undefined, { signal }).catch(() => undefined);
+    // Aborted meanwhile (the claim was lost, the worker stopped): run() makes no call then.
+    await this.slotFor(execution, signal);
     // Read now: a drain that began while this run waited for its time applies to it.
     await this.options.run(run, signal, this.drainLeftMs, () => this.callEnded(execution));
   }
@@ -373,6 +487,6 @@ export class RunQueue {
       this.options.onBackpressure(full);
     }
     this.options.metrics.runsHeld.set(this.held.size);
-    this.options.metrics.runsInFlight.set(this.executing.size + this.superseded.size - this.settling);
+    this.options.metrics.runsInFlight.set(this.slotted - this.settling);
   }
 }

@@ -107,6 +107,7 @@ export class Worker {
       claim: (message, hold) => claimer.claim(message, hold),
       claimLeadMs: options.settings.claimLeadMs,
       concurrency: options.settings.concurrency,
+      claimGraceMs: options.settings.claimGraceMs,
       prefetch: options.settings.prefetch,
       clock: this.clock,
       run: (run, signal, drainLeftMs, callEnded) => runAttempt(context, run, signal, drainLeftMs, callEnded),

@@ -71,6 +71,7 @@ async function drainHolding(concurrency: ConcurrencyPolicy) {
   const queue = new RunQueue({
     claim: (m, hold) => claimer.claim(m, hold),
     claimLeadMs: LEAD_MS,
+    claimGraceMs: 0,
     concurrency: 4,
     prefetch: 100,
     clock,
@@ -194,6 +195,7 @@ test('a draining queue never asks the Kafka intake to resume fetching', async ()
   const queue = new RunQueue({
     claim: async () => ({ kind: 'done' }),
     claimLeadMs: LEAD_MS,
+    claimGraceMs: 0,
     concurrency: 4,
     prefetch: 2,
     clock,

@@ -30,6 +30,7 @@ test('runs the poller claimed take the slots it reserved: announced runs due mea
   const queue = new RunQueue({
     claim: async (message) => ({ kind: 'claimed', run: claimed(message.runId) }),
     claimLeadMs: 0,
+    claimGraceMs: 0,
     concurrency: CONCURRENCY,
     prefetch: 100,
     clock,

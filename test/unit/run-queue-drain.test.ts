@@ -40,6 +40,7 @@ function harness(options: {
   const queue = new RunQueue({
     claim: async (message) => ({ kind: 'claimed', run: await options.claim!(message) }),
     claimLeadMs: 0,
+    claimGraceMs: 0,
     concurrency: 4,
     prefetch: 100,
     clock: options.clock,

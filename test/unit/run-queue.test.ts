@@ -32,6 +32,7 @@ test('a retry announced while its previous attempt is still executing is claimed
       return { kind: 'claimed', run: claimed(request.attempt) };
     },
     claimLeadMs: 0,
+    claimGraceMs: 0,
     concurrency: 4,
     prefetch: 100,
     clock: new DbClock(),
@@ -70,6 +71,7 @@ test('a forbid or replace announcement is claimed at its time, not ahead (the da
         return { kind: 'done' };
       },
       claimLeadMs: 100,
+      claimGraceMs: 0,
       concurrency: 4,
       prefetch: 100,
       clock,
@@ -95,6 +97,7 @@ test('a run whose call has ended gives its slot to the next while its outcome is
   const queue = new RunQueue({
     claim: async (request) => ({ kind: 'claimed', run: fakeClaimedRun(request.runId, request.attempt) }),
     claimLeadMs: 0,
+    claimGraceMs: 0,
     concurrency: 1,
     prefetch: 100,
     clock: new DbClock(),

@@ -1,0 +1,155 @@
+import assert from 'node:assert/strict';
+import { setTimeout as sleep } from 'node:timers/promises';
+import { test } from 'node:test';
+import { DbClock } from '../../src/execution/db-clock.js';
+import { RunQueue, type RunQueueOptions } from '../../src/execution/run-queue.js';
+import type { RunMessage } from '../../src/execution/run-message.js';
+import { silentLogger } from '../../src/observability/logger.js';
+import { createMetrics } from '../../src/observability/metrics.js';
+import { fakeClaimedRun } from '../support/claimed-run.js';
+
+// Claims run ahead of the execution slots (run-queue.ts): a claimed run takes a slot only when it
+// is due and one is free, and runs are claimed beyond the free slots only as many as the slots
+// start within half the claim grace at the recent call time (50 ms before any call has ended).
+
+const id = (n: number) => `00000000-0000-4000-8000-${String(n).padStart(12, '0')}`;
+
+function message(runId: string): RunMessage {
+  return { runId, jobId: runId, attempt: 1, scheduledFor: new Date(), notBefore: new Date() };
+}
+
+/** A promise with its resolver, to hold a call open. */
+function gate(): { promise: Promise<void>; open: () => void } {
+  let open!: () => void;
+  const promise = new Promise<void>((resolve) => (open = resolve));
+  return { promise, open };
+}
+
+interface Recorder {
+  claimed: string[];
+  /** Runs whose call was made (the signal not aborted when run() was called). */
+  called: string[];
+  /** Runs given to run() with an aborted signal: attempt.ts makes no call for those. */
+  notCalled: { runId: string; reason: unknown; drainLeftMs?: number }[];
+  inFlight: number;
+  maxInFlight: number;
+}
+
+function makeQueue(
+  overrides: Partial<RunQueueOptions>,
+  calls: { open: () => void }[] = [],
+): { queue: RunQueue; seen: Recorder } {
+  const seen: Recorder = { claimed: [], called: [], notCalled: [], inFlight: 0, maxInFlight: 0 };
+  const queue = new RunQueue({
+    claim: async (request) => {
+      seen.claimed.push(request.runId);
+      return { kind: 'claimed', run: fakeClaimedRun(request.runId, request.attempt) };
+    },
+    claimLeadMs: 0,
+    claimGraceMs: 10_000,
+    concurrency: 2,
+    prefetch: 1000,
+    clock: new DbClock(),
+    onBackpressure: () => undefined,
+    logger: silentLogger,
+    metrics: createMetrics('test'),
+    run: async (run, signal, drainLeftMs, callEnded) => {
+      if (signal.aborted) {
+        seen.notCalled.push({ runId: run.id, reason: signal.reason, drainLeftMs: drainLeftMs?.() });
+        callEnded();
+        return;
+      }
+      seen.called.push(run.id);
+      seen.inFlight += 1;
+      seen.maxInFlight = Math.max(seen.maxInFlight, seen.inFlight);
+      const call = gate();
+      calls.push(call);
+      await Promise.race([call.promise, new Promise((resolve) => signal.addEventListener('abort', resolve))]);
+      seen.inFlight -= 1;
+      callEnded();
+    },
+    ...overrides,
+  });
+  return { queue, seen };
+}
+
+test('runs due at once are claimed ahead of the free slots, and at most `concurrency` calls are made at once', async () => {
+  const calls: { open: () => void }[] = [];
+  const { queue, seen } = makeQueue({ concurrency: 2, claimGraceMs: 10_000 }, calls);
+  for (let n = 1; n <= 20; n++) queue.hold(message(id(n)));
+  await sleep(30);
+  // 2 × 5,000 / 50 = 200 may wait for a slot: all 20 are claimed while the first 2 calls hang.
+  assert.equal(seen.claimed.length, 20);
+  assert.deepEqual(seen.called, [id(1), id(2)]);
+  assert.equal(queue.freeSlots(), 0, 'claimed runs waiting for a slot leave none to the poller');
+  while (seen.called.length < 20 || calls.length > 0) {
+    calls.shift()?.open();
+    await sleep(1);
+  }
+  assert.equal(seen.maxInFlight, 2);
+  // Slots went to the claimed runs in the order they fell due.
+  assert.deepEqual(
+    seen.called,
+    Array.from({ length: 20 }, (_, i) => id(i + 1)),
+  );
+  await queue.drain(1_000, new Error('test over'));
+  assert.equal(queue.freeSlots(), 0, 'a drained queue takes nothing');
+});
+
+test('beyond the free slots, only as many runs are claimed as the slots start within half the grace', async () => {
+  const calls: { open: () => void }[] = [];
+  // 2 slots × (200 ms / 2) / 50 ms = 4 runs may wait for a slot, plus one per free slot.
+  const { queue, seen } = makeQueue({ concurrency: 2, claimGraceMs: 200 }, calls);
+  for (let n = 1; n <= 10; n++) queue.hold(message(id(n)));
+  await sleep(30);
+  assert.equal(seen.claimed.length, 6);
+  assert.equal(seen.called.length, 2);
+  // Without grace to spare, a run is claimed only for a free slot (as before claims ran ahead).
+  const strict = makeQueue({ concurrency: 2, claimGraceMs: 0 }, calls);
+  for (let n = 11; n <= 20; n++) strict.queue.hold(message(id(n)));
+  await sleep(30);
+  assert.equal(strict.seen.claimed.length, 2);
+  for (const call of calls.splice(0)) call.open();
+  await Promise.all([queue.drain(100, new Error('over')), strict.queue.drain(100, new Error('over'))]);
+});
+
+test('a claimed run whose claim is lost while it waits for a slot makes no call, and its place is freed', async () => {
+  const calls: { open: () => void }[] = [];
+  const { queue, seen } = makeQueue({ concurrency: 1 }, calls);
+  for (let n = 1; n <= 3; n++) queue.hold(message(id(n)));
+  await sleep(20);
+  assert.deepEqual(seen.called, [id(1)]);
+  // The claim watch sees every claim, waiting ones included, and aborts run 2's.
+  const watched = [...queue.claims()].map((claim) => claim.runId);
+  assert.deepEqual(watched.sort(), [id(1), id(2), id(3)]);
+  const lost = [...queue.claims()].find((claim) => claim.runId === id(2))!;
+  lost.controller.abort(new Error('claim lost'));
+  await sleep(5);
+  assert.deepEqual(seen.notCalled.map((n) => n.runId), [id(2)]);
+  calls.shift()!.open();
+  await sleep(10);
+  assert.deepEqual(seen.called, [id(1), id(3)]);
+  calls.shift()!.open();
+  await sleep(5);
+  assert.equal(queue.freeSlots(), 1);
+  const counts = queue as unknown as { slotted: number; ahead: number; settling: number };
+  assert.deepEqual([counts.slotted, counts.ahead, counts.settling], [0, 0, 0]);
+  await queue.drain(1_000, new Error('test over'));
+});
+
+test('a drain hands claimed runs still waiting for a slot to run() aborted, past the deadline, without a call', async () => {
+  const { queue, seen } = makeQueue({ concurrency: 1 });
+  for (let n = 1; n <= 3; n++) queue.hold(message(id(n)));
+  await sleep(20);
+  const stop = new Error('stopping');
+  await queue.drain(50, stop); // run 1's call never ends by itself
+  assert.deepEqual(seen.called, [id(1)]);
+  assert.deepEqual(
+    seen.notCalled.map((n) => n.runId).sort(),
+    [id(2), id(3)],
+  );
+  for (const n of seen.notCalled) {
+    assert.equal(n.reason, stop);
+    assert.ok(n.drainLeftMs !== undefined && n.drainLeftMs <= 0, 'attempt.ts hands the claim back');
+  }
+});
