@@ -125,7 +125,10 @@ test('a claimed run whose claim is lost while it waits for a slot makes no call,
   const lost = [...queue.claims()].find((claim) => claim.runId === id(2))!;
   lost.controller.abort(new Error('claim lost'));
   await sleep(5);
-  assert.deepEqual(seen.notCalled.map((n) => n.runId), [id(2)]);
+  assert.deepEqual(
+    seen.notCalled.map((n) => n.runId),
+    [id(2)],
+  );
   calls.shift()!.open();
   await sleep(10);
   assert.deepEqual(seen.called, [id(1), id(3)]);
@@ -144,10 +147,7 @@ test('a drain hands claimed runs still waiting for a slot to run() aborted, past
   const stop = new Error('stopping');
   await queue.drain(50, stop); // run 1's call never ends by itself
   assert.deepEqual(seen.called, [id(1)]);
-  assert.deepEqual(
-    seen.notCalled.map((n) => n.runId).sort(),
-    [id(2), id(3)],
-  );
+  assert.deepEqual(seen.notCalled.map((n) => n.runId).sort(), [id(2), id(3)]);
   for (const n of seen.notCalled) {
     assert.equal(n.reason, stop);
     assert.ok(n.drainLeftMs !== undefined && n.drainLeftMs <= 0, 'attempt.ts hands the claim back');

@@ -229,7 +229,13 @@ test('(d) at most `concurrency` calls in flight, whatever the interleaving of ca
   let seed = 7446;
   const random = () => (seed = (seed * 1103515245 + 12345) % 2 ** 31) / 2 ** 31;
   // claimGraceMs 0: no claim ahead of the free slots; 10 s: runs are claimed ahead, calls still bounded.
-  for (const [concurrency, claimGraceMs] of [[1, 0], [2, 0], [3, 0], [1, 10_000], [3, 10_000]] as const) {
+  for (const [concurrency, claimGraceMs] of [
+    [1, 0],
+    [2, 0],
+    [3, 0],
+    [1, 10_000],
+    [3, 10_000],
+  ] as const) {
     const target = new Target();
     let claimsOpen = 0;
     let maxSlotsUsed = 0;
