@@ -131,7 +131,10 @@ export interface RetentionConfig {
 
 /** The worker's tunables (the worker role). */
 export interface WorkerConfig {
-  /** HELIOS_WORKER_CONCURRENCY: runs executing at once on this node; default 64. */
+  /**
+   * HELIOS_WORKER_CONCURRENCY: HTTP calls in flight at once on this node (execution slots; claims
+   * take none: see execution/run-queue.ts); default 64.
+   */
   readonly concurrency: number;
   /**
    * HELIOS_WORKER_PREFETCH: run announcements a worker holds in memory until they are due (the
@@ -139,7 +142,10 @@ export interface WorkerConfig {
    * default 5000 (a few kilobytes each).
    */
   readonly prefetch: number;
-  /** HELIOS_CLAIM_GRACE_MS: a claim's deadline is now + the run's timeout + this; default 5000. */
+  /**
+   * HELIOS_CLAIM_GRACE_MS: a claim's deadline is the later of now and the run's not_before + the
+   * run's timeout + this; a claimed run must get its execution slot within it; default 5000.
+   */
   readonly claimGraceMs: number;
   /**
    * HELIOS_CLOCK_SKEW_TOLERANCE_MS: a worker may claim a run this long before its not_before by
@@ -149,7 +155,9 @@ export interface WorkerConfig {
   /**
    * HELIOS_CLAIM_LEAD_MS: a worker claims an `allow` run up to this long before it is due and
    * starts the HTTP call exactly when due, keeping the claim's round trip off the critical path
-   * (forbid and replace runs are claimed only when due); default 50.
+   * and a herd's claims in a few large statements before it (forbid and replace runs are claimed
+   * only when due). A pause or edit inside this window before an occurrence does not stop a run
+   * already claimed for it; default 250.
    */
   readonly claimLeadMs: number;
   /** HELIOS_POLL_INTERVAL_MS: period of the workers' polling fallback; default 1000. */

@@ -48,7 +48,7 @@ export async function runAttempt(
   run: ClaimedRun,
   cancel: AbortSignal,
   drainLeftMs?: () => number,
-  callEnded?: () => void,
+  callEnded?: (called?: boolean) => void,
 ): Promise<void> {
   const { pool, nodeId, logger, metrics } = ctx;
   // Bound lazily: most attempts log nothing, and a child logger per run is measurable at 200/s.
@@ -71,7 +71,7 @@ export async function runAttempt(
     }
     const notMade = whyNotStart(ctx, run, drainLeftMs);
     if (notMade) {
-      callEnded?.();
+      callEnded?.(false);
       metrics.runsExecuted.inc({ outcome: notMade.outcome });
       const report = {
         outcome: 'cancelled' as const,
@@ -91,7 +91,7 @@ export async function runAttempt(
       metrics.lateness.observe(Math.max(0, ctx.clock.now() - run.scheduledFor.getTime()) / 1000);
     const report = await ctx.executor.execute(run, cancel);
     // The call is over: its slot may take the next run while this outcome is written.
-    callEnded?.();
+    callEnded?.(report.outcome !== 'cancelled');
     if (report.durationMs !== null) metrics.httpDuration.observe(report.durationMs / 1000);
 
     // Judged by the call's outcome, not by the signal: a call that completed just before an abort

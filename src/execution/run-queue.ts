@@ -42,7 +42,7 @@ export interface RunQueueOptions {
     run: ClaimedRun,
     signal: AbortSignal,
     drainLeftMs: (() => number) | undefined,
-    callEnded: () => void,
+    callEnded: (called?: boolean) => void,
   ) => Promise<void>;
   /**
    * Given, while draining, the held announcements this queue leaves uncalled (due after the drain
@@ -84,6 +84,8 @@ interface Execution {
   slotted: boolean;
   /** performance.now() when it got its slot: the call time estimate's sample starts there. */
   slotAt: number;
+  /** Its call ended past `concurrency` settling runs: it keeps its slot until written. */
+  keptSlot?: boolean;
 }
 
 /** A claimed, due run waiting for a slot; `grant` gives it one. */
@@ -94,7 +96,10 @@ interface SlotWaiter {
 
 /** Longest setTimeout Node accepts; a longer hold re-arms. */
 const MAX_TIMER_MS = 2_147_483_647;
-/** The call time (slot to call end) assumed before this node has made a call: a typical webhook. */
+/**
+ * The call time (slot to call end) assumed before this node has timed a call: a typical webhook.
+ * Its first timed calls replace it (see sampleSlot).
+ */
 const INITIAL_CALL_MS = 50;
 /** Weight of each new call in the call time estimate (an exponential moving average). */
 const CALL_MS_WEIGHT = 0.05;
@@ -141,7 +146,9 @@ export class RunQueue {
   /** Claimed, due runs waiting for a slot, first come first served. */
   private readonly slotWaiters: SlotWaiter[] = [];
   /** Recent time a slot was held until the call ended, ms (see RunQueue). */
-  private callMs = INITIAL_CALL_MS;
+  private callMs: number;
+  /** Calls timed so far, up to 1 / CALL_MS_WEIGHT (the estimate is their mean until then). */
+  private callsTimed = 0;
   /** Executions whose call has ended and whose outcome is being written (see callEnded()). */
   private settling = 0;
   private full = false;
@@ -156,7 +163,13 @@ export class RunQueue {
   private readonly watch = new AbortController();
   private onIdle?: () => void;
 
-  constructor(private readonly options: RunQueueOptions) {}
+  constructor(private readonly options: RunQueueOptions) {
+    // Before this node has timed a call it guesses. Too low a guess (slow targets) costs claims
+    // handed back uncalled, at no cost of an attempt, from its first herd only: the first calls
+    // timed replace the guess (sampleSlot). Too high a guess kept a fresh node from claiming a
+    // herd before it was due (0.6 s more for the bench's herd with half the grace as the guess).
+    this.callMs = INITIAL_CALL_MS;
+  }
 
   /** Aborted once the queue has drained: the claim watch runs until then. */
   get watchSignal(): AbortSignal {
@@ -215,8 +228,8 @@ export class RunQueue {
       // A poll whose claims came back after the drain ended: nothing would abort the call any
       // more, and the executor is closed next. Called with the stop reason, it hands them back.
       if (this.drainedWith) execution.controller.abort(this.drainedWith);
-      await this.options.run(run, execution.controller.signal, this.drainLeftMs, () =>
-        this.callEnded(execution),
+      await this.options.run(run, execution.controller.signal, this.drainLeftMs, (called) =>
+        this.callEnded(execution, called),
       );
     });
   }
@@ -291,6 +304,8 @@ export class RunQueue {
   private claimBudget(): number {
     const { concurrency, claimGraceMs, prefetch } = this.options;
     const free = Math.max(0, concurrency - this.busy());
+    // A stopping worker claims only for its free slots: a run claimed ahead would be handed back.
+    if (this.draining) return free;
     const ahead = Math.floor((concurrency * claimGraceMs) / 2 / Math.max(1, this.callMs));
     return free + Math.min(ahead, prefetch);
   }
@@ -299,11 +314,14 @@ export class RunQueue {
    * The execution's call is over: its slot goes to the next claimed run (see busy()). Nothing for
    * an execution without a slot (aborted before it got one: it made no call).
    */
-  private callEnded(execution: Execution): void {
+  private callEnded(execution: Execution, called = true): void {
     if (!execution.slotted || execution.settling || !this.isTracked(execution)) return;
     execution.settling = true;
     this.settling += 1;
-    this.callMs += (performance.now() - execution.slotAt - this.callMs) * CALL_MS_WEIGHT;
+    // Only a call made measures how long calls hold their slots: one not made (handed back, or
+    // aborted before it started) took ~0 ms and would raise the budget that made it late.
+    if (called && this.settling <= this.options.concurrency) this.sampleSlot(execution);
+    else if (called) execution.keptSlot = true;
     this.pump();
   }
 
@@ -341,6 +359,16 @@ export class RunQueue {
     execution.slotAt = performance.now();
     this.ahead -= 1;
     this.slotted += 1;
+  }
+
+  /**
+   * How long the execution held its slot: until its call ended, or its write when it kept it. The
+   * estimate is the mean of the calls timed so far, then a moving average once there are enough.
+   */
+  private sampleSlot(execution: Execution): void {
+    if (this.callsTimed < 1 / CALL_MS_WEIGHT) this.callsTimed += 1;
+    const weight = Math.max(CALL_MS_WEIGHT, 1 / this.callsTimed);
+    this.callMs += (performance.now() - execution.slotAt - this.callMs) * weight;
   }
 
   private isTracked(execution: Execution): boolean {
@@ -427,6 +455,7 @@ export class RunQueue {
         // the entry is then the poller's, which must stay.
         if (this.executing.get(runId) === execution) this.executing.delete(runId);
         this.superseded.delete(execution);
+        if (execution.keptSlot) this.sampleSlot(execution);
         if (execution.settling) this.settling -= 1;
         if (execution.slotted) this.slotted -= 1;
         else this.ahead -= 1;
@@ -462,7 +491,7 @@ export class RunQueue {
     // Aborted meanwhile (the claim was lost, the worker stopped): run() makes no call then.
     await this.slotFor(execution, signal);
     // Read now: a drain that began while this run waited for its time applies to it.
-    await this.options.run(run, signal, this.drainLeftMs, () => this.callEnded(execution));
+    await this.options.run(run, signal, this.drainLeftMs, (called) => this.callEnded(execution, called));
   }
 
   /** Idle: nothing held or executing, and no poll claiming into reserved slots (its runs come next). */

@@ -10,7 +10,9 @@ import { fakeClaimedRun } from '../support/claimed-run.js';
 
 // Claims run ahead of the execution slots (run-queue.ts): a claimed run takes a slot only when it
 // is due and one is free, and runs are claimed beyond the free slots only as many as the slots
-// start within half the claim grace at the recent call time (50 ms before any call has ended).
+// start within half the claim grace at the recent call time. These tests set that call time to
+// 50 ms, as a node that has been calling fast targets has it; a node that has timed no call yet
+// assumes half the grace (the last test).
 
 const id = (n: number) => `00000000-0000-4000-8000-${String(n).padStart(12, '0')}`;
 
@@ -70,6 +72,8 @@ function makeQueue(
     },
     ...overrides,
   });
+  // A node that has timed many calls (a moving average, not the mean of its first few).
+  Object.assign(queue as unknown as { callMs: number; callsTimed: number }, { callMs: 50, callsTimed: 20 });
   return { queue, seen };
 }
 
@@ -152,4 +156,45 @@ test('a drain hands claimed runs still waiting for a slot to run() aborted, past
     assert.equal(n.reason, stop);
     assert.ok(n.drainLeftMs !== undefined && n.drainLeftMs <= 0, 'attempt.ts hands the claim back');
   }
+});
+
+test('a node that has timed no call yet assumes 50 ms a call: 2 × 5,000 / 50 = 200 may wait', async () => {
+  const fresh = new RunQueue({
+    claim: async () => ({ kind: 'done' }),
+    claimLeadMs: 0,
+    claimGraceMs: 10_000,
+    concurrency: 2,
+    prefetch: 1000,
+    clock: new DbClock(),
+    onBackpressure: () => undefined,
+    logger: silentLogger,
+    metrics: createMetrics('test'),
+    run: async () => undefined,
+  });
+  const internals = fresh as unknown as { callMs: number; callsTimed: number; claimBudget: () => number };
+  assert.deepEqual([internals.callMs, internals.callsTimed], [50, 0]);
+  assert.equal(internals.claimBudget(), 2 + 200);
+  await fresh.drain(10, new Error('test over'));
+});
+
+test('the first calls timed replace the guess: a node that guessed slow calls claims ahead after one round of fast ones', async () => {
+  const calls: { open: () => void }[] = [];
+  const { queue, seen } = makeQueue({ concurrency: 2, claimGraceMs: 10_000 }, calls);
+  Object.assign(queue as unknown as { callMs: number; callsTimed: number }, { callMs: 5_000, callsTimed: 0 });
+  for (let n = 1; n <= 100; n++) queue.hold(message(id(n)));
+  await sleep(20);
+  assert.equal(seen.claimed.length, 4);
+  await sleep(10); // the first two calls take ~10 ms
+  calls.shift()!.open();
+  calls.shift()!.open();
+  await sleep(20);
+  // ≈10 ms a call: 2 × 5,000 / 10 = 1,000 may wait, so every held run is claimed.
+  assert.equal(seen.claimed.length, 100);
+  const estimate = (queue as unknown as { callMs: number }).callMs;
+  assert.ok(estimate < 100, `call time estimate ${estimate} ms`);
+  while (calls.length > 0 || seen.called.length < 100) {
+    calls.shift()?.open();
+    await sleep(1);
+  }
+  await queue.drain(100, new Error('test over'));
 });
