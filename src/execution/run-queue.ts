@@ -517,5 +517,6 @@ export class RunQueue {
     }
     this.options.metrics.runsHeld.set(this.held.size);
     this.options.metrics.runsInFlight.set(this.slotted - this.settling);
+    this.options.metrics.runsClaimedAhead.set(this.ahead);
   }
 }

@@ -219,12 +219,17 @@ export function createMetrics(nodeId: string) {
     }),
     runsHeld: new Gauge({
       name: 'helios_worker_held_runs',
-      help: 'Run announcements held in memory until due or until a slot frees',
+      help: 'Run announcements held in memory, not yet claimed: until they are within the claim lead, or until the claim budget has room',
       registers: [registry],
     }),
     runsInFlight: new Gauge({
       name: 'helios_worker_in_flight_runs',
-      help: 'Runs being claimed or called by this worker (not those whose call ended and whose outcome is being written)',
+      help: 'HTTP calls in flight on this worker: its execution slots in use (not runs whose call ended and whose outcome is being written)',
+      registers: [registry],
+    }),
+    runsClaimedAhead: new Gauge({
+      name: 'helios_worker_claimed_waiting_runs',
+      help: 'Runs this worker is claiming or has claimed and not yet called: waiting for their time or for an execution slot',
       registers: [registry],
     }),
   };
