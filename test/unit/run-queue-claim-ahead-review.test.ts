@@ -13,6 +13,7 @@ import type { AttemptReport } from '../../src/store/attempts.js';
 import type { Connections } from '../../src/store/pool-share.js';
 import type { ClaimedRun } from '../../src/store/runs.js';
 import { fakeClaimedRun } from '../support/claimed-run.js';
+import { setCallTime, testRunQueue } from '../support/run-queue.js';
 
 // Review of 9166bae (claims no longer take an execution slot): interleavings between a claimed
 // run's wait for its slot and aborts, the poller, drains and the claim-ahead budget. Fakes only.
@@ -81,8 +82,7 @@ function assertIdle(queue: RunQueue, concurrency: number): void {
 
 const callMsOf = (queue: RunQueue) => (queue as unknown as { callMs: number }).callMs;
 /** Sets the call time estimate as a node that has timed many calls has it (a moving average). */
-const setCallMs = (queue: RunQueue, ms: number) =>
-  Object.assign(queue as unknown as { callMs: number; callsTimed: number }, { callMs: ms, callsTimed: 20 });
+const setCallMs = (queue: RunQueue, ms: number) => setCallTime(queue, ms);
 
 /** Waits (bounded) until `done()` holds. */
 async function until(done: () => boolean, what: string, timeoutMs = 3_000): Promise<void> {
@@ -114,19 +114,13 @@ function makeQueue(
   hooks: { notCalledWrite?: Promise<void>; onCall?: (runId: string, callEnded: () => void) => void } = {},
 ): { queue: RunQueue; seen: Seen } {
   const seen: Seen = { claimed: [], called: [], notCalled: [], inFlight: 0, maxInFlight: 0, calls: [] };
-  const queue = new RunQueue({
+  const queue = testRunQueue({
     claim: async (request) => {
       seen.claimed.push(request.runId);
       return { kind: 'claimed', run: fakeClaimedRun(request.runId, request.attempt) };
     },
-    claimLeadMs: 0,
     claimGraceMs: 10_000,
     concurrency: 1,
-    prefetch: 1000,
-    clock: new DbClock(),
-    onBackpressure: () => undefined,
-    logger: silentLogger,
-    metrics: createMetrics('test'),
     run: async (run, signal, drainLeftMs, callEnded) => {
       if (signal.aborted) {
         seen.notCalled.push({ runId: run.id, reason: signal.reason, drainLeftMs: drainLeftMs?.() });

@@ -1,12 +1,10 @@
 import assert from 'node:assert/strict';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { test } from 'node:test';
-import { DbClock } from '../../src/execution/db-clock.js';
 import { RunQueue, type RunQueueOptions } from '../../src/execution/run-queue.js';
 import type { RunMessage } from '../../src/execution/run-message.js';
-import { silentLogger } from '../../src/observability/logger.js';
-import { createMetrics } from '../../src/observability/metrics.js';
 import { fakeClaimedRun } from '../support/claimed-run.js';
+import { setCallTime, testRunQueue } from '../support/run-queue.js';
 
 // Claims run ahead of the execution slots (run-queue.ts): a claimed run takes a slot only when it
 // is due and one is free, and runs are claimed beyond the free slots only as many as the slots
@@ -42,19 +40,12 @@ function makeQueue(
   calls: { open: () => void }[] = [],
 ): { queue: RunQueue; seen: Recorder } {
   const seen: Recorder = { claimed: [], called: [], notCalled: [], inFlight: 0, maxInFlight: 0 };
-  const queue = new RunQueue({
+  const queue = testRunQueue({
     claim: async (request) => {
       seen.claimed.push(request.runId);
       return { kind: 'claimed', run: fakeClaimedRun(request.runId, request.attempt) };
     },
-    claimLeadMs: 0,
     claimGraceMs: 10_000,
-    concurrency: 2,
-    prefetch: 1000,
-    clock: new DbClock(),
-    onBackpressure: () => undefined,
-    logger: silentLogger,
-    metrics: createMetrics('test'),
     run: async (run, signal, drainLeftMs, callEnded) => {
       if (signal.aborted) {
         seen.notCalled.push({ runId: run.id, reason: signal.reason, drainLeftMs: drainLeftMs?.() });
@@ -72,8 +63,7 @@ function makeQueue(
     },
     ...overrides,
   });
-  // A node that has timed many calls (a moving average, not the mean of its first few).
-  Object.assign(queue as unknown as { callMs: number; callsTimed: number }, { callMs: 50, callsTimed: 20 });
+  setCallTime(queue, 50); // a node that has timed many calls
   return { queue, seen };
 }
 
@@ -159,18 +149,7 @@ test('a drain hands claimed runs still waiting for a slot to run() aborted, past
 });
 
 test('a node that has timed no call yet assumes 50 ms a call: 2 × 5,000 / 50 = 200 may wait', async () => {
-  const fresh = new RunQueue({
-    claim: async () => ({ kind: 'done' }),
-    claimLeadMs: 0,
-    claimGraceMs: 10_000,
-    concurrency: 2,
-    prefetch: 1000,
-    clock: new DbClock(),
-    onBackpressure: () => undefined,
-    logger: silentLogger,
-    metrics: createMetrics('test'),
-    run: async () => undefined,
-  });
+  const fresh = testRunQueue({ claimGraceMs: 10_000, run: async () => undefined });
   const internals = fresh as unknown as { callMs: number; callsTimed: number; claimBudget: () => number };
   assert.deepEqual([internals.callMs, internals.callsTimed], [50, 0]);
   assert.equal(internals.claimBudget(), 2 + 200);
@@ -180,7 +159,7 @@ test('a node that has timed no call yet assumes 50 ms a call: 2 × 5,000 / 50 = 
 test('the first calls timed replace the guess: a node that guessed slow calls claims ahead after one round of fast ones', async () => {
   const calls: { open: () => void }[] = [];
   const { queue, seen } = makeQueue({ concurrency: 2, claimGraceMs: 10_000 }, calls);
-  Object.assign(queue as unknown as { callMs: number; callsTimed: number }, { callMs: 5_000, callsTimed: 0 });
+  setCallTime(queue, 5_000, 0); // a node that has timed no call, with a guess of 5 s
   for (let n = 1; n <= 100; n++) queue.hold(message(id(n)));
   await sleep(20);
   assert.equal(seen.claimed.length, 4);

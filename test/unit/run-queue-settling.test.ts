@@ -1,12 +1,10 @@
 import assert from 'node:assert/strict';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { test } from 'node:test';
-import { DbClock } from '../../src/execution/db-clock.js';
 import { RunQueue, type RunQueueOptions } from '../../src/execution/run-queue.js';
 import type { RunMessage } from '../../src/execution/run-message.js';
-import { silentLogger } from '../../src/observability/logger.js';
-import { createMetrics } from '../../src/observability/metrics.js';
 import { fakeClaimedRun } from '../support/claimed-run.js';
+import { testRunQueue } from '../support/run-queue.js';
 
 // A run gives its slot back when its call ends (callEnded), while its outcome is still being
 // written: the settling accounting under the interleavings that could break it. Claims and
@@ -32,18 +30,7 @@ function internals(queue: RunQueue): { settling: number; executing: number; rese
 }
 
 function makeQueue(overrides: Partial<RunQueueOptions> & Pick<RunQueueOptions, 'run'>): RunQueue {
-  return new RunQueue({
-    claim: async (request) => ({ kind: 'claimed', run: fakeClaimedRun(request.runId, request.attempt) }),
-    claimLeadMs: 0,
-    claimGraceMs: 0,
-    concurrency: 2,
-    prefetch: 1000,
-    clock: new DbClock(),
-    onBackpressure: () => undefined,
-    logger: silentLogger,
-    metrics: createMetrics('test'),
-    ...overrides,
-  });
+  return testRunQueue(overrides);
 }
 
 /** Counts calls at the target (started, not yet ended), keeping the highest. */
