@@ -87,9 +87,12 @@ export async function runAttempt(
       log().warn({ released: Boolean(released) }, notMade.error);
       return;
     }
+    const startedAt = ctx.clock.now();
     if (run.attempt === 1)
-      metrics.lateness.observe(Math.max(0, ctx.clock.now() - run.scheduledFor.getTime()) / 1000);
-    const report = await ctx.executor.execute(run, cancel);
+      metrics.lateness.observe(Math.max(0, startedAt - run.scheduledFor.getTime()) / 1000);
+    // When the call began, recorded as the attempt's start (a run claimed ahead may have waited
+    // for a slot after the instant its claim recorded).
+    const report = { ...(await ctx.executor.execute(run, cancel)), startedAt: new Date(startedAt) };
     // The call is over: its slot may take the next run while this outcome is written.
     callEnded?.(report.outcome !== 'cancelled');
     if (report.durationMs !== null) metrics.httpDuration.observe(report.durationMs / 1000);

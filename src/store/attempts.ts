@@ -19,6 +19,12 @@ export interface AttemptReport {
    * run is dead at once, whatever attempts are left. Absent means true.
    */
   readonly retryable?: boolean;
+  /**
+   * When the call began, by the worker's estimate of the database clock. Absent (no call made, or
+   * the reaper): the attempt's started_at stays as its claim set it, the later of the claim and
+   * the run's due time, which is earlier than the call when a run claimed ahead waited for a slot.
+   */
+  readonly startedAt?: Date;
 }
 
 /** Who may settle an attempt: the claimant (node id), or the reaper once the claim expired. */
@@ -30,11 +36,13 @@ const clean = (text: string | null, max: number) =>
 
 /**
  * Records an attempt's outcome unless one was recorded already (the reaper or a replace).
- * $1 = run id, $2 = attempt, $3 = outcome, $4 = status, $5 = duration ms, $6 = error, $7 = excerpt.
+ * $1 = run id, $2 = attempt, $3 = outcome, $4 = status, $5 = duration ms, $6 = error, $7 = excerpt,
+ * $8 = when the call began (NULL: the claim's start stands).
  */
 const RECORD_ATTEMPT = `
   UPDATE run_attempts SET outcome = $3, finished_at = now(), status_code = $4, duration_ms = $5,
-                          error = $6, response_excerpt = $7
+                          error = $6, response_excerpt = $7,
+                          started_at = coalesce($8::timestamptz, started_at)
   WHERE run_id = $1 AND attempt = $2 AND outcome IS NULL`;
 
 async function recordAttempt(db: Queryable, runId: string, attempt: number, report: AttemptReport) {
@@ -46,6 +54,7 @@ async function recordAttempt(db: Queryable, runId: string, attempt: number, repo
     report.durationMs === null ? null : Math.round(report.durationMs),
     clean(report.error, 2000),
     clean(report.responseExcerpt, 64 * 1024),
+    report.startedAt ?? null,
   ]);
 }
 
@@ -64,17 +73,22 @@ const SUCCEED = `
     -- 10,000) instead of one primary-key lookup per run. A non-constant state test also keeps the
     -- planner from proving runs_running_idx's predicate (42 ms per batch with 5,000 running).
     SELECT i.*, $6::text AS node, 'running'::text AS running
-    FROM unnest($1::uuid[], $2::int[], $3::int[], $4::int[], $5::text[])
-      AS i (id, attempt, status, duration, excerpt)
+    FROM unnest($1::uuid[], $2::int[], $3::int[], $4::int[], $5::text[], $7::timestamptz[])
+      AS i (id, attempt, status, duration, excerpt, started)
   ), done AS (
     UPDATE runs r SET state = 'succeeded', finished_at = now(), claim_expires_at = NULL,
-                      last_status = i.status, last_error = NULL
+                      last_status = i.status, last_error = NULL,
+                      -- The run started with its first call (a run claimed ahead may have waited
+                      -- for a slot after the instant its claim recorded).
+                      started_at = CASE WHEN r.attempt = 1 THEN coalesce(i.started, r.started_at)
+                                        ELSE r.started_at END
     FROM input i
     WHERE r.id = i.id AND r.claimed_by = i.node AND r.attempt = i.attempt AND r.state = i.running
     RETURNING r.id, r.attempt
   ), recorded AS (
     UPDATE run_attempts a SET outcome = 'succeeded', finished_at = now(), status_code = i.status,
-                              duration_ms = i.duration, response_excerpt = i.excerpt
+                              duration_ms = i.duration, response_excerpt = i.excerpt,
+                              started_at = coalesce(i.started, a.started_at)
     -- Joined on the attempt too: a stale completion of the same run (its attempt 1, after the
     -- reaper took it back and this node claimed attempt 2) can share a batch with the current one,
     -- and must not lend the current attempt its report.
@@ -111,6 +125,7 @@ export async function completeSucceededMany(
       sorted.map((i) => (i.report.durationMs === null ? null : Math.round(i.report.durationMs))),
       sorted.map((i) => clean(i.report.responseExcerpt, 64 * 1024)),
       nodeId,
+      sorted.map((i) => i.report.startedAt ?? null),
     ],
   );
   // By run and attempt: only the item whose attempt was completed is settled.
@@ -132,7 +147,8 @@ export async function completeSucceeded(
 /**
  * Ends a failed attempt: back to `queued` after $4 ms, or `dead` when no attempt is left or $7
  * (not retryable). $1 = run id, $2 = attempt, $3 = claimant node id (NULL: the reaper, which may
- * only take a run whose claim has expired), $4 = retry delay ms, $5 = status, $6 = error.
+ * only take a run whose claim has expired), $4 = retry delay ms, $5 = status, $6 = error,
+ * $8 = when the call began (NULL: the claim's start stands).
  */
 const FAIL = `
   UPDATE runs SET
@@ -140,7 +156,8 @@ const FAIL = `
     not_before = CASE WHEN attempt >= max_attempts OR $7 THEN not_before
                       ELSE now() + $4 * interval '1 millisecond' END,
     finished_at = CASE WHEN attempt >= max_attempts OR $7 THEN now() END,
-    claimed_by = NULL, claim_expires_at = NULL, last_status = $5, last_error = $6
+    claimed_by = NULL, claim_expires_at = NULL, last_status = $5, last_error = $6,
+    started_at = CASE WHEN attempt = 1 THEN coalesce($8::timestamptz, started_at) ELSE started_at END
   WHERE id = $1 AND attempt = $2 AND state = 'running'
     AND (claimed_by = $3 OR ($3::text IS NULL AND claim_expires_at < now()))
   RETURNING state, ${REQUEUED_RUN_COLUMNS}`;
@@ -177,6 +194,7 @@ export async function failAttempt(
     report.statusCode,
     error,
     report.retryable === false,
+    report.startedAt ?? null,
   ]);
   const row = rows[0];
   if (!row) return null;
