@@ -20,8 +20,9 @@ export interface AttemptReport {
    */
   readonly retryable?: boolean;
   /**
-   * When the call began, by the worker's estimate of the database clock. Absent (no call made, or
-   * the reaper): the attempt's started_at stays as its claim set it, the later of the claim and
+   * When the call began, by the worker's estimate of the database clock (never recorded later than
+   * the write's own now(): the estimate may be off by the skew tolerance). Absent (no call made,
+   * or the reaper): the attempt's started_at stays as its claim set it, the later of the claim and
    * the run's due time, which is earlier than the call when a run claimed ahead waited for a slot.
    */
   readonly startedAt?: Date;
@@ -42,7 +43,7 @@ const clean = (text: string | null, max: number) =>
 const RECORD_ATTEMPT = `
   UPDATE run_attempts SET outcome = $3, finished_at = now(), status_code = $4, duration_ms = $5,
                           error = $6, response_excerpt = $7,
-                          started_at = coalesce($8::timestamptz, started_at)
+                          started_at = least(coalesce($8::timestamptz, started_at), now())
   WHERE run_id = $1 AND attempt = $2 AND outcome IS NULL`;
 
 async function recordAttempt(db: Queryable, runId: string, attempt: number, report: AttemptReport) {
@@ -80,7 +81,7 @@ const SUCCEED = `
                       last_status = i.status, last_error = NULL,
                       -- The run started with its first call (a run claimed ahead may have waited
                       -- for a slot after the instant its claim recorded).
-                      started_at = CASE WHEN r.attempt = 1 THEN coalesce(i.started, r.started_at)
+                      started_at = CASE WHEN r.attempt = 1 THEN least(coalesce(i.started, r.started_at), now())
                                         ELSE r.started_at END
     FROM input i
     WHERE r.id = i.id AND r.claimed_by = i.node AND r.attempt = i.attempt AND r.state = i.running
@@ -88,7 +89,7 @@ const SUCCEED = `
   ), recorded AS (
     UPDATE run_attempts a SET outcome = 'succeeded', finished_at = now(), status_code = i.status,
                               duration_ms = i.duration, response_excerpt = i.excerpt,
-                              started_at = coalesce(i.started, a.started_at)
+                              started_at = least(coalesce(i.started, a.started_at), now())
     -- Joined on the attempt too: a stale completion of the same run (its attempt 1, after the
     -- reaper took it back and this node claimed attempt 2) can share a batch with the current one,
     -- and must not lend the current attempt its report.
@@ -157,7 +158,7 @@ const FAIL = `
                       ELSE now() + $4 * interval '1 millisecond' END,
     finished_at = CASE WHEN attempt >= max_attempts OR $7 THEN now() END,
     claimed_by = NULL, claim_expires_at = NULL, last_status = $5, last_error = $6,
-    started_at = CASE WHEN attempt = 1 THEN coalesce($8::timestamptz, started_at) ELSE started_at END
+    started_at = CASE WHEN attempt = 1 THEN least(coalesce($8::timestamptz, started_at), now()) ELSE started_at END
   WHERE id = $1 AND attempt = $2 AND state = 'running'
     AND (claimed_by = $3 OR ($3::text IS NULL AND claim_expires_at < now()))
   RETURNING state, ${REQUEUED_RUN_COLUMNS}`;

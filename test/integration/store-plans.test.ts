@@ -94,6 +94,7 @@ function completionParams(runs: readonly { id: string }[]): string {
     literal(runs.map(() => 1)),
     literal(runs.map(() => 'ok')),
     "'plan-node'",
+    literal(runs.map(() => 'NULL')), // when each call began: the claim's start stands
   ].join(', ');
 }
 
