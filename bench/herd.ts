@@ -2,7 +2,8 @@
  * Herd: 10,000 jobs due in the same second on 3 nodes → time from the due instant until the last
  * HTTP call arrived at the local target. Each job's cron (`S M H * * *`) fires at that one second
  * and its next_run_at is that instant, so the leader sees all of them due at once. Also prints
- * where the time went, from the database: runs created, outbox published, runs claimed.
+ * where the time went, from the database: runs created, outbox published, runs claimed by the due
+ * instant, the last call's start.
  *
  *   npm run build && npx tsx bench/herd.ts [--jobs 10000] [--runs 3] [--nodes 3] [--profile DIR] [--env HELIOS_X=Y]…
  */
@@ -31,8 +32,10 @@ export interface HerdRun {
   readonly p50Ms: number;
   readonly arrived: number;
   readonly duplicates: number;
-  /** Due instant → the last run row created / outbox row published / run claimed (negative: before). */
-  readonly phases: { created: number; published: number; claimed: number };
+  /** Due instant → the last run row created / outbox row published / call started (negative: before). */
+  readonly phases: { created: number; published: number; started: number };
+  /** Runs claimed by the due instant (claimed ahead: HELIOS_CLAIM_LEAD_MS, the claim budget). */
+  readonly claimedByDue: number;
   /**
    * CPU ms per run by process category, from the jobs' insert (before the dispatcher sees them)
    * until the last call arrived: dispatch, publish, claim, call and completion of every run.
@@ -96,6 +99,10 @@ export async function herdOnce(
     }
     await sleep(due - Date.now());
     afterDue.restart();
+    // Claims take no execution slot: how many of the herd's runs were claimed before it was due.
+    const claimedByDue = cluster.db.pool
+      .query<{ n: number }>('SELECT count(*)::int AS n FROM runs WHERE attempt > 0')
+      .then(({ rows }) => rows[0]!.n);
     const deadline = due + 60_000;
     while (cluster.target.count < jobs && Date.now() < deadline) await sleep(20);
     const wholeSample = await whole.sample(cpus().length);
@@ -113,11 +120,11 @@ export async function herdOnce(
     const { rows } = await cluster.db.pool.query<{
       created: Date;
       published: Date | null;
-      claimed: Date | null;
+      started: Date | null;
     }>(
       `SELECT (SELECT max(created_at) FROM runs) AS created,
               (SELECT max(published_at) FROM outbox) AS published,
-              (SELECT max(started_at) FROM run_attempts) AS claimed`,
+              (SELECT max(started_at) FROM run_attempts) AS started`,
     );
     const at = (d: Date | null | undefined) => (d ? d.getTime() - due : NaN);
     return {
@@ -129,8 +136,9 @@ export async function herdOnce(
       phases: {
         created: at(rows[0]?.created),
         published: at(rows[0]?.published),
-        claimed: at(rows[0]?.claimed),
+        started: at(rows[0]?.started),
       },
+      claimedByDue: await claimedByDue,
       cpuPerRun: cpuPerRun(wholeSample, jobs),
       afterDueCpuPerRun: cpuPerRun(afterDueSample, jobs),
     };
@@ -168,7 +176,7 @@ export async function herd(
       `helios run ${i + 1}: ${run.arrived}/${jobs} calls, last ${ms(run.lastMs)} after due ` +
         `(first ${ms(run.firstMs)}, p50 ${ms(run.p50Ms)}${run.duplicates ? `, ${run.duplicates} duplicates` : ''}); ` +
         `last run created ${ms(run.phases.created)}, last published ${ms(run.phases.published)}, ` +
-        `last claimed ${ms(run.phases.claimed)}`,
+        `last call started ${ms(run.phases.started)}; ${run.claimedByDue} claimed by the due instant`,
     );
     options.log?.(`  CPU per run (insert → last arrival): ${describeCpuPerRun(run.cpuPerRun)}`);
     options.log?.(`  of which from the due instant on: ${describeCpuPerRun(run.afterDueCpuPerRun)}`);
