@@ -155,9 +155,9 @@ export interface WorkerConfig {
   /**
    * HELIOS_CLAIM_LEAD_MS: a worker claims an `allow` run up to this long before it is due and
    * starts the HTTP call exactly when due, keeping the claim's round trip off the critical path
-   * and a herd's claims in a few large statements before it (forbid and replace runs are claimed
-   * only when due). A pause or edit inside this window before an occurrence does not stop a run
-   * already claimed for it; default 250.
+   * (forbid and replace runs are claimed only when due). A longer lead makes a herd's claims before
+   * it is due, but a pause or edit inside this window before an occurrence does not stop a run
+   * already claimed for it; default 50.
    */
   readonly claimLeadMs: number;
   /** HELIOS_POLL_INTERVAL_MS: period of the workers' polling fallback; default 1000. */

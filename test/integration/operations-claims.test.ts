@@ -12,7 +12,7 @@ import { apiCall } from '../support/node-api.js';
 // - a manual trigger makes one run, which `forbid` skips (reason `concurrency-forbid`) while
 //   another run of the job is active, and runs once none is.
 
-// A lead of 3 s instead of 250 ms: the same code path, with a window wide enough to land a pause
+// A lead of 3 s instead of 50 ms: the same code path, with a window wide enough to land a pause
 // in it for certain on a busy machine.
 const CLAIM_LEAD_MS = 3000;
 const SKEW_TOLERANCE_MS = 10;
