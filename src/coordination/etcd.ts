@@ -1,5 +1,5 @@
 import { circuitBreaker, ConsecutiveBreaker, handleWhen, noop } from 'cockatiel';
-import { Etcd3, isRecoverableError } from 'etcd3';
+import { Etcd3, GRPCCancelledError, isRecoverableError } from 'etcd3';
 
 /** How long an etcd member that failed a call is passed over before it is tried again. */
 const SKIP_FAILED_MEMBER_MS = 1000;
@@ -14,6 +14,10 @@ const SKIP_FAILED_MEMBER_MS = 1000;
  * default breaker (3 failures, 5 s open) kept a single-member cluster failing for 5 s after it came
  * back; 1 s is below every loop's own retry interval. No global retry: a retried campaign txn
  * whose first try had in fact been applied would read as a lost election.
+ *
+ * A cancelled call is not the member's failure: the library counts it as recoverable, so
+ * cancelling a watch (the election on stop) passed over the only member for a second, and the
+ * node's deregistration right after it failed.
  */
 export function createEtcdClient(endpoints: readonly string[], callTimeoutMs = 2000): Etcd3 {
   return new Etcd3({
@@ -22,10 +26,13 @@ export function createEtcdClient(endpoints: readonly string[], callTimeoutMs = 2
     defaultCallOptions: (context) => (context.isStream ? {} : { deadline: Date.now() + callTimeoutMs }),
     faultHandling: {
       host: () =>
-        circuitBreaker(handleWhen(isRecoverableError), {
-          halfOpenAfter: SKIP_FAILED_MEMBER_MS,
-          breaker: new ConsecutiveBreaker(1),
-        }),
+        circuitBreaker(
+          handleWhen((err) => isRecoverableError(err) && !(err instanceof GRPCCancelledError)),
+          {
+            halfOpenAfter: SKIP_FAILED_MEMBER_MS,
+            breaker: new ConsecutiveBreaker(1),
+          },
+        ),
       global: noop,
     },
   });

@@ -100,3 +100,16 @@ test(
     }
   },
 );
+
+test('cancelling a watch does not pass over the member: the next call goes through', async () => {
+  // etcd3 counts a cancelled call as a member failure; the election cancels its watch on stop,
+  // and the node's deregistration right after it failed for a second on a one-member cluster.
+  const client = createEtcdClient(serverEnv().etcdEndpoints.split(','));
+  try {
+    const watcher = await client.watch().key(`/helios-test/${uniqueId()}/watched`).create();
+    await watcher.cancel();
+    assert.equal(await client.get(`/helios-test/${uniqueId()}/absent`).string(), null);
+  } finally {
+    client.close();
+  }
+});
