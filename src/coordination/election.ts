@@ -3,6 +3,7 @@ import { setTimeout as sleep } from 'node:timers/promises';
 import type { Etcd3, Lease, Watcher } from 'etcd3';
 import type { Logger } from '../observability/logger.js';
 import { LifecycleError, toError, withTimeout } from '../errors.js';
+import { LeaseExpiryWatch, type LeaseVerdict } from './lease-expiry.js';
 
 /** One epoch of leadership, handed to the parts that only the leader runs. */
 export interface Leadership {
@@ -146,7 +147,7 @@ export class LeaderElection {
         if (this.epoch) {
           await this.keepAlive(keepAliveEveryMs);
         } else if (!(await this.tryAcquire())) {
-          await this.waitForVacancy(keepAliveEveryMs);
+          await this.standBy(keepAliveEveryMs);
         }
       } catch (err) {
         if (signal.aborted) break;
@@ -159,8 +160,15 @@ export class LeaderElection {
   /** One campaign attempt: grant a lease, then the create-if-absent transaction. */
   private async tryAcquire(): Promise<boolean> {
     const { client, key, nodeId, logger } = this.options;
-    const current = await client.get(key).string();
-    if (current !== null) return false;
+    this.keyDeleted = false;
+    const holder = (await client.get(key).exec()).kvs[0];
+    if (holder) {
+      if (this.holder?.leaseId !== holder.lease) {
+        this.holder = holder.lease === '0' ? undefined : new LeaseExpiryWatch(holder.lease);
+      }
+      return false;
+    }
+    this.holder = undefined;
 
     const lease = client.lease(this.ttlSeconds, { autoKeepAlive: false });
     lease.on('lost', () => undefined); // loss is detected by our own keep-alives and deadline
@@ -295,18 +303,76 @@ export class LeaderElection {
     }
   }
 
-  /** Waits until the leader key is deleted (watch) or `pollMs` passes, whichever is first. */
-  private async waitForVacancy(pollMs: number): Promise<void> {
+  /**
+   * Standing by while another node leads: returns when the leader key is deleted (watch), when
+   * `pollMs` passes (the caller reads the key again), or as soon as the holder's lease is seen
+   * expired and this node has revoked it, which is up to 500 ms sooner than etcd would.
+   */
+  private async standBy(pollMs: number): Promise<void> {
+    const holder = this.holder;
+    const until = performance.now() + pollMs;
+    for (;;) {
+      const leftMs = until - performance.now();
+      if (leftMs <= 0 || this.abort.signal.aborted) return;
+      if (!holder) return void (await this.waitForVacancy(leftMs));
+      if (await this.waitForVacancy(Math.min(holder.checkInMs, leftMs))) return;
+      const verdict = await this.checkHolderLease(holder);
+      if (verdict === 'gone') return;
+      if (verdict === 'expired') return this.revokeExpired(holder);
+    }
+  }
+  /** The lease of the node that leads now, watched while standing by. */
+  private holder?: LeaseExpiryWatch;
+
+  private async checkHolderLease(holder: LeaseExpiryWatch): Promise<LeaseVerdict> {
+    const askedAt = performance.now();
+    try {
+      const answer = await withTimeout(
+        this.options.client.leaseClient.leaseTimeToLive({ ID: holder.leaseId }),
+        1000,
+        'etcd lease time-to-live',
+      );
+      return holder.observe(Number(answer.TTL), Number(answer.grantedTTL), askedAt, performance.now());
+    } catch (err) {
+      // Nothing is concluded from a failed look; the next answer starts over if it comes late.
+      this.options.logger.debug({ err: toError(err) }, 'reading the leader lease failed');
+      holder.checkInMs = 1000;
+      return 'live';
+    }
+  }
+
+  private async revokeExpired(holder: LeaseExpiryWatch): Promise<void> {
+    this.options.logger.info({ lease: holder.leaseId }, 'the leader lease expired; revoking it');
+    this.holder = undefined;
+    try {
+      await withTimeout(
+        this.options.client.leaseClient.leaseRevoke({ ID: holder.leaseId }),
+        1500,
+        'etcd lease revoke',
+      );
+    } catch (err) {
+      // Already revoked by etcd or another standby, or etcd is unreachable: campaigning tells.
+      this.options.logger.debug({ err: toError(err) }, 'revoking the expired leader lease failed');
+    }
+  }
+
+  /**
+   * Waits until the leader key is deleted (watch) or `pollMs` passes, whichever is first; true
+   * when woken before the time was up.
+   */
+  private async waitForVacancy(pollMs: number): Promise<boolean> {
     if (!this.watcher) this.watchLeaderKey();
-    await new Promise<void>((resolve) => {
-      const timer = setTimeout(resolve, pollMs);
+    if (this.keyDeleted) return true;
+    const woken = await new Promise<boolean>((resolve) => {
+      const timer = setTimeout(() => resolve(false), pollMs);
       this.wake = () => {
         clearTimeout(timer);
-        resolve();
+        resolve(true);
       };
       if (this.abort.signal.aborted) this.wake();
     });
     this.wake = undefined;
+    return woken;
   }
 
   /** One watcher for the life of the election; polling covers the moments it is reconnecting. */
@@ -316,7 +382,11 @@ export class LeaderElection {
       .key(this.options.key)
       .create()
       .then((watcher) => {
-        watcher.on('delete', () => this.wake?.());
+        watcher.on('delete', () => {
+          // Remembered: it can land while this node is not waiting (reading the key or a lease).
+          this.keyDeleted = true;
+          this.wake?.();
+        });
         watcher.on('error', (err) => this.options.logger.debug({ err }, 'leader key watch error'));
         if (this.abort.signal.aborted) void watcher.cancel();
         return watcher;
@@ -328,6 +398,7 @@ export class LeaderElection {
       });
   }
   private watcher?: Promise<Watcher | undefined>;
+  private keyDeleted = false;
 }
 
 /** Reads who leads from etcd (for the cluster view); null when nobody does. */

@@ -1,0 +1,157 @@
+import assert from 'node:assert/strict';
+import { test } from 'node:test';
+import { LeaseExpiryWatch, type LeaseVerdict } from '../../src/coordination/lease-expiry.js';
+
+// etcd as the watch sees it: a lease's time left, answered in whole seconds truncated (as etcd's
+// LeaseTimeToLive does), −1 once etcd's own revocation loop (every 500 ms) has removed it.
+
+interface Observer {
+  checkInMs: number;
+  observe(ttl: number, granted: number, askedAt: number, receivedAt: number): LeaseVerdict;
+}
+
+interface Scenario {
+  grantedSeconds: number;
+  /** When the holder renews (ms); it never renews after the last one. */
+  renewals: number[];
+  /** Round trip of each TimeToLive call, split evenly around etcd's answer. */
+  rttMs: number;
+  /** Extra delay before a look (the standby's event loop busy), per look. */
+  stallMs: (look: number) => number;
+}
+
+/** Runs one standby against one lease; returns when it declared the lease expired and when it had expired. */
+function simulate(
+  watch: Observer,
+  s: Scenario,
+): { verdictAt: number | null; expiredAt: number; lateBy: number } {
+  let expiresAt = s.grantedSeconds * 1000; // granted at 0
+  const renewals = [...s.renewals];
+  const expiryAt = (t: number): number => {
+    while (renewals.length && renewals[0]! <= t) {
+      const at = renewals.shift()!;
+      if (at < expiresAt) expiresAt = at + s.grantedSeconds * 1000; // etcd does not renew an expired lease
+    }
+    return expiresAt;
+  };
+  let now = 0;
+  for (let look = 0; look < 10_000; look++) {
+    now += watch.checkInMs + s.stallMs(look);
+    const askedAt = now;
+    const answeredAt = now + s.rttMs / 2;
+    const expiry = expiryAt(answeredAt);
+    const revokedAt = expiry + 500 * ((expiry / 1000) % 1); // etcd's loop, somewhere in 0–500 ms
+    const ttl = answeredAt >= revokedAt ? -1 : Math.trunc((expiry - answeredAt) / 1000);
+    now += s.rttMs;
+    const verdict = watch.observe(ttl, s.grantedSeconds, askedAt, now);
+    if (verdict === 'expired')
+      return { verdictAt: now, expiredAt: expiryAt(now), lateBy: now - expiryAt(now) };
+    if (verdict === 'gone') return { verdictAt: null, expiredAt: expiry, lateBy: now - expiry };
+  }
+  throw new Error('the simulation did not end');
+}
+
+/** A holder that renews every third of its TTL, then late (with under a second left), then stops. */
+function scenario(seed: number): Scenario {
+  let state = seed;
+  const random = () => (state = (state * 1103515245 + 12345) % 2 ** 31) / 2 ** 31;
+  const grantedSeconds = 2 + Math.floor(random() * 3);
+  const renewals: number[] = [];
+  let at = 0;
+  for (let i = 0, n = Math.floor(random() * 8); i < n; i++) {
+    // Late renewals are the dangerous ones: with 0–1 s left, etcd already answers 0.
+    const late = random() < 0.5;
+    at += late ? grantedSeconds * 1000 - 1 - random() * 999 : random() * grantedSeconds * 1000;
+    renewals.push(Math.round(at));
+  }
+  const stallEvery = 2 + Math.floor(random() * 10);
+  const stall = random() * 1800;
+  return {
+    grantedSeconds,
+    renewals,
+    rttMs: 1 + random() * 8,
+    stallMs: (look) => (look % stallEvery === 0 ? stall : 0),
+  };
+}
+
+test('a lease is declared expired only once it has expired at etcd, under renewals late by up to a second and stalls', () => {
+  for (let seed = 1; seed <= 3000; seed++) {
+    const result = simulate(new LeaseExpiryWatch('1'), scenario(seed));
+    if (result.verdictAt !== null) {
+      assert.ok(result.lateBy >= 0, `seed ${seed}: declared expired ${-result.lateBy} ms before the expiry`);
+    }
+  }
+});
+
+test('a lease nobody renews is declared expired within 100 ms of its expiry, before etcd removes it', () => {
+  for (const granted of [2, 3, 5]) {
+    for (const rttMs of [1, 5]) {
+      const result = simulate(new LeaseExpiryWatch('1'), {
+        grantedSeconds: granted,
+        renewals: [700, 1400],
+        rttMs,
+        stallMs: () => 0,
+      });
+      assert.ok(result.verdictAt !== null, `TTL ${granted} s: left to etcd`);
+      assert.ok(
+        result.lateBy >= 0 && result.lateBy <= 100,
+        `TTL ${granted} s: ${result.lateBy} ms after the expiry`,
+      );
+    }
+  }
+});
+
+test('a lease renewed with less than a second left is not declared expired', () => {
+  const watch = new LeaseExpiryWatch('1');
+  // Granted 2 s at 0; answers of 0 from 1,000 ms on; renewed at 1,900 (2 s again: answers 1).
+  assert.equal(watch.observe(1, 2, 0, 2), 'live');
+  assert.equal(watch.observe(0, 2, 1000, 1002), 'live');
+  assert.equal(watch.observe(0, 2, 1850, 1852), 'live');
+  assert.equal(watch.observe(1, 2, 1950, 1952), 'live', 'the renewal shows');
+  assert.equal(watch.observe(0, 2, 2950, 2952), 'live', 'a new run of zeros starts its own second');
+  assert.equal(watch.observe(0, 2, 3500, 3502), 'live');
+  assert.equal(watch.observe(0, 2, 3960, 3975), 'expired');
+});
+
+test('answers further apart than 900 ms start the second over, since a renewal could lie between them', () => {
+  const watch = new LeaseExpiryWatch('1');
+  assert.equal(watch.observe(0, 2, 0, 2), 'live');
+  assert.equal(watch.observe(0, 2, 1100, 1102), 'live', 'a gap of 1,100 ms: could hide a renewal at 500');
+  assert.equal(watch.observe(0, 2, 1900, 1902), 'live');
+  assert.equal(watch.observe(0, 2, 2120, 2123), 'expired');
+});
+
+test('a lease granted for less than 2 s is left to etcd', () => {
+  const watch = new LeaseExpiryWatch('1');
+  for (let t = 0; t < 5000; t += 50) assert.equal(watch.observe(0, 1, t, t + 1), 'live');
+  assert.equal(watch.observe(-1, 0, 5000, 5001), 'gone');
+});
+
+test('the simulation catches a rule that revokes on the first answer of 0', () => {
+  const eager: Observer = {
+    checkInMs: 0,
+    observe(ttl) {
+      this.checkInMs = 50;
+      return ttl < 0 ? 'gone' : ttl === 0 ? 'expired' : 'live';
+    },
+  };
+  const early = [1, 2, 3, 4, 5, 6, 7, 8].map((seed) => simulate(eager, scenario(seed)).lateBy);
+  assert.ok(
+    early.some((lateBy) => lateBy < 0),
+    `the eager rule was never caught: ${early.join(', ')}`,
+  );
+});
+
+test('the simulation catches a rule that ignores a gap between answers', () => {
+  class NoGapCheck extends LeaseExpiryWatch {
+    override observe(ttl: number, granted: number, _askedAt: number, receivedAt: number): LeaseVerdict {
+      return super.observe(ttl, granted, receivedAt + 1e6, receivedAt); // no gap ever looks long
+    }
+  }
+  let caught = 0;
+  for (let seed = 1; seed <= 3000; seed++) {
+    const result = simulate(new NoGapCheck('1'), scenario(seed));
+    if (result.verdictAt !== null && result.lateBy < 0) caught++;
+  }
+  assert.ok(caught > 0, 'no scenario caught it');
+});
