@@ -1,7 +1,9 @@
 /**
  * Failover benchmark: 3 scheduler nodes on the real servers, an every-second job; kill -9 of the
  * leader, then time until the new leader's first dispatch (first run row carrying its fencing
- * token). Repeats N times (default 10) and prints median and max.
+ * token). Repeats N times (default 10) and prints median and max, and how much of it passed before
+ * the old leader's key was deleted (its lease expired and revoked: the TTL's share) and after it
+ * (the successor's campaign, takeover and first dispatch transaction).
  *
  *   npm run build && npx tsx bench/failover.ts [tries]
  */
@@ -15,6 +17,8 @@ export interface FailoverResult {
   readonly tries: number[];
   readonly median: number;
   readonly max: number;
+  /** Kill -9 → the leader key deleted, per try. */
+  readonly keyDeleted: number[];
   readonly ttlMs: number;
 }
 
@@ -29,6 +33,10 @@ export async function failover(tries: number, log?: (line: string) => void): Pro
        VALUES ('tick', '* * * * * *', '{"url":"http://127.0.0.1:9/"}', now())`,
     );
     const results: number[] = [];
+    const keyDeleted: number[] = [];
+    let deletedAt = 0;
+    const watcher = await cluster.etcd.watch().key(cluster.leaderKey).create();
+    watcher.on('delete', () => void (deletedAt = Date.now()));
     for (let i = 0; i < tries; i++) {
       const { record: leader, node: victim } = await cluster.leader();
       await sleep(1000 + Math.random() * 1000); // kill at a random point of the keep-alive cycle
@@ -45,11 +53,16 @@ export async function failover(tries: number, log?: (line: string) => void): Pro
         else await sleep(20);
       }
       results.push(firstDispatch - killedAt);
-      log?.(`try ${i + 1}: kill -9 → first dispatch by the new leader ${firstDispatch - killedAt} ms`);
+      keyDeleted.push(deletedAt - killedAt);
+      log?.(
+        `try ${i + 1}: kill -9 → first dispatch by the new leader ${firstDispatch - killedAt} ms ` +
+          `(key deleted after ${deletedAt - killedAt} ms, then ${firstDispatch - deletedAt} ms)`,
+      );
       cluster.spawn();
       await sleep(1500);
     }
-    return { tries: results, median: median(results), max: max(results), ttlMs: 3000 };
+    await watcher.cancel();
+    return { tries: results, median: median(results), max: max(results), keyDeleted, ttlMs: 3000 };
   } finally {
     await cluster.stop();
   }
@@ -62,6 +75,11 @@ async function main(): Promise<void> {
     `\nfailover (kill -9 → first dispatch), ${tries} tries, TTL ${result.ttlMs} ms, ${cpus().length} cores`,
   );
   console.log(`median ${result.median} ms   max ${result.max} ms   min ${Math.min(...result.tries)} ms`);
+  const after = result.tries.map((t, i) => t - result.keyDeleted[i]!);
+  console.log(
+    `key deleted: median ${median(result.keyDeleted)} ms, max ${max(result.keyDeleted)} ms; ` +
+      `then to the first dispatch: median ${median(after)} ms, max ${max(after)} ms`,
+  );
 }
 
 if (import.meta.url === pathToFileURL(process.argv[1] ?? '').href) {
