@@ -62,6 +62,8 @@ node -e 'process.exit(Number(process.versions.node.split(".")[0]) >= 24 ? 0 : 1)
   { echo "[cluster] Node.js 24 or newer is needed: run this as 'npm run cluster'" >&2; exit 1; }
 npm run build --silent
 
+# The node flags the image ships (Dockerfile, ENV NODE_OPTIONS), unless the caller set its own.
+export NODE_OPTIONS="${NODE_OPTIONS:-$(sed -n 's/^ *NODE_OPTIONS=\([^ ]*\).*/\1/p' Dockerfile)}"
 TOKEN="dev-$(node -e "process.stdout.write(require('crypto').randomBytes(16).toString('hex'))")"
 # shellcheck disable=SC1091
 source .helios/env

@@ -1,3 +1,4 @@
+import { readFileSync } from 'node:fs';
 import { setTimeout as sleep } from 'node:timers/promises';
 import type { Etcd3 } from 'etcd3';
 import { createKafka, deleteTopics, describeGroup, type BrokerClient } from '../../src/broker/index.js';
@@ -56,6 +57,8 @@ export class BenchCluster {
         // Six partitions, as in production: with the test default (2) one of 3 workers gets none.
         HELIOS_KAFKA_PARTITIONS: '6',
         HELIOS_SHUTDOWN_TIMEOUT_MS: '5000',
+        // The node flags the image ships, so the figures are those of a deployed node.
+        NODE_OPTIONS: shippedNodeOptions(),
         ...options.env,
       },
     };
@@ -231,4 +234,9 @@ export function profiled(dir: string): ClusterOptions {
     nodeArgs: ['--import', `${REPO_ROOT}bench/lib/cpu-profiler.mjs`],
     env: { HELIOS_BENCH_PROFILE_DIR: dir },
   };
+}
+
+/** NODE_OPTIONS as the Dockerfile's runtime stage sets it ('' when it sets none). */
+export function shippedNodeOptions(): string {
+  return /^\s*NODE_OPTIONS=(\S+)/m.exec(readFileSync(`${REPO_ROOT}Dockerfile`, 'utf8'))?.[1] ?? '';
 }
