@@ -1,6 +1,6 @@
 import { performance } from 'node:perf_hooks';
 import { setTimeout as sleep } from 'node:timers/promises';
-import type { Etcd3, Lease, Watcher } from 'etcd3';
+import { EtcdLeaseInvalidError, type Etcd3, type Lease, type Watcher } from 'etcd3';
 import type { Logger } from '../observability/logger.js';
 import { LifecycleError, toError, withTimeout } from '../errors.js';
 import { LeaseExpiryWatch, type LeaseVerdict } from './lease-expiry.js';
@@ -247,6 +247,13 @@ export class LeaderElection {
       this.armDeadline();
     } catch (err) {
       if (this.epoch !== epoch) return;
+      if (err instanceof EtcdLeaseInvalidError) {
+        // etcd3 throws this for an answer of TTL 0: the lease was revoked (by a standby that
+        // proved it expired) or expired. Retrying until the deadline would lead without a lease.
+        this.options.logger.warn('etcd says our leader lease is gone');
+        this.endEpoch('lease-lost');
+        return;
+      }
       if (performance.now() + KEEPALIVE_RETRY_MS < epoch.deadline) {
         this.options.logger.warn(
           { err: toError(err), leftMs: Math.round(epoch.deadline - performance.now()) },
@@ -332,7 +339,8 @@ export class LeaderElection {
         1000,
         'etcd lease time-to-live',
       );
-      return holder.observe(Number(answer.TTL), Number(answer.grantedTTL), askedAt, performance.now());
+      const { TTL, grantedTTL, header } = answer;
+      return holder.observe(Number(TTL), Number(grantedTTL), askedAt, performance.now(), header.raft_term);
     } catch (err) {
       // Nothing is concluded from a failed look; the next answer starts over if it comes late.
       this.options.logger.debug({ err: toError(err) }, 'reading the leader lease failed');
@@ -342,9 +350,13 @@ export class LeaderElection {
   }
 
   private async revokeExpired(holder: LeaseExpiryWatch): Promise<void> {
-    this.options.logger.info({ lease: holder.leaseId }, 'the leader lease expired; revoking it');
     this.holder = undefined;
     try {
+      // A quorum read in the term the answers came from proves they came from etcd's real leader
+      // (see LeaseExpiryWatch); the key still bound to the lease proves the holder did not change.
+      const read = await withTimeout(this.options.client.get(this.options.key).exec(), 1000, 'etcd get');
+      if (read.header.raft_term !== holder.term || read.kvs[0]?.lease !== holder.leaseId) return;
+      this.options.logger.info({ lease: holder.leaseId }, 'the leader lease expired; revoking it');
       await withTimeout(
         this.options.client.leaseClient.leaseRevoke({ ID: holder.leaseId }),
         1500,
