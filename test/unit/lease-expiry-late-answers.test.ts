@@ -1,6 +1,7 @@
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
 import { LeaseExpiryWatch, type LeaseVerdict } from '../../src/coordination/lease-expiry.js';
+import { simulateLease as simulate, type LeaseScenario as Scenario } from '../support/lease-simulation.js';
 
 // Found by review of the first version of LeaseExpiryWatch (commit 005cf27), fixed since. The
 // expiry is bounded by the first zero's *receipt* (sound: etcd computed it earlier); the first
@@ -9,58 +10,6 @@ import { LeaseExpiryWatch, type LeaseVerdict } from '../../src/coordination/leas
 // or the standby's event loop busy between the answer arriving and performance.now()), a renewal
 // between etcd computing it and the standby's revoke is invisible: the standby revokes a lease
 // that etcd just renewed.
-
-interface Observer {
-  checkInMs: number;
-  observe(ttl: number, granted: number, askedAt: number, receivedAt: number): LeaseVerdict;
-}
-
-interface Scenario {
-  grantedSeconds: number;
-  /** When the holder's renewals reach etcd (ms after the grant). */
-  renewals: number[];
-  /** Time from asking until etcd computes the answer. */
-  requestMs: (look: number) => number;
-  /** Time from etcd computing the answer until the standby reads its clock after the await. */
-  responseMs: (look: number, askedAt: number) => number;
-}
-
-interface Outcome {
-  verdictAt: number | null;
-  /** The lease's real expiry at etcd when the standby declared it expired. */
-  expiryAtVerdict: number;
-  /** When etcd computed the answer that tipped the verdict. */
-  lastComputedAt: number;
-}
-
-function simulate(watch: Observer, s: Scenario): Outcome {
-  let expiresAt = s.grantedSeconds * 1000;
-  const renewals = [...s.renewals];
-  const expiryAt = (t: number): number => {
-    while (renewals.length && renewals[0]! <= t) {
-      const at = renewals.shift()!;
-      if (at < expiresAt) expiresAt = at + s.grantedSeconds * 1000; // etcd refuses an expired one
-    }
-    return expiresAt;
-  };
-  let now = 0;
-  for (let look = 0; look < 10_000; look++) {
-    now += watch.checkInMs;
-    const askedAt = now;
-    const computedAt = askedAt + s.requestMs(look);
-    const expiry = expiryAt(computedAt);
-    const remaining = expiry - computedAt;
-    // etcd: int64(Remaining().Seconds()), −1 once its loop revoked it (here: 0–500 ms after expiry)
-    const revokedAt = expiry + 500 * ((expiry / 1000) % 1);
-    const ttl = computedAt >= revokedAt ? -1 : Math.trunc(remaining / 1000);
-    now = computedAt + s.responseMs(look, askedAt);
-    const verdict = watch.observe(ttl, s.grantedSeconds, askedAt, now);
-    if (verdict === 'expired')
-      return { verdictAt: now, expiryAtVerdict: expiryAt(now), lastComputedAt: computedAt };
-    if (verdict === 'gone') return { verdictAt: null, expiryAtVerdict: expiry, lastComputedAt: computedAt };
-  }
-  throw new Error('the simulation did not end');
-}
 
 /** The rule as first written (commit 005cf27): the latest zero judged by when it was received. */
 class ReceivedAtRule extends LeaseExpiryWatch {

@@ -1,54 +1,15 @@
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
 import { LeaseExpiryWatch, type LeaseVerdict } from '../../src/coordination/lease-expiry.js';
+import {
+  simulateLease as simulate,
+  type LeaseObserver as Observer,
+  type LeaseScenario as Scenario,
+} from '../support/lease-simulation.js';
 
-// etcd as the watch sees it: a lease's time left, answered in whole seconds truncated (as etcd's
-// LeaseTimeToLive does), −1 once etcd's own revocation loop (every 500 ms) has removed it.
-
-interface Observer {
-  checkInMs: number;
-  observe(ttl: number, granted: number, askedAt: number, receivedAt: number): LeaseVerdict;
-}
-
-interface Scenario {
-  grantedSeconds: number;
-  /** When the holder renews (ms); it never renews after the last one. */
-  renewals: number[];
-  /** Round trip of each TimeToLive call, split evenly around etcd's answer. */
-  rttMs: number;
-  /** Extra delay before a look (the standby's event loop busy), per look. */
-  stallMs: (look: number) => number;
-}
-
-/** Runs one standby against one lease; returns when it declared the lease expired and when it had expired. */
-function simulate(
-  watch: Observer,
-  s: Scenario,
-): { verdictAt: number | null; expiredAt: number; lateBy: number } {
-  let expiresAt = s.grantedSeconds * 1000; // granted at 0
-  const renewals = [...s.renewals];
-  const expiryAt = (t: number): number => {
-    while (renewals.length && renewals[0]! <= t) {
-      const at = renewals.shift()!;
-      if (at < expiresAt) expiresAt = at + s.grantedSeconds * 1000; // etcd does not renew an expired lease
-    }
-    return expiresAt;
-  };
-  let now = 0;
-  for (let look = 0; look < 10_000; look++) {
-    now += watch.checkInMs + s.stallMs(look);
-    const askedAt = now;
-    const answeredAt = now + s.rttMs / 2;
-    const expiry = expiryAt(answeredAt);
-    const revokedAt = expiry + 500 * ((expiry / 1000) % 1); // etcd's loop, somewhere in 0–500 ms
-    const ttl = answeredAt >= revokedAt ? -1 : Math.trunc((expiry - answeredAt) / 1000);
-    now += s.rttMs;
-    const verdict = watch.observe(ttl, s.grantedSeconds, askedAt, now);
-    if (verdict === 'expired')
-      return { verdictAt: now, expiredAt: expiryAt(now), lateBy: now - expiryAt(now) };
-    if (verdict === 'gone') return { verdictAt: null, expiredAt: expiry, lateBy: now - expiry };
-  }
-  throw new Error('the simulation did not end');
+/** A round trip split evenly around etcd's answer. */
+function roundTrip(ms: number): Pick<Scenario, 'requestMs' | 'responseMs'> {
+  return { requestMs: () => ms / 2, responseMs: () => ms / 2 };
 }
 
 /** A holder that renews every third of its TTL, then late (with under a second left), then stops. */
@@ -69,7 +30,7 @@ function scenario(seed: number): Scenario {
   return {
     grantedSeconds,
     renewals,
-    rttMs: 1 + random() * 8,
+    ...roundTrip(1 + random() * 8),
     stallMs: (look) => (look % stallEvery === 0 ? stall : 0),
   };
 }
@@ -89,8 +50,7 @@ test('a lease nobody renews is declared expired within 100 ms of its expiry, bef
       const result = simulate(new LeaseExpiryWatch('1'), {
         grantedSeconds: granted,
         renewals: [700, 1400],
-        rttMs,
-        stallMs: () => 0,
+        ...roundTrip(rttMs),
       });
       assert.ok(result.verdictAt !== null, `TTL ${granted} s: left to etcd`);
       assert.ok(
