@@ -165,6 +165,7 @@ export class LeaderElection {
     if (holder) {
       if (this.holder?.leaseId !== holder.lease) {
         this.holder = holder.lease === '0' ? undefined : new LeaseExpiryWatch(holder.lease);
+        this.holderCheckAt = 0;
       }
       return false;
     }
@@ -318,34 +319,57 @@ export class LeaderElection {
   private async standBy(pollMs: number): Promise<void> {
     const holder = this.holder;
     const until = performance.now() + pollMs;
+    if (!this.watcher) this.watchLeaderKey(); // before the first look, which the deletion must wake
     for (;;) {
-      const leftMs = until - performance.now();
+      const now = performance.now();
+      const leftMs = until - now;
       if (leftMs <= 0 || this.abort.signal.aborted) return;
       if (!holder) return void (await this.waitForVacancy(leftMs));
-      if (await this.waitForVacancy(Math.min(holder.checkInMs, leftMs))) return;
+      if (this.holderCheckAt > now) {
+        if (await this.waitForVacancy(Math.min(this.holderCheckAt - now, leftMs))) return;
+        continue;
+      }
       const verdict = await this.checkHolderLease(holder);
-      if (verdict === 'gone') return;
+      if (verdict === 'gone' || verdict === 'woken') return;
       if (verdict === 'expired') return this.revokeExpired(holder);
     }
   }
-  /** The lease of the node that leads now, watched while standing by. */
+  /** The lease of the node that leads now, watched while standing by, and when to look again. */
   private holder?: LeaseExpiryWatch;
+  private holderCheckAt = 0;
 
-  private async checkHolderLease(holder: LeaseExpiryWatch): Promise<LeaseVerdict> {
+  /** One look at the holder's lease; 'woken' when the key's deletion or stop() came first. */
+  private async checkHolderLease(holder: LeaseExpiryWatch): Promise<LeaseVerdict | 'woken'> {
     const askedAt = performance.now();
+    const woken = new Promise<'woken'>((resolve) => (this.wake = () => resolve('woken')));
+    if (this.keyDeleted || this.abort.signal.aborted) this.wake?.();
     try {
-      const answer = await withTimeout(
-        this.options.client.leaseClient.leaseTimeToLive({ ID: holder.leaseId }),
-        1000,
-        'etcd lease time-to-live',
-      );
+      const answer = await Promise.race([
+        withTimeout(
+          this.options.client.leaseClient.leaseTimeToLive({ ID: holder.leaseId }),
+          1000,
+          'etcd lease time-to-live',
+        ),
+        woken,
+      ]);
+      if (answer === 'woken') return answer;
       const { TTL, grantedTTL, header } = answer;
-      return holder.observe(Number(TTL), Number(grantedTTL), askedAt, performance.now(), header.raft_term);
+      const verdict = holder.observe(
+        Number(TTL),
+        Number(grantedTTL),
+        askedAt,
+        performance.now(),
+        header.raft_term,
+      );
+      this.holderCheckAt = performance.now() + holder.checkInMs;
+      return verdict;
     } catch (err) {
       // Nothing is concluded from a failed look; the next answer starts over if it comes late.
       this.options.logger.debug({ err: toError(err) }, 'reading the leader lease failed');
-      holder.checkInMs = 1000;
+      this.holderCheckAt = performance.now() + 1000;
       return 'live';
+    } finally {
+      this.wake = undefined;
     }
   }
 

@@ -219,7 +219,7 @@ test(
 );
 
 test(
-  'liveness: a deletion that lands while a LeaseTimeToLive call is slow is acted on only when the call returns',
+  'liveness: a deletion that lands while a LeaseTimeToLive call is slow is acted on at once',
   { timeout: 60_000 },
   async () => {
     const key = `${prefix}/slow-ttl/leader`;
@@ -244,8 +244,8 @@ test(
       while (standby.state.electedAt === null && performance.now() < revokedAt + 3000) await sleep(5);
       assert.ok(standby.state.electedAt !== null);
       const lag = standby.state.electedAt - revokedAt;
-      // Without lease checks the watch woke the standby at once; now a slow check delays it, bounded.
-      assert.ok(lag < 1100, `took ${Math.round(lag)} ms`);
+      // The watch wakes the standby in the middle of its look (the answer is not waited for).
+      assert.ok(lag < 500, `took over ${Math.round(lag)} ms after the key was deleted`);
     } finally {
       await standby.e.stop();
       standbyClient.close();
@@ -284,7 +284,7 @@ test(
 );
 
 test(
-  'liveness: stop() while standing by waits for an in-flight LeaseTimeToLive (up to its 1 s timeout)',
+  'liveness: stop() while standing by does not wait for an in-flight LeaseTimeToLive',
   { timeout: 30_000 },
   async () => {
     const key = `${prefix}/stop/leader`;
@@ -306,7 +306,7 @@ test(
       const stopAt = performance.now();
       await standby.e.stop();
       const took = performance.now() - stopAt;
-      assert.ok(took < 1100, `stop() took ${Math.round(took)} ms`);
+      assert.ok(took < 500, `stop() took ${Math.round(took)} ms`);
       assert.equal(standby.state.electedAt, null);
     } finally {
       standbyClient.close();
@@ -314,3 +314,32 @@ test(
     }
   },
 );
+
+test('a standby looks at a renewed lease about once a second, not twice', { timeout: 30_000 }, async () => {
+  const key = `${prefix}/cadence/leader`;
+  const holderClient = createEtcdClient(endpoints);
+  const holder = election(holderClient, key, 'holder', []);
+  holder.e.start();
+  const standbyClient = createEtcdClient(endpoints);
+  let looks = 0;
+  wrapTimeToLive(standbyClient, (real, req) => {
+    looks += 1;
+    return real(req);
+  });
+  const standby = election(standbyClient, key, 'standby', []);
+  try {
+    while (holder.state.electedAt === null) await sleep(5);
+    standby.e.start();
+    await sleep(1000);
+    looks = 0;
+    await sleep(5000);
+    // The 1 s re-read of the key used to cut each 900 ms wait short, for a second look ~100 ms on.
+    assert.ok(looks >= 4 && looks <= 8, `${looks} looks in 5 s`);
+    assert.equal(standby.state.electedAt, null);
+  } finally {
+    await standby.e.stop();
+    await holder.e.stop();
+    standbyClient.close();
+    holderClient.close();
+  }
+});
