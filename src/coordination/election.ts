@@ -161,7 +161,9 @@ export class LeaderElection {
   private async tryAcquire(): Promise<boolean> {
     const { client, key, nodeId, logger } = this.options;
     this.keyDeleted = false;
-    const holder = (await client.get(key).exec()).kvs[0];
+    const read = await client.get(key).exec();
+    this.readRevision = read.header.revision;
+    const holder = read.kvs[0];
     if (holder) {
       if (this.holder?.leaseId !== holder.lease) {
         this.holder = holder.lease === '0' ? undefined : new LeaseExpiryWatch(holder.lease);
@@ -340,9 +342,9 @@ export class LeaderElection {
 
   /** One look at the holder's lease; 'woken' when the key's deletion or stop() came first. */
   private async checkHolderLease(holder: LeaseExpiryWatch): Promise<LeaseVerdict | 'woken'> {
+    if (this.keyDeleted || this.abort.signal.aborted) return 'woken';
     const askedAt = performance.now();
     const woken = new Promise<'woken'>((resolve) => (this.wake = () => resolve('woken')));
-    if (this.keyDeleted || this.abort.signal.aborted) this.wake?.();
     try {
       const answer = await Promise.race([
         withTimeout(
@@ -416,6 +418,9 @@ export class LeaderElection {
     this.watcher = this.options.client
       .watch()
       .key(this.options.key)
+      // From just after the last read: a deletion that lands before etcd has registered the watch
+      // (≈14 ms) is delivered too, instead of being noticed at the next read, ≈1 s later.
+      .startRevision((BigInt(this.readRevision) + 1n).toString())
       .create()
       .then((watcher) => {
         watcher.on('delete', () => {
@@ -435,6 +440,8 @@ export class LeaderElection {
   }
   private watcher?: Promise<Watcher | undefined>;
   private keyDeleted = false;
+  /** The etcd revision of the latest read of the leader key. */
+  private readRevision = '0';
 }
 
 /** Reads who leads from etcd (for the cluster view); null when nobody does. */
