@@ -234,25 +234,21 @@ export class LeaderElection {
     // A try must end before the deadline, so that a failure still leaves time to step down cleanly.
     const tryMs = Math.max(100, Math.min(everyMs, epoch.deadline - sentAt - KEEPALIVE_RETRY_MS));
     try {
-      const response = await withTimeout(
+      await withTimeout(
         epoch.lease.keepaliveOnce({ deadline: Date.now() + tryMs }),
         tryMs,
         'etcd keep-alive',
       );
       if (this.epoch !== epoch) return;
-      if (Number(response.TTL) <= 0) {
-        this.options.logger.warn('etcd says our leader lease is gone');
-        this.endEpoch('lease-lost');
-        return;
-      }
       epoch.deadline = sentAt + this.ttlSeconds * 1000 - this.options.safetyMarginMs;
       epoch.retrying = false;
       this.armDeadline();
     } catch (err) {
       if (this.epoch !== epoch) return;
       if (err instanceof EtcdLeaseInvalidError) {
-        // etcd3 throws this for an answer of TTL 0: the lease was revoked (by a standby that
-        // proved it expired) or expired. Retrying until the deadline would lead without a lease.
+        // etcd3 throws this for an answer of TTL 0 (it never resolves with one): the lease was
+        // revoked (by a standby that proved it expired) or expired. Retrying until the deadline
+        // would lead without a lease.
         this.options.logger.warn('etcd says our leader lease is gone');
         this.endEpoch('lease-lost');
         return;
