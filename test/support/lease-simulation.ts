@@ -62,3 +62,27 @@ export function simulateLease(watch: LeaseObserver, s: LeaseScenario): LeaseOutc
   }
   throw new Error('the simulation did not end');
 }
+
+/**
+ * A seeded holder: granted 2–4 s, up to 7 renewals, half of them late (with `lateLeft.min` to
+ * `lateLeft.min + lateLeft.span` ms left: under a second, when etcd already answers 0). Returns
+ * the generator too, for the scenario's own draws after these.
+ */
+export function randomHolder(
+  seed: number,
+  lateLeft: { min: number; span: number },
+): { random: () => number; grantedSeconds: number; renewals: number[] } {
+  let state = seed;
+  const random = () => (state = (state * 1103515245 + 12345) % 2 ** 31) / 2 ** 31;
+  const grantedSeconds = 2 + Math.floor(random() * 3);
+  const renewals: number[] = [];
+  let at = 0;
+  for (let i = 0, n = Math.floor(random() * 8); i < n; i++) {
+    const late = random() < 0.5;
+    at += late
+      ? grantedSeconds * 1000 - lateLeft.min - random() * lateLeft.span
+      : random() * grantedSeconds * 1000;
+    renewals.push(Math.round(at));
+  }
+  return { random, grantedSeconds, renewals };
+}

@@ -1,7 +1,11 @@
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
 import { LeaseExpiryWatch, type LeaseVerdict } from '../../src/coordination/lease-expiry.js';
-import { simulateLease as simulate, type LeaseScenario as Scenario } from '../support/lease-simulation.js';
+import {
+  randomHolder,
+  simulateLease as simulate,
+  type LeaseScenario as Scenario,
+} from '../support/lease-simulation.js';
 
 // Found by review of the first version of LeaseExpiryWatch (commit 005cf27), fixed since. The
 // expiry is bounded by the first zero's *receipt* (sound: etcd computed it earlier); the first
@@ -18,14 +22,13 @@ class ReceivedAtRule extends LeaseExpiryWatch {
   }
 }
 
-test('the last zero is computed before a late renewal but reaches the standby 780 ms later: not declared expired', () => {
-  // Lease granted 3 s at 0 (expires 3,000). The holder's Helios deadline is 0 + 3,000 − 500 =
-  // 2,500, so its keep-alive at 2,400 (0.6 s left: it had been retrying) is legitimate and
-  // succeeds: etcd now expires it at 5,400 and the holder leads until 2,399 + 2,500 = 4,899.
-  // The standby looks every ~50 ms with 2 ms round trips; the look asked at ≥ 2,300 is answered
-  // by etcd at once (TTL 0, 0.7 s left) but its answer reaches the standby 780 ms later.
+/**
+ * Granted 3 s at 0, renewed at 2,400 ms (0.6 s left); the first look asked at ≥ 2,300 ms is
+ * answered by etcd at once (TTL 0) but reaches the standby 780 ms later; other looks take 2 ms.
+ */
+function lateZeroScenario(): Scenario {
   let slowAsked = -1;
-  const scenario: Scenario = {
+  return {
     grantedSeconds: 3,
     renewals: [2400],
     requestMs: () => 1,
@@ -34,7 +37,15 @@ test('the last zero is computed before a late renewal but reaches the standby 78
       return askedAt === slowAsked ? 780 : 1;
     },
   };
-  const outcome = simulate(new LeaseExpiryWatch('1'), scenario);
+}
+
+test('the last zero is computed before a late renewal but reaches the standby 780 ms later: not declared expired', () => {
+  // Lease granted 3 s at 0 (expires 3,000). The holder's Helios deadline is 0 + 3,000 − 500 =
+  // 2,500, so its keep-alive at 2,400 (0.6 s left: it had been retrying) is legitimate and
+  // succeeds: etcd now expires it at 5,400 and the holder leads until 2,399 + 2,500 = 4,899.
+  // The standby looks every ~50 ms with 2 ms round trips; the look asked at ≥ 2,300 is answered
+  // by etcd at once (TTL 0, 0.7 s left) but its answer reaches the standby 780 ms later.
+  const outcome = simulate(new LeaseExpiryWatch('1'), lateZeroScenario());
   assert.ok(outcome.verdictAt !== null, 'no verdict');
   assert.ok(
     outcome.verdictAt >= outcome.expiryAtVerdict,
@@ -45,33 +56,15 @@ test('the last zero is computed before a late renewal but reaches the standby 78
 });
 
 test('the same interleaving catches the rule that judged the latest answer by when it was received', () => {
-  let slowAsked = -1;
-  const outcome = simulate(new ReceivedAtRule('1'), {
-    grantedSeconds: 3,
-    renewals: [2400],
-    requestMs: () => 1,
-    responseMs: (_look, askedAt) => {
-      if (slowAsked < 0 && askedAt >= 2300) slowAsked = askedAt;
-      return askedAt === slowAsked ? 780 : 1;
-    },
-  });
+  const outcome = simulate(new ReceivedAtRule('1'), lateZeroScenario());
   assert.ok(outcome.verdictAt !== null);
   assert.ok(outcome.verdictAt < outcome.expiryAtVerdict, 'the received-at rule was not caught');
 });
 
 /** Random holders (renewing late, as in lease-expiry.test.ts) and answers that are sometimes slow to arrive. */
 function scenario(seed: number): Scenario {
-  let state = seed;
-  const random = () => (state = (state * 1103515245 + 12345) % 2 ** 31) / 2 ** 31;
-  const grantedSeconds = 2 + Math.floor(random() * 3);
-  const renewals: number[] = [];
-  let at = 0;
-  for (let i = 0, n = Math.floor(random() * 8); i < n; i++) {
-    // Helios renews while its deadline (sentAt + TTL − 500 ms) has not passed: ≥ 0.5 s left.
-    const late = random() < 0.5;
-    at += late ? grantedSeconds * 1000 - 500 - random() * 499 : random() * grantedSeconds * 1000;
-    renewals.push(Math.round(at));
-  }
+  // Helios renews while its deadline (sentAt + TTL − 500 ms) has not passed: ≥ 0.5 s left.
+  const { random, grantedSeconds, renewals } = randomHolder(seed, { min: 500, span: 499 });
   const slowEvery = 2 + Math.floor(random() * 20);
   const slowMs = random() * 990; // under the 1 s withTimeout around LeaseTimeToLive
   return {

@@ -2,6 +2,7 @@ import assert from 'node:assert/strict';
 import { test } from 'node:test';
 import { LeaseExpiryWatch, type LeaseVerdict } from '../../src/coordination/lease-expiry.js';
 import {
+  randomHolder,
   simulateLease as simulate,
   type LeaseObserver as Observer,
   type LeaseScenario as Scenario,
@@ -14,17 +15,8 @@ function roundTrip(ms: number): Pick<Scenario, 'requestMs' | 'responseMs'> {
 
 /** A holder that renews every third of its TTL, then late (with under a second left), then stops. */
 function scenario(seed: number): Scenario {
-  let state = seed;
-  const random = () => (state = (state * 1103515245 + 12345) % 2 ** 31) / 2 ** 31;
-  const grantedSeconds = 2 + Math.floor(random() * 3);
-  const renewals: number[] = [];
-  let at = 0;
-  for (let i = 0, n = Math.floor(random() * 8); i < n; i++) {
-    // Late renewals are the dangerous ones: with 0–1 s left, etcd already answers 0.
-    const late = random() < 0.5;
-    at += late ? grantedSeconds * 1000 - 1 - random() * 999 : random() * grantedSeconds * 1000;
-    renewals.push(Math.round(at));
-  }
+  // Late renewals are the dangerous ones: with 0–1 s left, etcd already answers 0.
+  const { random, grantedSeconds, renewals } = randomHolder(seed, { min: 1, span: 999 });
   const stallEvery = 2 + Math.floor(random() * 10);
   const stall = random() * 1800;
   return {
