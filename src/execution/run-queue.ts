@@ -58,7 +58,8 @@ export interface RunQueueOptions {
 
 interface Held {
   readonly message: RunMessage;
-  timer?: NodeJS.Timeout;
+  /** The instant (database clock, ms) of the wake-up it waits for, if it waits for one. */
+  wakeAt?: number;
   /** Times a claim found the run not yet due (clock skew) and held it again. */
   readonly retries: number;
   /** Claim ahead of time (false once a claim ahead was refused: forbid and replace runs). */
@@ -88,6 +89,12 @@ interface Execution {
   keptSlot?: boolean;
 }
 
+/** Held runs waiting for the same instant: one timer for all of them (a herd: thousands, one timer). */
+interface Wakeup {
+  readonly timer: NodeJS.Timeout;
+  readonly entries: Set<Held>;
+}
+
 /** A claimed, due run waiting for a slot; `grant` gives it one. */
 interface SlotWaiter {
   readonly execution: Execution;
@@ -107,8 +114,8 @@ const CALL_MS_WEIGHT = 0.05;
 /**
  * The worker's in-memory timing and execution slots, with no database of its own (unit-tested
  * with fakes): the claim is a function it is given (run-claimer.ts).
- * The pipeline: held announcements (a timer each, until `claimLeadMs` before not_before by the
- * database clock) → ready → claimed (batched by the claimer, no slot) → at not_before, a slot →
+ * The pipeline: held announcements (until `claimLeadMs` before not_before by the database
+ * clock; one timer per instant, shared by every run held for it) → ready → claimed (batched by the claimer, no slot) → at not_before, a slot →
  * the call (at most `concurrency` at once). Only the claim in PostgreSQL makes a run ours; this
  * queue only decides *when* to try, so losing it (a crash) loses nothing but time: the polling
  * fallback claims what was held here, the reaper what was claimed.
@@ -131,6 +138,8 @@ const CALL_MS_WEIGHT = 0.05;
  */
 export class RunQueue {
   private readonly held = new Map<string, Held>();
+  /** Held runs by the instant they wait for (database clock, ms); see {@link Wakeup}. */
+  private readonly wakeups = new Map<number, Wakeup>();
   private readonly ready: string[] = [];
   private readonly executing = new Map<string, Execution>();
   /**
@@ -375,35 +384,66 @@ export class RunQueue {
     return this.executing.get(execution.runId) === execution || this.superseded.has(execution);
   }
 
+  /** Marks the entry ready when its time has come, or adds it to the wake-up of its instant. */
   private arm(entry: Held): void {
-    const lead = entry.early ? this.options.claimLeadMs : 0;
-    const delayMs = this.options.clock.msUntil(entry.message.notBefore) - lead;
-    if (delayMs <= 0) return this.markReady(entry);
-    // Rounded up: a timer never fires before its time, but the event loop's cached clock can
-    // make it a little early; the claim's skew tolerance absorbs that.
-    entry.timer = setTimeout(
-      () => {
-        entry.timer = undefined;
-        if (this.held.get(entry.message.runId) === entry) this.arm(entry);
-      },
-      Math.min(MAX_TIMER_MS, Math.ceil(delayMs)),
-    );
+    if (this.armOnly(entry)) this.pump();
   }
 
-  private markReady(entry: Held): void {
-    if (this.held.get(entry.message.runId) !== entry) return;
-    this.ready.push(entry.message.runId);
+  /** arm() without the pump: true when the entry is ready now. */
+  private armOnly(entry: Held): boolean {
+    const lead = entry.early ? this.options.claimLeadMs : 0;
+    const at = entry.message.notBefore.getTime() - lead;
+    const delayMs = at - this.options.clock.now();
+    if (delayMs <= 0) {
+      this.ready.push(entry.message.runId);
+      return true;
+    }
+    let wakeup = this.wakeups.get(at);
+    if (!wakeup) {
+      // Rounded up: a timer never fires before its time, but the event loop's cached clock can
+      // make it a little early (wake() holds such entries again); the claim's skew tolerance
+      // absorbs the rest.
+      const timer = setTimeout(() => this.wake(at), Math.min(MAX_TIMER_MS, Math.ceil(delayMs)));
+      wakeup = { timer, entries: new Set() };
+      this.wakeups.set(at, wakeup);
+    }
+    wakeup.entries.add(entry);
+    entry.wakeAt = at;
+    return false;
+  }
+
+  /**
+   * The instant `at` has come: its runs are ready (or wait again: a timer cut at MAX_TIMER_MS, or
+   * a re-sync of the clock estimate that moved the instant later), then one pump for all of them.
+   */
+  private wake(at: number): void {
+    const wakeup = this.wakeups.get(at);
+    if (!wakeup) return;
+    this.wakeups.delete(at);
+    for (const entry of wakeup.entries) {
+      entry.wakeAt = undefined;
+      this.armOnly(entry);
+    }
     this.pump();
   }
 
-  /** Removes a held announcement (and its timer). */
+  /** Removes a held announcement (and its place in its wake-up). */
   private forget(runId: string): void {
     const entry = this.held.get(runId);
     if (!entry) return;
-    clearTimeout(entry.timer);
     this.held.delete(runId);
-    const index = this.ready.indexOf(runId);
-    if (index >= 0) this.ready.splice(index, 1);
+    if (entry.wakeAt !== undefined) {
+      const wakeup = this.wakeups.get(entry.wakeAt);
+      wakeup?.entries.delete(entry);
+      if (wakeup?.entries.size === 0) {
+        clearTimeout(wakeup.timer);
+        this.wakeups.delete(entry.wakeAt);
+      }
+      entry.wakeAt = undefined;
+    } else {
+      const index = this.ready.indexOf(runId);
+      if (index >= 0) this.ready.splice(index, 1);
+    }
     this.update();
   }
 

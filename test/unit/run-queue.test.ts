@@ -125,3 +125,53 @@ test('a run whose call has ended gives its slot to the next while its outcome is
   settle.get(ids[2]!)!();
   await queue.drain(100, new Error('test over'));
 });
+
+test('runs held for the same instant share one timer, fire together, and a forgotten instant leaves none', async () => {
+  const clock = new DbClock();
+  const timers = () => process.getActiveResourcesInfo().filter((r) => r === 'Timeout').length;
+  const claimedAt: number[] = [];
+  const queue = new RunQueue({
+    claim: async () => {
+      claimedAt.push(performance.now());
+      return { kind: 'done' };
+    },
+    claimLeadMs: 0,
+    claimGraceMs: 0,
+    concurrency: 4,
+    prefetch: 10_000,
+    clock,
+    run: async () => undefined,
+    onBackpressure: () => undefined,
+    logger: silentLogger,
+    metrics: createMetrics('test'),
+  });
+  const held = (n: number, notBefore: Date): RunMessage => {
+    const runId = `00000000-0000-4000-8000-${String(n).padStart(12, '0')}`;
+    return { runId, jobId: runId, attempt: 1, scheduledFor: notBefore, notBefore };
+  };
+  const before = timers();
+  const herd = new Date(clock.now() + 150);
+  for (let n = 1; n <= 1000; n++) queue.hold(held(n, herd));
+  assert.equal(timers() - before, 1, 'a thousand runs due at one instant: one timer');
+  // Another instant gets its own timer; forgetting its only run (a newer attempt that is due now
+  // replaces it) clears that timer.
+  queue.hold(held(5000, new Date(clock.now() + 60_000)));
+  assert.equal(timers() - before, 2);
+  queue.hold({ ...held(5000, new Date()), attempt: 2 });
+  await until(() => claimedAt.length === 1, 'the newer attempt claimed at once');
+  assert.equal(timers() - before, 1, 'the instant without runs left has no timer');
+  await until(() => claimedAt.length === 1001, 'the herd claimed', 2_000);
+  const herdClaims = claimedAt.slice(1);
+  // One wake-up: every claim of the herd is tried in the same turn of the event loop.
+  assert.ok(Math.max(...herdClaims) - Math.min(...herdClaims) < 20, 'claimed together');
+  assert.equal(timers() - before, 0);
+  await queue.drain(100, new Error('test over'));
+});
+
+async function until(ok: () => boolean, what: string, timeoutMs = 1_000): Promise<void> {
+  const deadline = performance.now() + timeoutMs;
+  while (!ok()) {
+    if (performance.now() > deadline) assert.fail(`timed out waiting: ${what}`);
+    await sleep(2);
+  }
+}
