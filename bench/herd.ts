@@ -1,9 +1,16 @@
 /**
  * Herd: 10,000 jobs due in the same second on 3 nodes → time from the due instant until the last
  * HTTP call arrived at the local target. Each job's cron (`S M H * * *`) fires at that one second
- * and its next_run_at is that instant, so the leader sees all of them due at once. Also prints
- * where the time went, from the database: runs created, outbox published, runs claimed by the due
- * instant, the last call's start.
+ * and its next_run_at is that instant, so the leader sees all of them due at once.
+ *
+ * Each run starts a fresh cluster and gives it two herds of the same size (lib/herd-rounds.ts):
+ * the first (cold) meets freshly started processes, so JIT warm-up is a large part of it; the
+ * second (warm), inserted 2 s after the first's last call, on the same processes, is what a
+ * scheduler that has been running meets at the top of the hour, and is the measured figure. The cold herd's last arrival (and its
+ * CPU per run after due) is reported beside it. Every other figure describes the warm herd: where
+ * the time went, from the database (runs created, outbox published, runs claimed by the due
+ * instant, the last call's start), the CPU per run, and with --profile the profiles and
+ * pg_stat_activity.
  *
  *   npm run build && npx tsx bench/herd.ts [--jobs 10000] [--runs 3] [--nodes 3] [--profile DIR] [--env HELIOS_X=Y]…
  */
@@ -24,7 +31,20 @@ import {
 } from './lib/profile.js';
 import { machine, max, median, ms, percentile } from './lib/stats.js';
 import { envArgs } from './lib/args.js';
+import { HERD_SETTLE_MS } from './lib/herd-rounds.js';
+import type { RecordingTarget } from './lib/target.js';
 
+/** The first herd of a run, on freshly started nodes. */
+export interface ColdHerd {
+  /** Due instant → the last call arrived. */
+  readonly lastMs: number;
+  readonly arrived: number;
+  readonly duplicates: number;
+  /** CPU ms per run by process category, from the due instant to the last arrival. */
+  readonly afterDueCpuPerRun: Record<CpuCategory | 'total', number>;
+}
+
+/** One run: the warm herd's figures (the second herd on the same nodes), and the cold herd's. */
 export interface HerdRun {
   /** Due instant → the last call arrived. */
   readonly lastMs: number;
@@ -47,16 +67,39 @@ export interface HerdRun {
    * duration depends on.
    */
   readonly afterDueCpuPerRun: Record<CpuCategory | 'total', number>;
+  /** The first herd of the same run, on the same (then freshly started) nodes. */
+  readonly cold: ColdHerd;
 }
 
 export interface HerdResult {
   readonly jobs: number;
   readonly runs: HerdRun[];
+  /** Median over runs of the warm herd's lastMs: the measured figure. */
   readonly medianMs: number;
-  /** Median over runs, per category. */
+  /** Median over runs of the cold herd's lastMs. */
+  readonly coldMedianMs: number;
+  /** Median over runs, per category (warm herd). */
   readonly cpuPerRun: Record<CpuCategory | 'total', number>;
   readonly afterDueCpuPerRun: Record<CpuCategory | 'total', number>;
+  /** The same for the cold herd, from its due instant on. */
+  readonly coldAfterDueCpuPerRun: Record<CpuCategory | 'total', number>;
 }
+
+// Both queries see only one herd: its runs are those scheduled for its due instant (the cold and
+// the warm herd are due at different seconds, and each job fires once a day).
+
+/** Runs of the herd already claimed. $1 = the herd's due instant. */
+const CLAIMED = 'SELECT count(*)::int AS n FROM runs WHERE scheduled_for = $1 AND attempt > 0';
+
+/**
+ * The herd's last run created, announcement published (an outbox row's key is its run's job id)
+ * and call started. $1 = the herd's due instant.
+ */
+const PHASES = `
+  WITH herd AS (SELECT id, job_id, created_at FROM runs WHERE scheduled_for = $1)
+  SELECT (SELECT max(created_at) FROM herd) AS created,
+         (SELECT max(published_at) FROM outbox WHERE key IN (SELECT job_id::text FROM herd)) AS published,
+         (SELECT max(started_at) FROM run_attempts WHERE run_id IN (SELECT id FROM herd)) AS started`;
 
 /** Cron (6 fields, seconds first) that fires once a day at `at`'s UTC second. */
 function onceADayAt(at: Date): string {
@@ -64,8 +107,32 @@ function onceADayAt(at: Date): string {
 }
 
 /**
- * One herd on a fresh cluster. With `profileDir`, every node writes a V8 CPU profile there and
- * pg_stat_activity is sampled during the herd; both summaries are printed.
+ * Inserts `jobs` jobs named `${prefix}-n`, due at one whole second; returns that instant (ms).
+ * Far enough ahead that the insert is done before the dispatcher looks (the lookahead, 5 s by
+ * default, before due).
+ */
+async function insertHerd(cluster: BenchCluster, jobs: number, prefix: string, lookaheadMs: number) {
+  const dueAt = await cluster.nextWholeSecond(lookaheadMs + 4000);
+  await cluster.insertJobs(jobs, onceADayAt(dueAt), dueAt, prefix);
+  return dueAt.getTime();
+}
+
+/** Waits until `jobs` distinct runs scheduled for `due` have called the target, or 60 s after due. */
+async function herdArrived(target: RecordingTarget, due: number, jobs: number): Promise<void> {
+  const deadline = due + 60_000;
+  while (target.callsFor(due) - target.duplicatesFor(due) < jobs && Date.now() < deadline) await sleep(20);
+}
+
+/** Arrivals of the herd due at `due`, in ms after it, and whether every run of it called. */
+function herdArrivals(target: RecordingTarget, due: number, jobs: number) {
+  const complete = target.callsFor(due) - target.duplicatesFor(due) >= jobs;
+  return { arrivals: target.arrivalsFor(due).map((t) => t - due), complete };
+}
+
+/**
+ * One run on a fresh cluster: a cold herd, then the measured warm herd. With `profileDir`, every
+ * node writes a V8 CPU profile of the warm herd there and pg_stat_activity is sampled during it;
+ * both summaries are printed.
  */
 export async function herdOnce(
   jobs: number,
@@ -84,13 +151,19 @@ export async function herdOnce(
   const afterDue = new CpuMeter(cluster.cpuGroups());
   let cpuReport = '';
   try {
-    // Far enough ahead that the insert is done before the dispatcher looks (the lookahead, 5 s by
-    // default, before due).
     const lookaheadMs = Number(options.env?.HELIOS_DISPATCH_LOOKAHEAD_MS ?? 5000);
-    const dueAt = await cluster.nextWholeSecond(lookaheadMs + 4000);
-    await cluster.insertJobs(jobs, onceADayAt(dueAt), dueAt);
+    // Cold: the first herd these processes see, JIT warm-up included. Its jobs fire once a day,
+    // so they stay out of the warm herd.
+    const coldDue = await insertHerd(cluster, jobs, 'cold', lookaheadMs);
+    await sleep(coldDue - Date.now());
+    const coldAfterDue = new CpuMeter(cluster.cpuGroups());
+    await herdArrived(cluster.target, coldDue, jobs);
+    const coldAfterDueSample = await coldAfterDue.sample(cpus().length);
+    await sleep(HERD_SETTLE_MS);
+
+    // Warm: the same herd on the same processes, with its own jobs (warm-n) and due instant.
+    const due = await insertHerd(cluster, jobs, 'warm', lookaheadMs);
     whole.restart();
-    const due = dueAt.getTime();
     if (profileDir) {
       await sleep(due - 1500 - Date.now());
       sampler.start();
@@ -101,10 +174,9 @@ export async function herdOnce(
     afterDue.restart();
     // Claims take no execution slot: how many of the herd's runs were claimed before it was due.
     const claimedByDue = cluster.db.pool
-      .query<{ n: number }>('SELECT count(*)::int AS n FROM runs WHERE attempt > 0')
+      .query<{ n: number }>(CLAIMED, [new Date(due)])
       .then(({ rows }) => rows[0]!.n);
-    const deadline = due + 60_000;
-    while (cluster.target.count < jobs && Date.now() < deadline) await sleep(20);
+    await herdArrived(cluster.target, due, jobs);
     const wholeSample = await whole.sample(cpus().length);
     const afterDueSample = await afterDue.sample(cpus().length);
     sampler.stop();
@@ -116,23 +188,20 @@ export async function herdOnce(
       await sleep(1000);
     }
     await sleep(500); // would-be duplicates
-    const arrivals = cluster.target.arrivals.map((t) => t - due);
+    const { arrivals, complete } = herdArrivals(cluster.target, due, jobs);
+    const cold = herdArrivals(cluster.target, coldDue, jobs);
     const { rows } = await cluster.db.pool.query<{
       created: Date;
       published: Date | null;
       started: Date | null;
-    }>(
-      `SELECT (SELECT max(created_at) FROM runs) AS created,
-              (SELECT max(published_at) FROM outbox) AS published,
-              (SELECT max(started_at) FROM run_attempts) AS started`,
-    );
+    }>(PHASES, [new Date(due)]);
     const at = (d: Date | null | undefined) => (d ? d.getTime() - due : NaN);
     return {
-      lastMs: arrivals.length >= jobs ? max(arrivals) : NaN,
+      lastMs: complete ? max(arrivals) : NaN,
       firstMs: Math.min(...arrivals),
       p50Ms: percentile(arrivals, 50),
       arrived: arrivals.length,
-      duplicates: cluster.target.duplicates,
+      duplicates: cluster.target.duplicatesFor(due),
       phases: {
         created: at(rows[0]?.created),
         published: at(rows[0]?.published),
@@ -141,6 +210,12 @@ export async function herdOnce(
       claimedByDue: await claimedByDue,
       cpuPerRun: cpuPerRun(wholeSample, jobs),
       afterDueCpuPerRun: cpuPerRun(afterDueSample, jobs),
+      cold: {
+        lastMs: cold.complete ? max(cold.arrivals) : NaN,
+        arrived: cold.arrivals.length,
+        duplicates: cluster.target.duplicatesFor(coldDue),
+        afterDueCpuPerRun: cpuPerRun(coldAfterDueSample, jobs),
+      },
     };
   } finally {
     sampler.stop();
@@ -173,7 +248,12 @@ export async function herd(
     const run = await herdOnce(jobs, options);
     runs.push(run);
     options.log?.(
-      `helios run ${i + 1}: ${run.arrived}/${jobs} calls, last ${ms(run.lastMs)} after due ` +
+      `helios run ${i + 1}, cold herd (fresh nodes): ${run.cold.arrived}/${jobs} calls, last ${ms(run.cold.lastMs)} ` +
+        `after due${run.cold.duplicates ? ` (${run.cold.duplicates} duplicates)` : ''}; ` +
+        `CPU per run from the due instant on: ${describeCpuPerRun(run.cold.afterDueCpuPerRun)}`,
+    );
+    options.log?.(
+      `helios run ${i + 1}, warm herd (same nodes): ${run.arrived}/${jobs} calls, last ${ms(run.lastMs)} after due ` +
         `(first ${ms(run.firstMs)}, p50 ${ms(run.p50Ms)}${run.duplicates ? `, ${run.duplicates} duplicates` : ''}); ` +
         `last run created ${ms(run.phases.created)}, last published ${ms(run.phases.published)}, ` +
         `last call started ${ms(run.phases.started)}; ${run.claimedByDue} claimed by the due instant`,
@@ -185,8 +265,10 @@ export async function herd(
     jobs,
     runs,
     medianMs: median(runs.map((r) => r.lastMs)),
+    coldMedianMs: median(runs.map((r) => r.cold.lastMs)),
     cpuPerRun: medianCpuPerRun(runs.map((r) => r.cpuPerRun)),
     afterDueCpuPerRun: medianCpuPerRun(runs.map((r) => r.afterDueCpuPerRun)),
+    coldAfterDueCpuPerRun: medianCpuPerRun(runs.map((r) => r.cold.afterDueCpuPerRun)),
   };
 }
 
@@ -211,9 +293,13 @@ async function main(): Promise<void> {
     env,
     log: (line) => console.log(`  ${line}`),
   });
-  console.log(`helios: median ${ms(result.medianMs)} over ${result.runs.length} runs`);
-  console.log(`CPU per run (medians): ${describeCpuPerRun(result.cpuPerRun)}`);
+  console.log(
+    `helios: warm herd median ${ms(result.medianMs)} over ${result.runs.length} runs ` +
+      `(cold herd, fresh nodes: ${ms(result.coldMedianMs)})`,
+  );
+  console.log(`CPU per run, warm herd (medians): ${describeCpuPerRun(result.cpuPerRun)}`);
   console.log(`  from the due instant on: ${describeCpuPerRun(result.afterDueCpuPerRun)}`);
+  console.log(`  cold herd, from the due instant on: ${describeCpuPerRun(result.coldAfterDueCpuPerRun)}`);
 }
 
 if (import.meta.url === pathToFileURL(process.argv[1] ?? '').href) {

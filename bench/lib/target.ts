@@ -14,15 +14,27 @@ export class RecordingTarget {
   readonly scheduled: number[] = [];
   readonly runIds = new Set<string>();
   duplicates = 0;
+  /**
+   * Calls and repeated run ids per X-Helios-Scheduled-For (ms), so that two herds on one target
+   * (a cold one, then a warm one) are told apart without reset(), which would forget the run ids
+   * and hide a run called in both.
+   */
+  private readonly perInstant = new Map<number, { calls: number; duplicates: number }>();
   private readonly server: Server;
 
   constructor() {
     this.server = createServer((req, res) => {
       this.arrivals.push(nowMs());
-      this.scheduled.push(Date.parse(String(req.headers['x-helios-scheduled-for'])));
+      const scheduledFor = Date.parse(String(req.headers['x-helios-scheduled-for']));
+      this.scheduled.push(scheduledFor);
+      let instant = this.perInstant.get(scheduledFor);
+      if (!instant) this.perInstant.set(scheduledFor, (instant = { calls: 0, duplicates: 0 }));
+      instant.calls++;
       const runId = String(req.headers['x-helios-run-id']);
-      if (this.runIds.has(runId)) this.duplicates++;
-      else this.runIds.add(runId);
+      if (this.runIds.has(runId)) {
+        this.duplicates++;
+        instant.duplicates++;
+      } else this.runIds.add(runId);
       req.resume();
       res.writeHead(200, { 'content-type': 'text/plain' }).end('ok');
     });
@@ -52,11 +64,27 @@ export class RecordingTarget {
     return out;
   }
 
+  /** Calls scheduled for `at` (ms since the epoch) that arrived, repeats included. */
+  callsFor(at: number): number {
+    return this.perInstant.get(at)?.calls ?? 0;
+  }
+
+  /** Of those, calls whose run id had arrived before (in any round): a run called twice. */
+  duplicatesFor(at: number): number {
+    return this.perInstant.get(at)?.duplicates ?? 0;
+  }
+
+  /** Arrival times of the calls scheduled for `at`. */
+  arrivalsFor(at: number): number[] {
+    return this.arrivals.filter((_, i) => this.scheduled[i] === at);
+  }
+
   reset(): void {
     this.arrivals.length = 0;
     this.scheduled.length = 0;
     this.runIds.clear();
     this.duplicates = 0;
+    this.perInstant.clear();
   }
 
   async close(): Promise<void> {
