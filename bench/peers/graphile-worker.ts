@@ -41,12 +41,16 @@ export const graphileWorker: PeerQueue = {
     const worker = await load();
     await worker.runMigrations({ connectionString: url, logger: await silent() });
   },
-  async enqueue(url, count, at) {
+  async enqueue(url, count, at, offset = 0) {
     const worker = await load();
     const utils = await worker.makeWorkerUtils({ connectionString: url, logger: await silent() });
     try {
       await utils.addJobs(
-        Array.from({ length: count }, (_, n) => ({ identifier: TASK, payload: { n }, runAt: at })),
+        Array.from({ length: count }, (_, i) => ({
+          identifier: TASK,
+          payload: { n: offset + i },
+          runAt: at,
+        })),
       );
     } finally {
       await utils.release();

@@ -1,11 +1,17 @@
 /**
  * Herd benchmark of the peers: on the local PostgreSQL (a fresh database per run), 10,000 items
  * due at the same instant, with pg-boss and graphile-worker. Consumers run in child processes,
- * already polling when the items are inserted (a few seconds before they are due). Two variants:
+ * already polling when the items are inserted (5 s before they are due). Two variants:
  * - `http` (the default): each handler makes the HTTP call a Helios worker makes (herd-worker.ts)
  *   to a recording target in this process, the one Helios' herd calls (lib/target.ts); the figure
  *   is due instant → the last call's arrival there, as for Helios;
  * - `--no-http`: the handler only records its start; due instant → every handler had started.
+ *
+ * As for Helios (lib/herd-rounds.ts), each run's fresh worker processes get two herds of the same
+ * size: the first (cold, JIT warm-up included) is reported beside the second (warm, inserted 2 s
+ * after the first's last arrival or start, on the same processes and database), the measured
+ * figure. The second herd's items are numbered from `--items` on, so each herd's starts, arrivals,
+ * duplicates and CPU are its own.
  *
  *   npx tsx bench/peers/herd.ts [--peer pg-boss|graphile-worker] [--runs 3] [--items 10000] [--no-http]
  *                               [--procs 1] [--batch N] [--concurrency N] [--poll MS] [--pool N]
@@ -14,9 +20,10 @@ import { cpus } from 'node:os';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { pathToFileURL } from 'node:url';
 import { parseArgs } from 'node:util';
-import { createTestDatabase } from '../../test/support/database.js';
+import { createTestDatabase, type TestDatabase } from '../../test/support/database.js';
 import { REPO_ROOT } from '../../test/support/env.js';
 import { spawnFixture, stopAll, type ManagedProcess } from '../../test/support/processes.js';
+import { HERD_SETTLE_MS } from '../lib/herd-rounds.js';
 import { CpuMeter, cpuPerRun, describeCpuPerRun, medianCpuPerRun, type CpuCategory } from '../lib/profile.js';
 import { machine, max, median, ms, percentile } from '../lib/stats.js';
 import { RecordingTarget } from '../lib/target.js';
@@ -33,28 +40,40 @@ export const BEST: Record<PeerName, PeerSettings & { procs: number }> = {
   'graphile-worker': { batch: 500, concurrency: 10, pollMs: 100, poolSize: 10, procs: 1 },
 };
 
-export interface HerdRun {
+/** One herd's figures. */
+export interface HerdRound {
   /** Due instant → the last call arrived at the target (http), or the last handler started. */
   readonly lastMs: number;
   readonly firstMs: number;
   readonly p50Ms: number;
   /** Items whose handler started (http: calls that arrived). */
   readonly started: number;
+  /** http: calls that repeated an item's run id (as for Helios); else: handlers run again. */
   readonly duplicates: number;
   /** CPU ms per item by process category, from the insert until the last arrival or start. */
   readonly cpuPerRun: Record<CpuCategory | 'total', number>;
+}
+
+/** One run: the warm herd's figures (the second herd on the same workers), and the cold herd's. */
+export interface HerdRun extends HerdRound {
+  /** The first herd of the same run, on the then freshly started workers. */
+  readonly cold: HerdRound;
 }
 
 export interface HerdResult {
   readonly peer: PeerName;
   readonly settings: string;
   readonly runs: HerdRun[];
-  /** Median over runs of lastMs. */
+  /** Median over runs of the warm herd's lastMs: the measured figure. */
   readonly medianMs: number;
+  /** Median over runs of the cold herd's lastMs. */
+  readonly coldMedianMs: number;
   /** Whether each handler made the HTTP call. */
   readonly http: boolean;
-  /** Median over runs, per category. */
+  /** Median over runs, per category (warm herd). */
   readonly cpuPerRun: Record<CpuCategory | 'total', number>;
+  /** The same for the cold herd. */
+  readonly coldCpuPerRun: Record<CpuCategory | 'total', number>;
 }
 
 interface Options {
@@ -68,7 +87,7 @@ interface Options {
 
 type WorkerMessage =
   | { type: 'ready' }
-  | { type: 'progress'; count: number }
+  | { type: 'progress'; offset: number; count: number }
   | { type: 'starts'; starts: number[]; duplicates: number; failures: number };
 
 function worker(
@@ -116,79 +135,128 @@ function nextMessage<T>(
   });
 }
 
-async function herdOnce(peerName: PeerName, options: Options): Promise<HerdRun> {
-  const peer = peers[peerName];
-  const db = await createTestDatabase({ empty: true });
-  const procs: ManagedProcess[] = [];
-  const http = options.http ?? true;
-  const target = http ? new RecordingTarget() : undefined;
-  try {
-    const targetUrl = await target?.start();
-    await peer.prepare(db.url);
-    for (let i = 0; i < options.settings.procs; i++)
-      procs.push(worker(peerName, db.url, options.settings, i, targetUrl));
-    const counts = procs.map(() => 0);
-    procs.forEach((proc, i) =>
-      proc.child.on('message', (m: WorkerMessage) => {
-        if (m.type === 'progress') counts[i] = m.count;
-      }),
-    );
-    await Promise.all(
-      procs.map((p) => nextMessage(p, (m) => (m.type === 'ready' ? true : undefined), 30_000)),
-    );
-    await sleep(1000); // let the consumers settle into their polling loops
+/** The worker processes of one run, on their database, and the target they call (http). */
+interface Workers {
+  readonly peer: PeerName;
+  readonly db: TestDatabase;
+  readonly procs: ManagedProcess[];
+  readonly target: RecordingTarget | undefined;
+  readonly items: number;
+  /** The current herd's first item and, per process, how many of its items have started. */
+  offset: number;
+  readonly counts: number[];
+}
 
-    // Due 5 s from now by the database clock: time enough to insert 10,000 rows first, even on a
-    // loaded machine (2.5 s was not, at a load average of 9).
-    const { rows } = await db.pool.query<{ at: Date }>(`SELECT now() + interval '5000 milliseconds' AS at`);
-    const dueAt = rows[0]!.at;
-    for (const p of procs) p.child.send({ type: 'due', at: dueAt.toISOString() });
-    await peer.enqueue(db.url, options.items, dueAt);
-    const insertedAt = Date.now();
-    if (insertedAt >= dueAt.getTime()) throw new Error('inserting the items took longer than the lead time');
-    const cpu = new CpuMeter({
-      named: new Map([
-        [process.pid, 'bench (target, sampling)'],
-        ...procs.map((p) => [p.pid, `peer ${p.name}`] as const),
-      ]),
-      repoRoot: REPO_ROOT,
-      brokers: false,
-      backends: async () => {
-        const { rows } = await db.pool.query<{ pid: number }>(
-          'SELECT pid FROM pg_stat_activity WHERE datname = $1',
-          [db.name],
-        );
-        return rows.map((r) => r.pid);
-      },
+/**
+ * Starts the worker processes (into `procs`, which the caller stops even if this fails) and
+ * resolves once they are polling.
+ */
+async function startWorkers(
+  peerName: PeerName,
+  db: TestDatabase,
+  target: RecordingTarget | undefined,
+  options: Options,
+  procs: ManagedProcess[],
+): Promise<Workers> {
+  const targetUrl = await target?.start();
+  await peers[peerName].prepare(db.url);
+  const workers: Workers = {
+    peer: peerName,
+    db,
+    procs,
+    target,
+    items: options.items,
+    offset: 0,
+    counts: [],
+  };
+  for (let i = 0; i < options.settings.procs; i++) {
+    const proc = worker(peerName, db.url, options.settings, i, targetUrl);
+    procs.push(proc);
+    workers.counts.push(0);
+    proc.child.on('message', (m: WorkerMessage) => {
+      // A count sent before the process heard of the current herd is the previous herd's.
+      if (m.type === 'progress' && m.offset === workers.offset) workers.counts[i] = m.count;
     });
+  }
+  await Promise.all(procs.map((p) => nextMessage(p, (m) => (m.type === 'ready' ? true : undefined), 30_000)));
+  await sleep(1000); // let the consumers settle into their polling loops
+  return workers;
+}
 
-    const deadline = dueAt.getTime() + 60_000;
-    const done = () => (target ? target.count : counts.reduce((a, b) => a + b, 0)) >= options.items;
-    while (!done() && Date.now() < deadline) await sleep(20);
-    const cpuSample = await cpu.sample(cpus().length);
-    const reports = await Promise.all(
-      procs.map((p) => {
-        const answer = nextMessage(p, (m) => (m.type === 'starts' ? m : undefined), 10_000);
-        p.child.send({ type: 'report' });
-        return answer;
-      }),
-    );
-    // With HTTP, as for Helios: arrivals at the target; without, the handlers' starts.
-    const times = (target ? target.arrivals : reports.flatMap((r) => r.starts)).map(
-      (t) => t - dueAt.getTime(),
-    );
-    const failures = reports.reduce((a, r) => a + r.failures, 0);
-    if (failures > 0) console.error(`${peerName}: ${failures} calls answered with an error status`);
+/** One herd: items `offset`… inserted, all due at one instant; resolves with its figures. */
+async function herdRound(w: Workers, offset: number): Promise<HerdRound> {
+  const { db, procs, target, items } = w;
+  w.offset = offset;
+  w.counts.fill(0);
+  // Due 5 s from now by the database clock: time enough to insert 10,000 rows first, even on a
+  // loaded machine (2.5 s was not, at a load average of 9).
+  const { rows } = await db.pool.query<{ at: Date }>(`SELECT now() + interval '5000 milliseconds' AS at`);
+  const dueAt = rows[0]!.at;
+  const due = dueAt.getTime();
+  for (const p of procs) p.child.send({ type: 'due', at: dueAt.toISOString(), offset });
+  await peers[w.peer].enqueue(db.url, items, dueAt, offset);
+  if (Date.now() >= due) throw new Error('inserting the items took longer than the lead time');
+  const cpu = new CpuMeter({
+    named: new Map([
+      [process.pid, 'bench (target, sampling)'],
+      ...procs.map((p) => [p.pid, `peer ${p.name}`] as const),
+    ]),
+    repoRoot: REPO_ROOT,
+    brokers: false,
+    backends: async () => {
+      const { rows } = await db.pool.query<{ pid: number }>(
+        'SELECT pid FROM pg_stat_activity WHERE datname = $1',
+        [db.name],
+      );
+      return rows.map((r) => r.pid);
+    },
+  });
+
+  // With HTTP, as for Helios: distinct items whose call arrived; without, whose handler started.
+  const arrived = () =>
+    target ? target.callsFor(due) - target.duplicatesFor(due) : w.counts.reduce((a, b) => a + b, 0);
+  const deadline = due + 60_000;
+  while (arrived() < items && Date.now() < deadline) await sleep(20);
+  const cpuSample = await cpu.sample(cpus().length);
+  const reports = await Promise.all(
+    procs.map((p) => {
+      const answer = nextMessage(p, (m) => (m.type === 'starts' ? m : undefined), 10_000);
+      p.child.send({ type: 'report', from: offset, to: offset + items });
+      return answer;
+    }),
+  );
+  const times = (target ? target.arrivalsFor(due) : reports.flatMap((r) => r.starts)).map((t) => t - due);
+  // The reports, not the progress counts (sent every 50 ms), say whether every item started.
+  const complete = (target ? arrived() : times.length) >= items;
+  const failures = reports.reduce((a, r) => a + r.failures, 0);
+  if (failures > 0) console.error(`${w.peer}: ${failures} calls answered with an error status`);
+  return {
+    lastMs: complete ? max(times) : NaN,
+    firstMs: Math.min(...times),
+    p50Ms: percentile(times, 50),
+    started: times.length,
+    // An item whose handler ran twice also called twice: count it once, where it is measured.
+    duplicates: target ? target.duplicatesFor(due) : reports.reduce((a, r) => a + r.duplicates, 0),
+    cpuPerRun: cpuPerRun(cpuSample, items),
+  };
+}
+
+/**
+ * One run on a fresh database and fresh worker processes: a cold herd (items 0…), then, on the
+ * same processes, the measured warm herd (items `items`…).
+ */
+async function herdOnce(peerName: PeerName, options: Options): Promise<HerdRun> {
+  const db = await createTestDatabase({ empty: true });
+  const target = (options.http ?? true) ? new RecordingTarget() : undefined;
+  const procs: ManagedProcess[] = [];
+  try {
+    const workers = await startWorkers(peerName, db, target, options, procs);
+    const cold = await herdRound(workers, 0);
+    await sleep(HERD_SETTLE_MS);
+    const warm = await herdRound(workers, options.items);
     for (const p of procs) p.child.send({ type: 'stop' });
     await Promise.all(procs.map((p) => p.exited));
-    return {
-      lastMs: times.length >= options.items ? max(times) : NaN,
-      firstMs: Math.min(...times),
-      p50Ms: percentile(times, 50),
-      started: times.length,
-      duplicates: reports.reduce((a, r) => a + r.duplicates, 0) + (target?.duplicates ?? 0),
-      cpuPerRun: cpuPerRun(cpuSample, options.items),
-    };
+    return { ...warm, cold };
   } finally {
     await stopAll(procs);
     await target?.close();
@@ -196,7 +264,10 @@ async function herdOnce(peerName: PeerName, options: Options): Promise<HerdRun> 
   }
 }
 
-/** Runs the herd `runs` times for one peer; returns every run and the median of the last start. */
+/**
+ * Runs the herd `runs` times for one peer; returns every run and the medians of the warm and the
+ * cold herds' last arrival (or start).
+ */
 export async function herdPeer(peer: PeerName, options: Options): Promise<HerdResult> {
   await ensurePeersInstalled();
   const runs: HerdRun[] = [];
@@ -204,10 +275,12 @@ export async function herdPeer(peer: PeerName, options: Options): Promise<HerdRe
     const run = await herdOnce(peer, options);
     runs.push(run);
     const what = options.http === false ? 'handlers started' : 'HTTP calls arrived';
-    options.log?.(
-      `${peer} run ${i + 1}: ${run.started} ${what}, last ${ms(run.lastMs)} after due ` +
-        `(first ${ms(run.firstMs)}, p50 ${ms(run.p50Ms)}${run.duplicates ? `, ${run.duplicates} duplicates` : ''})`,
-    );
+    const line = (herd: HerdRound) =>
+      `${herd.started} ${what}, last ${ms(herd.lastMs)} after due (first ${ms(herd.firstMs)}, ` +
+      `p50 ${ms(herd.p50Ms)}${herd.duplicates ? `, ${herd.duplicates} duplicates` : ''})`;
+    options.log?.(`${peer} run ${i + 1}, cold herd (fresh workers): ${line(run.cold)}`);
+    options.log?.(`  CPU per item: ${describeCpuPerRun(run.cold.cpuPerRun)}`);
+    options.log?.(`${peer} run ${i + 1}, warm herd (same workers): ${line(run)}`);
     options.log?.(`  CPU per item: ${describeCpuPerRun(run.cpuPerRun)}`);
   }
   const { procs, ...settings } = options.settings;
@@ -221,8 +294,10 @@ export async function herdPeer(peer: PeerName, options: Options): Promise<HerdRe
         : '; no HTTP call'),
     runs,
     medianMs: median(runs.map((r) => r.lastMs)),
+    coldMedianMs: median(runs.map((r) => r.cold.lastMs)),
     http,
     cpuPerRun: medianCpuPerRun(runs.map((r) => r.cpuPerRun)),
+    coldCpuPerRun: medianCpuPerRun(runs.map((r) => r.cold.cpuPerRun)),
   };
 }
 
@@ -262,7 +337,8 @@ async function main(): Promise<void> {
       log: (line) => console.log(`  ${line}`),
     });
     console.log(
-      `${name}: median ${ms(result.medianMs)} over ${result.runs.length} runs — ${result.settings}`,
+      `${name}: warm herd median ${ms(result.medianMs)} over ${result.runs.length} runs ` +
+        `(cold herd, fresh workers: ${ms(result.coldMedianMs)}) — ${result.settings}`,
     );
   }
 }

@@ -8,8 +8,12 @@ export interface PeerQueue {
   describe(settings: PeerSettings): string;
   /** Creates the peer's schema (and queue) in an empty database. */
   prepare(url: string): Promise<void>;
-  /** Inserts `count` items, all due at `at`, in one statement. */
-  enqueue(url: string, count: number, at: Date): Promise<void>;
+  /**
+   * Inserts `count` items numbered `offset`…`offset + count − 1` (offset default 0), all due at
+   * `at`, in one statement. A second herd on the same workers takes the next numbers, so its
+   * starts and duplicates are told apart from the first's.
+   */
+  enqueue(url: string, count: number, at: Date, offset?: number): Promise<void>;
   /**
    * Starts consuming in this process; the handler of item n awaits `handle(n)` (which records the
    * start and, in the HTTP variant, makes the call). Returns stop.

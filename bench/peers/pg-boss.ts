@@ -44,12 +44,12 @@ export const pgBoss: PeerQueue = {
     await boss.createQueue(QUEUE);
     await boss.stop({ graceful: false, timeout: 1000 });
   },
-  async enqueue(url, count, at) {
+  async enqueue(url, count, at, offset = 0) {
     const boss = await open(url, { migrate: false });
     const startAfter = at.toISOString();
     await boss.insert(
       QUEUE,
-      Array.from({ length: count }, (_, n) => ({ data: { n }, startAfter })),
+      Array.from({ length: count }, (_, i) => ({ data: { n: offset + i }, startAfter })),
     );
     await boss.stop({ graceful: false, timeout: 1000 });
   },
