@@ -8,16 +8,27 @@
  * `--window N` lets each client have at most N calls in flight, as a worker with
  * HELIOS_WORKER_CONCURRENCY=N does: `--rate 10000 --seconds 1 --window 64` is the herd's floor.
  *
+ * The client processes are fresh for each call of httpFloor(), so they warm up first with the
+ * same calls as the measured ones (floorShape()): steady bursts with 3 seconds at the full rate,
+ * going on at once into the measured seconds; the herd's floor (a window) as the herds are
+ * measured (lib/herd-rounds.ts): one burst of the same calls, then, 2 s after the last client
+ * finished it, the measured burst, which all three clients start at the same whole second.
+ *
  *   npx tsx bench/http-floor.ts [--rate 500] [--seconds 10] [--window N]
  */
-import { fork } from 'node:child_process';
-import { once, setMaxListeners } from 'node:events';
+import { fork, type ChildProcess } from 'node:child_process';
+import { setMaxListeners } from 'node:events';
+import { setTimeout as sleep } from 'node:timers/promises';
 import { fileURLToPath, pathToFileURL } from 'node:url';
 import { parseArgs } from 'node:util';
+import { HERD_SETTLE_MS } from './lib/herd-rounds.js';
 import { RecordingTarget } from './lib/target.js';
 import { machine, max, ms, percentile } from './lib/stats.js';
 
+/** Steady bursts (no --window): warm-up seconds at the full rate before the measured ones. */
 const WARMUP_S = 3;
+/** The client is told when the measured seconds start this long before they do, at least. */
+const START_NOTICE_MS = 200;
 
 export interface FloorResult {
   readonly rate: number;
@@ -26,25 +37,47 @@ export interface FloorResult {
   readonly max: number;
 }
 
-/** One client process: `perSecond` calls at each of `seconds` whole seconds, then exits. */
-async function client(url: string, perSecond: number, seconds: number, window: number): Promise<void> {
+/** What a client process does: its warm-up bursts, and the settle before the measured ones. */
+export interface FloorShape {
+  readonly warmupBursts: number;
+  readonly settleMs: number;
+}
+
+/**
+ * Steady bursts (no window) warm up with WARMUP_S seconds at the full rate and go on at once, as a
+ * node under lateness.ts's steady load does; a herd (a window: a burst may take longer than its
+ * second) warms up with one burst of the same calls, then settles as the herds do.
+ */
+export function floorShape(window: number): FloorShape {
+  return window === Infinity
+    ? { warmupBursts: WARMUP_S, settleMs: 0 }
+    : { warmupBursts: 1, settleMs: HERD_SETTLE_MS };
+}
+
+/**
+ * One client process: `warmupBursts` bursts of `perSecond` calls a second apart (the warm-up: the
+ * same calls as the measured ones), then 'warmed' to the parent, which answers with the instant
+ * of the first measured second; then `perSecond` calls at each of `seconds` whole seconds, and exit.
+ */
+async function client(
+  url: string,
+  perSecond: number,
+  seconds: number,
+  window: number,
+  warmupBursts: number,
+): Promise<void> {
   // The workers' own executor: same undici Agent, handler interface, timer and excerpt reading.
   const { HttpExecutor } = await import('../src/execution/http-executor.js');
   const executor = new HttpExecutor();
   const never = new AbortController().signal;
   // Every call of a burst listens on this one signal (a worker gives each call its own).
   setMaxListeners(0, never);
-  const first = Math.ceil(Date.now() / 1000) * 1000 + 1000;
-  for (let s = 0; s < seconds; s++) {
-    const at = first + s * 1000;
+  const burst = async (name: string, at: number) => {
     // A burst that took longer than a second leaves the next one already due: start it at once.
-    await new Promise((resolve) => setTimeout(resolve, Math.max(0, at - Date.now())));
+    await sleep(Math.max(0, at - Date.now()));
     const scheduledFor = new Date(at);
-    // With a window, a warm-up second only opens the window's connections: a herd-sized warm-up
-    // would still be running when the measured burst is due.
-    const calls = s < WARMUP_S ? Math.min(perSecond, window * 4) : perSecond;
     const call = async (i: number) => {
-      const id = `${process.pid}-${s}-${i}`;
+      const id = `${process.pid}-${name}-${i}`;
       const report = await executor.execute(
         {
           id,
@@ -61,32 +94,58 @@ async function client(url: string, perSecond: number, seconds: number, window: n
     // At most `window` calls in flight: each lane takes the next call when its last one ended.
     let next = 0;
     const lane = async () => {
-      while (next < calls) await call(next++);
+      while (next < perSecond) await call(next++);
     };
-    await Promise.all(Array.from({ length: Math.min(window, calls) }, lane));
-  }
+    await Promise.all(Array.from({ length: Math.min(window, perSecond) }, lane));
+  };
+  const warmupAt = Math.ceil(Date.now() / 1000) * 1000 + 1000;
+  for (let s = 0; s < warmupBursts; s++) await burst(`warmup${s}`, warmupAt + s * 1000);
+  const started = new Promise<number>((resolve) =>
+    process.once('message', (m: { start: number }) => resolve(m.start)),
+  );
+  process.send!({ type: 'warmed' });
+  const first = await started;
+  for (let s = 0; s < seconds; s++) await burst(String(s), first + s * 1000);
   await executor.close();
+  process.disconnect();
+}
+
+/** Resolves when `child` says its warm-up is done; rejects if it exits first. */
+function warmed(child: ChildProcess): Promise<void> {
+  return new Promise((resolve, reject) => {
+    child.once('message', () => resolve());
+    child.once('exit', (code) => reject(new Error(`floor client exited (${code}) during its warm-up`)));
+  });
 }
 
 export async function httpFloor(rate: number, seconds: number, window = Infinity): Promise<FloorResult> {
   const target = new RecordingTarget();
   await target.start();
+  const { warmupBursts, settleMs } = floorShape(window);
+  const self = fileURLToPath(import.meta.url);
+  const clients = [0, 1, 2].map(() =>
+    fork(self, [
+      '--client',
+      target.url,
+      String(Math.round(rate / 3)),
+      String(seconds),
+      String(window),
+      String(warmupBursts),
+    ]),
+  );
+  // Listened for from the start: a client that fails during its warm-up exits before it is awaited.
+  const exited = clients.map((c) => new Promise<number | null>((resolve) => c.once('exit', resolve)));
   try {
-    const started = Date.now();
-    const self = fileURLToPath(import.meta.url);
-    const clients = [0, 1, 2].map(() =>
-      fork(self, [
-        '--client',
-        target.url,
-        String(Math.round(rate / 3)),
-        String(seconds + WARMUP_S),
-        String(window),
-      ]),
-    );
-    await Promise.all(clients.map((c) => once(c, 'exit')));
-    const lateness = target.lateness(Math.ceil(started / 1000) * 1000 + (WARMUP_S + 1) * 1000, Infinity);
+    await Promise.all(clients.map(warmed));
+    // One instant for the three clients, as one due instant for three nodes.
+    const first = Math.ceil((Date.now() + settleMs + START_NOTICE_MS) / 1000) * 1000;
+    for (const c of clients) c.send({ start: first });
+    const codes = await Promise.all(exited);
+    if (codes.some((code) => code !== 0)) throw new Error('a floor client failed (its error is above)');
+    const lateness = target.lateness(first, Infinity);
     return { rate, p50: percentile(lateness, 50), p99: percentile(lateness, 99), max: max(lateness) };
   } finally {
+    for (const c of clients) if (c.exitCode === null && c.signalCode === null) c.kill();
     await target.close();
   }
 }
@@ -102,7 +161,8 @@ async function main(): Promise<void> {
     },
   });
   if (values.client) {
-    return client(positionals[0]!, Number(positionals[1]), Number(positionals[2]), Number(positionals[3]));
+    const [url, perSecond, seconds, window, warmupBursts] = positionals;
+    return client(url!, Number(perSecond), Number(seconds), Number(window), Number(warmupBursts));
   }
   const window = values.window === undefined ? Infinity : Number(values.window);
   const inFlight = window === Infinity ? '' : `, at most ${window} calls in flight per client`;
