@@ -263,7 +263,9 @@ export class RunQueue {
     this.draining = true;
     const deadline = this.options.clock.now() + timeoutMs;
     const abortAt = performance.now() + timeoutMs;
-    this.drainLeftMs = () => abortAt - performance.now();
+    // None once the deadline has passed: the timer that ends the wait can fire up to a millisecond
+    // before abortAt by performance.now() (timers run on the event loop's cached, whole-ms clock).
+    this.drainLeftMs = () => (this.drainedWith ? 0 : abortAt - performance.now());
     // Handed to the other workers, unclaimed: what falls due after the deadline, and what could not
     // end before it (its announced timeout). Claiming those only to hand them back would cost each
     // an attempt number and two writes.
