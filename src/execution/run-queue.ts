@@ -91,7 +91,9 @@ interface Execution {
 
 /** Held runs waiting for the same instant: one timer for all of them (a herd: thousands, one timer). */
 interface Wakeup {
-  readonly timer: NodeJS.Timeout;
+  timer: NodeJS.Timeout;
+  /** performance.now() when the timer fires: a run joining that is due sooner moves it earlier. */
+  firesAt: number;
   readonly entries: Set<Held>;
 }
 
@@ -277,6 +279,7 @@ export class RunQueue {
       }
     }
     if (left.length > 0) this.options.handOff?.(left);
+    this.update();
     const idle = new Promise<void>((resolve) => (this.onIdle = resolve));
     this.checkIdle();
     const timer = new AbortController();
@@ -285,6 +288,7 @@ export class RunQueue {
     const dropped = this.held.size;
     if (dropped > 0) this.options.handOff?.([...this.held.values()].map((entry) => entry.message));
     for (const runId of [...this.held.keys()]) this.forget(runId);
+    this.update();
     const running = [...this.executing.values(), ...this.superseded];
     // Settling executions' calls are over: only their writes are waited for. Claimed runs without
     // a slot have not called: aborted, they hand their claims back.
@@ -400,14 +404,21 @@ export class RunQueue {
       this.ready.push(entry.message.runId);
       return true;
     }
+    // Rounded up: a timer never fires before its time, but the event loop's cached clock can
+    // make it a little early (wake() holds such entries again); the claim's skew tolerance
+    // absorbs the rest.
+    const waitMs = Math.min(MAX_TIMER_MS, Math.ceil(delayMs));
+    const firesAt = performance.now() + waitMs;
     let wakeup = this.wakeups.get(at);
     if (!wakeup) {
-      // Rounded up: a timer never fires before its time, but the event loop's cached clock can
-      // make it a little early (wake() holds such entries again); the claim's skew tolerance
-      // absorbs the rest.
-      const timer = setTimeout(() => this.wake(at), Math.min(MAX_TIMER_MS, Math.ceil(delayMs)));
-      wakeup = { timer, entries: new Set() };
+      wakeup = { timer: setTimeout(() => this.wake(at), waitMs), firesAt, entries: new Set() };
       this.wakeups.set(at, wakeup);
+    } else if (firesAt < wakeup.firesAt - 1) {
+      // The clock estimate moved forward since the timer was set (a re-sync): by it, this
+      // instant comes sooner, and the runs already waiting are due then too.
+      clearTimeout(wakeup.timer);
+      wakeup.timer = setTimeout(() => this.wake(at), waitMs);
+      wakeup.firesAt = firesAt;
     }
     wakeup.entries.add(entry);
     entry.wakeAt = at;
@@ -424,12 +435,17 @@ export class RunQueue {
     this.wakeups.delete(at);
     for (const entry of wakeup.entries) {
       entry.wakeAt = undefined;
-      this.armOnly(entry);
+      // Only the entry held for its run now (forget() removes the others; kept as a guard).
+      if (this.held.get(entry.message.runId) === entry) this.armOnly(entry);
     }
     this.pump();
   }
 
-  /** Removes a held announcement (and its place in its wake-up). */
+  /**
+   * Removes a held announcement (and its place in its wake-up). The caller calls update() once its
+   * change is complete: back-pressure released here could deliver a message (hold()) in the middle
+   * of it.
+   */
   private forget(runId: string): void {
     const entry = this.held.get(runId);
     if (!entry) return;
@@ -446,7 +462,6 @@ export class RunQueue {
       const index = this.ready.indexOf(runId);
       if (index >= 0) this.ready.splice(index, 1);
     }
-    this.update();
   }
 
   /** Gives free slots to claimed runs that are due, then claims ready runs within the budget. */
