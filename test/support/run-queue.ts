@@ -28,3 +28,11 @@ export function testRunQueue(overrides: Partial<RunQueueOptions> & Pick<RunQueue
 export function setCallTime(queue: RunQueue, callMs: number, timed = 20): void {
   Object.assign(queue as unknown as { callMs: number; callsTimed: number }, { callMs, callsTimed: timed });
 }
+
+/** A DbClock whose estimate can be moved, as a re-sync moves it. */
+export class MovableClock extends DbClock {
+  shiftMs = 0;
+  override now(): number {
+    return super.now() + this.shiftMs;
+  }
+}

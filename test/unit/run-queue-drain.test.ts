@@ -8,6 +8,7 @@ import { silentLogger } from '../../src/observability/logger.js';
 import { createMetrics } from '../../src/observability/metrics.js';
 import type { ClaimedRun } from '../../src/store/runs.js';
 import { fakeClaimedRun } from '../support/claimed-run.js';
+import { MovableClock } from '../support/run-queue.js';
 
 // A call that a draining queue lets start must be able to end before the drain cuts it (a call cut
 // after it reached the target is made again elsewhere). The fake `run` applies attempt.ts's rule
@@ -15,14 +16,6 @@ import { fakeClaimedRun } from '../support/claimed-run.js';
 // and then lasts its timeout unless aborted.
 
 const RUN_ID = '00000000-0000-4000-8000-000000000001';
-
-/** A DbClock whose estimate can be moved, as a re-sync moves it. */
-class MovableClock extends DbClock {
-  shiftMs = 0;
-  override now(): number {
-    return super.now() + this.shiftMs;
-  }
-}
 
 interface Call {
   admitted: boolean;

@@ -6,7 +6,7 @@ import type { ClaimOutcome, HoldState } from '../../src/execution/run-claimer.js
 import { RunQueue, type RunQueueOptions } from '../../src/execution/run-queue.js';
 import type { RunMessage } from '../../src/execution/run-message.js';
 import { fakeClaimedRun } from '../support/claimed-run.js';
-import { testRunQueue } from '../support/run-queue.js';
+import { MovableClock, testRunQueue } from '../support/run-queue.js';
 
 // Runs held for the same instant share one wake-up (one timer, one pump): the interleavings a
 // review tried against it. Fakes only. The last two failed on the first version: a run held after
@@ -25,14 +25,6 @@ function message(runId: string, notBefore: Date, attempt = 1, concurrency?: 'for
     notBefore,
     ...(concurrency && { concurrency }),
   };
-}
-
-/** A DbClock whose estimate can be moved, as a re-sync moves it. */
-class MovableClock extends DbClock {
-  shiftMs = 0;
-  override now(): number {
-    return super.now() + this.shiftMs;
-  }
 }
 
 interface Held {
