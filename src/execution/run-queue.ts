@@ -117,8 +117,8 @@ const CALL_MS_WEIGHT = 0.05;
  * The worker's in-memory timing and execution slots, with no database of its own (unit-tested
  * with fakes): the claim is a function it is given (run-claimer.ts).
  * The pipeline: held announcements (until `claimLeadMs` before not_before by the database
- * clock; one timer per instant, shared by every run held for it) → ready → claimed (batched by the claimer, no slot) → at not_before, a slot →
- * the call (at most `concurrency` at once). Only the claim in PostgreSQL makes a run ours; this
+ * clock; one timer per instant, shared by every run held for it) → ready → claimed (batched by
+ * the claimer, no slot) → at not_before, a slot → the call (at most `concurrency` at once). Only the claim in PostgreSQL makes a run ours; this
  * queue only decides *when* to try, so losing it (a crash) loses nothing but time: the polling
  * fallback claims what was held here, the reaper what was claimed.
  *
