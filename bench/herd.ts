@@ -6,8 +6,8 @@
  * Each run starts a fresh cluster and gives it two herds of the same size (lib/herd-rounds.ts):
  * the first (cold) meets freshly started processes, so JIT warm-up is a large part of it; the
  * second (warm), inserted 2 s after the first's last call, on the same processes, is what a
- * scheduler that has been running meets at the top of the hour, and is the measured figure. The cold herd's last arrival (and its
- * CPU per run after due) is reported beside it. Every other figure describes the warm herd: where
+ * scheduler that has been running meets at the top of the hour, and is the measured figure. The
+ * cold herd's last arrival (and its CPU per run after due) is reported beside it. Every other figure describes the warm herd: where
  * the time went, from the database (runs created, outbox published, runs claimed by the due
  * instant, the last call's start), the CPU per run, and with --profile the profiles and
  * pg_stat_activity.
@@ -120,12 +120,12 @@ async function insertHerd(cluster: BenchCluster, jobs: number, prefix: string, l
 /** Waits until `jobs` distinct runs scheduled for `due` have called the target, or 60 s after due. */
 async function herdArrived(target: RecordingTarget, due: number, jobs: number): Promise<void> {
   const deadline = due + 60_000;
-  while (target.callsFor(due) - target.duplicatesFor(due) < jobs && Date.now() < deadline) await sleep(20);
+  while (target.runsCalledFor(due) < jobs && Date.now() < deadline) await sleep(20);
 }
 
 /** Arrivals of the herd due at `due`, in ms after it, and whether every run of it called. */
 function herdArrivals(target: RecordingTarget, due: number, jobs: number) {
-  const complete = target.callsFor(due) - target.duplicatesFor(due) >= jobs;
+  const complete = target.runsCalledFor(due) >= jobs;
   return { arrivals: target.arrivalsFor(due).map((t) => t - due), complete };
 }
 

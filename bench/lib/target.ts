@@ -74,6 +74,11 @@ export class RecordingTarget {
     return this.perInstant.get(at)?.duplicates ?? 0;
   }
 
+  /** Distinct runs scheduled for `at` that called: calls less repeats. */
+  runsCalledFor(at: number): number {
+    return this.callsFor(at) - this.duplicatesFor(at);
+  }
+
   /** Arrival times of the calls scheduled for `at`. */
   arrivalsFor(at: number): number[] {
     return this.arrivals.filter((_, i) => this.scheduled[i] === at);

@@ -213,8 +213,7 @@ async function herdRound(w: Workers, offset: number): Promise<HerdRound> {
   });
 
   // With HTTP, as for Helios: distinct items whose call arrived; without, whose handler started.
-  const arrived = () =>
-    target ? target.callsFor(due) - target.duplicatesFor(due) : w.counts.reduce((a, b) => a + b, 0);
+  const arrived = () => (target ? target.runsCalledFor(due) : w.counts.reduce((a, b) => a + b, 0));
   const deadline = due + 60_000;
   while (arrived() < items && Date.now() < deadline) await sleep(20);
   const cpuSample = await cpu.sample(cpus().length);
