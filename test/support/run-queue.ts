@@ -3,6 +3,7 @@ import { RunQueue, type RunQueueOptions } from '../../src/execution/run-queue.js
 import { silentLogger } from '../../src/observability/logger.js';
 import { createMetrics } from '../../src/observability/metrics.js';
 import { fakeClaimedRun } from './claimed-run.js';
+import { waitFor } from './execution.js';
 
 /**
  * A RunQueue for unit tests, with fakes: every claim succeeds (fakeClaimedRun), no claim lead, no
@@ -35,4 +36,12 @@ export class MovableClock extends DbClock {
   override now(): number {
     return super.now() + this.shiftMs;
   }
+}
+
+/**
+ * Waits until `done()` holds, polling every 2 ms (the queue's steps take a few ms); fails naming
+ * `what` after `timeoutMs`.
+ */
+export async function until(done: () => boolean, what: string, timeoutMs = 3_000): Promise<void> {
+  await waitFor(what, done, timeoutMs, 2);
 }

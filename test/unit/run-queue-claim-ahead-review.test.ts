@@ -13,7 +13,7 @@ import type { AttemptReport } from '../../src/store/attempts.js';
 import type { Connections } from '../../src/store/pool-share.js';
 import type { ClaimedRun } from '../../src/store/runs.js';
 import { fakeClaimedRun } from '../support/claimed-run.js';
-import { setCallTime, testRunQueue } from '../support/run-queue.js';
+import { setCallTime, testRunQueue, until } from '../support/run-queue.js';
 
 // Review of 9166bae (claims no longer take an execution slot): interleavings between a claimed
 // run's wait for its slot and aborts, the poller, drains and the claim-ahead budget. Fakes only.
@@ -83,15 +83,6 @@ function assertIdle(queue: RunQueue, concurrency: number): void {
 const callMsOf = (queue: RunQueue) => (queue as unknown as { callMs: number }).callMs;
 /** Sets the call time estimate as a node that has timed many calls has it (a moving average). */
 const setCallMs = (queue: RunQueue, ms: number) => setCallTime(queue, ms);
-
-/** Waits (bounded) until `done()` holds. */
-async function until(done: () => boolean, what: string, timeoutMs = 3_000): Promise<void> {
-  const end = performance.now() + timeoutMs;
-  while (!done()) {
-    if (performance.now() > end) assert.fail(`timed out waiting for ${what}`);
-    await sleep(2);
-  }
-}
 
 interface Seen {
   claimed: string[];

@@ -6,7 +6,7 @@ import type { ClaimOutcome, HoldState } from '../../src/execution/run-claimer.js
 import { RunQueue, type RunQueueOptions } from '../../src/execution/run-queue.js';
 import type { RunMessage } from '../../src/execution/run-message.js';
 import { fakeClaimedRun } from '../support/claimed-run.js';
-import { MovableClock, testRunQueue } from '../support/run-queue.js';
+import { MovableClock, testRunQueue, until } from '../support/run-queue.js';
 
 // Runs held for the same instant share one wake-up (one timer, one pump): the interleavings a
 // review tried against it. Fakes only. The last two failed on the first version: a run held after
@@ -79,15 +79,6 @@ function assertConsistent(queue: RunQueue, when: string): void {
       inWakeups.has(entry) || q.ready.includes(runId),
       `${when}: ${runId} held, neither ready nor waiting`,
     );
-  }
-}
-
-/** Waits (bounded) until `done()` holds. */
-async function until(done: () => boolean, what: string, timeoutMs = 3_000): Promise<void> {
-  const end = performance.now() + timeoutMs;
-  while (!done()) {
-    if (performance.now() > end) assert.fail(`timed out waiting for ${what}`);
-    await sleep(2);
   }
 }
 

@@ -8,6 +8,7 @@ import { silentLogger } from '../../src/observability/logger.js';
 import { createMetrics } from '../../src/observability/metrics.js';
 import type { ClaimedRun } from '../../src/store/runs.js';
 import { fakeClaimedRun } from '../support/claimed-run.js';
+import { until } from '../support/run-queue.js';
 
 // The queue's timing logic alone: claims and executions are fakes (the claim itself is tested
 // against PostgreSQL in test/integration/execution-claims.test.ts).
@@ -162,7 +163,7 @@ test('runs held for the same instant share one timer, fire together, and a forgo
   before = timers();
   queue.hold({ ...held(5000, new Date()), attempt: 2 });
   assert.equal(before - timers(), 1, 'the instant without runs left has no timer');
-  await until(() => claimedAt.length === 1, 'the newer attempt claimed at once');
+  await until(() => claimedAt.length === 1, 'the newer attempt claimed at once', 1_000);
   await until(() => claimedAt.length === 1001, 'the herd claimed', 2_000);
   const herdClaims = claimedAt.slice(1);
   // One wake-up: every claim of the herd is tried in the same turn of the event loop.
@@ -170,11 +171,3 @@ test('runs held for the same instant share one timer, fire together, and a forgo
   assert.ok(spread < 50, `claimed together (within ${Math.round(spread)} ms)`);
   await queue.drain(100, new Error('test over'));
 });
-
-async function until(ok: () => boolean, what: string, timeoutMs = 1_000): Promise<void> {
-  const deadline = performance.now() + timeoutMs;
-  while (!ok()) {
-    if (performance.now() > deadline) assert.fail(`timed out waiting: ${what}`);
-    await sleep(2);
-  }
-}
