@@ -196,7 +196,7 @@ function workerConfig(env: Env, databasePoolSize: number): WorkerConfig {
     prefetch: int(env, 'HELIOS_WORKER_PREFETCH', 5000, 1, 100_000),
     claimGraceMs: int(env, 'HELIOS_CLAIM_GRACE_MS', 5000, 100, 3_600_000),
     skewToleranceMs: int(env, 'HELIOS_CLOCK_SKEW_TOLERANCE_MS', 10, 0, 10_000),
-    claimLeadMs: int(env, 'HELIOS_CLAIM_LEAD_MS', 50, 0, 10_000),
+    claimLeadMs: int(env, 'HELIOS_CLAIM_LEAD_MS', 1000, 0, 10_000),
     pollIntervalMs: int(env, 'HELIOS_POLL_INTERVAL_MS', 1000, 50, 600_000),
     pollOverdueMs: int(env, 'HELIOS_POLL_OVERDUE_MS', 2000, 0, 3_600_000),
     claimCheckIntervalMs: int(env, 'HELIOS_CLAIM_CHECK_INTERVAL_MS', 1000, 50, 600_000),

@@ -154,10 +154,9 @@ export interface WorkerConfig {
   readonly skewToleranceMs: number;
   /**
    * HELIOS_CLAIM_LEAD_MS: a worker claims an `allow` run up to this long before it is due and
-   * starts the HTTP call exactly when due, keeping the claim's round trip off the critical path
-   * (forbid and replace runs are claimed only when due). A longer lead makes a herd's claims before
-   * it is due, but a pause or edit inside this window before an occurrence does not stop a run
-   * already claimed for it; default 50.
+   * starts the HTTP call exactly when due, so a herd's claims are made before it is due (forbid and
+   * replace runs are claimed only when due). A run claimed ahead is marked started just before its
+   * call; until then a pause or an edit withdraws it. Default 1000.
    */
   readonly claimLeadMs: number;
   /** HELIOS_POLL_INTERVAL_MS: period of the workers' polling fallback; default 1000. */

@@ -28,6 +28,11 @@ export interface AttemptContext {
    * re-announcement waits on this worker's partitions while it restarts). Optional.
    */
   readonly handOff?: (messages: RunMessage[]) => void;
+  /**
+   * Marks a run claimed ahead of its time started (batched): true when it may be called, false
+   * when a pause or an edit withdrew it meanwhile, or its claim was lost.
+   */
+  readonly start: (run: ClaimedRun) => Promise<boolean>;
   /** Records a success if this node still holds the claim (batched); false when stale. */
   readonly complete: (run: ClaimedRun, report: AttemptReport) => Promise<boolean>;
   readonly logger: Logger;
@@ -85,6 +90,10 @@ export async function runAttempt(
       const released = await release(report).catch(() => null);
       if (released && notMade.outcome === 'stopping') ctx.handOff?.([released]);
       log().warn({ released: Boolean(released) }, notMade.error);
+      return;
+    }
+    if (run.startPending && !(await startOrWithdrawn(ctx, run, log))) {
+      callEnded?.(false);
       return;
     }
     const startedAt = ctx.clock.now();
@@ -147,6 +156,27 @@ export async function runAttempt(
       'settling the attempt failed until the claim expired; the reaper recovers it',
     );
   }
+}
+
+/**
+ * A run claimed ahead of its time: marks it started, after which a pause or an edit no longer
+ * withdraws it. False (no call) when it was withdrawn, its claim was lost, or the write failed:
+ * one try, no retry. A run that could not be marked started is left to the reaper, which re-queues
+ * it once its claim expires without using up an attempt; calling it unmarked could race a pause.
+ */
+async function startOrWithdrawn(ctx: AttemptContext, run: ClaimedRun, log: () => Logger): Promise<boolean> {
+  try {
+    if (await ctx.start(run)) return true;
+    ctx.metrics.runsExecuted.inc({ outcome: 'withdrawn' });
+    log().info('run withdrawn (paused, edited or deleted) or its claim lost before its call; no call made');
+  } catch (err) {
+    ctx.metrics.runsExecuted.inc({ outcome: 'start-failed' });
+    log().warn(
+      { err: toError(err) },
+      'could not mark the run started; no call made, the reaper re-queues it once its claim expires',
+    );
+  }
+  return false;
 }
 
 /**

@@ -6,6 +6,7 @@ import {
   claimRun,
   claimRuns,
   isForbidViolation,
+  startRuns,
   type ClaimedRun,
   type ClaimOptions,
   type ClaimRequest,
@@ -105,6 +106,31 @@ export function createCompletionBatcher(pool: Connections, nodeId: string): Micr
         return await completeSucceededMany(pool, nodeId, items);
       } catch {
         return oneByOne(items, async (item) => (await completeSucceededMany(pool, nodeId, [item]))[0]!);
+      }
+    },
+    MAX_BATCH,
+    MAX_IN_FLIGHT,
+  );
+}
+
+/** A run claimed ahead of its time whose call is about to begin. */
+export interface StartRequest {
+  readonly id: string;
+  readonly attempt: number;
+}
+
+/**
+ * Starts claimed-ahead runs in batches (see MicroBatcher; a herd's runs all start at their
+ * instant): true when the run may be called, false when it was withdrawn or its claim lost. A
+ * batch that fails is retried item by item, as completions are.
+ */
+export function createStartBatcher(pool: Connections, nodeId: string): MicroBatcher<StartRequest, boolean> {
+  return new MicroBatcher(
+    async (runs) => {
+      try {
+        return await startRuns(pool, nodeId, runs);
+      } catch {
+        return oneByOne(runs, async (run) => (await startRuns(pool, nodeId, [run]))[0]!);
       }
     },
     MAX_BATCH,

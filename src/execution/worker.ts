@@ -13,7 +13,7 @@ import type { RunMessage } from '../model.js';
 import type { ClaimedRun } from '../store/runs.js';
 import { runAttempt, WorkerStoppingError, type AttemptContext } from './attempt.js';
 import { watchClaims } from './claim-watch.js';
-import { createClaimBatcher, createCompletionBatcher } from './batching.js';
+import { createClaimBatcher, createCompletionBatcher, createStartBatcher } from './batching.js';
 import { DbClock } from './db-clock.js';
 import { HttpExecutor } from './http-executor.js';
 import { KafkaIntake } from './intake.js';
@@ -84,12 +84,14 @@ export class Worker {
     });
     const completions = createCompletionBatcher(options.pool, options.nodeId);
     const claims = createClaimBatcher(options.pool, this.claimOptions());
+    const starts = createStartBatcher(options.pool, options.nodeId);
     const context: AttemptContext = {
       pool: options.pool,
       nodeId: options.nodeId,
       executor: this.executor,
       topics: { runsTopic: options.runsTopic, deadLetterTopic: options.deadLetterTopic },
       clock: this.clock,
+      start: (run) => starts.add({ id: run.id, attempt: run.attempt }),
       complete: (run, report) => completions.add({ run, report }),
       handOff: (messages) => this.handOff(messages),
       logger,

@@ -145,18 +145,22 @@ export async function deleteJob(db: Queryable, id: string): Promise<boolean> {
 }
 
 /**
- * Deletes job $1's scheduled runs that are due after $2 and not claimed yet: created ahead of
- * their time by the dispatcher's lookahead. A pause or an edit withdraws them, so the occurrences
- * follow the job as it is when they fall due: created again from the new definition once it is
- * enabled, or not at all while it is paused. (Marking them `skipped` instead left tombstones that
- * a resume's new runs ran into: ON CONFLICT (job_id, scheduled_for) DO NOTHING lost them.)
- * Their announcements may still reach workers, whose claims then find nothing.
+ * Deletes job $1's scheduled runs that are due after $2 and not started: created ahead of their
+ * time by the dispatcher's lookahead, queued or claimed ahead by a worker (running, first attempt,
+ * started_at NULL: its call waits for startRuns, which finds nothing to start once this commits).
+ * A pause or an edit withdraws them, so the occurrences follow the job as it is when they fall due:
+ * created again from the new definition once it is enabled, or not at all while it is paused.
+ * (Marking them `skipped` instead left tombstones that a resume's new runs ran into: ON CONFLICT
+ * (job_id, scheduled_for) DO NOTHING lost them.) Their announcements may still reach workers,
+ * whose claims then find nothing. A run a worker has started is not deleted: its update commits
+ * first and this delete, having waited for the row, re-reads it and leaves it (or the other way
+ * round: see START in runs.ts).
  */
 const WITHDRAW_FUTURE_RUNS = `
   WITH withdrawn AS (
     DELETE FROM runs
-    WHERE job_id = $1 AND state = 'queued' AND attempt = 0 AND trigger = 'schedule'
-      AND scheduled_for > $2
+    WHERE job_id = $1 AND trigger = 'schedule' AND scheduled_for > $2
+      AND ((state = 'queued' AND attempt = 0) OR (state = 'running' AND attempt = 1 AND started_at IS NULL))
     RETURNING scheduled_for
   )
   SELECT min(scheduled_for) AS earliest FROM withdrawn`;

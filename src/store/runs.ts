@@ -17,20 +17,27 @@ export interface ClaimedRun {
   /** When the call may start: a run claimed ahead (see ClaimOptions.leadMs) waits until then. */
   readonly notBefore: Date;
   readonly claimExpiresAt: Date;
+  /**
+   * Claimed before its time (its first call not yet made): a pause or an edit may still withdraw
+   * it, so the call waits for {@link startRuns} to mark it started.
+   */
+  readonly startPending: boolean;
 }
 
 const CLAIMED_COLUMNS = `
   id, job_id AS "jobId", attempt, max_attempts AS "maxAttempts", scheduled_for AS "scheduledFor",
   target, timeout_ms AS "timeoutMs", backoff_ms AS "backoffMs",
   backoff_multiplier AS "backoffMultiplier", concurrency, not_before AS "notBefore",
-  claim_expires_at AS "claimExpiresAt"`;
+  claim_expires_at AS "claimExpiresAt", started_at IS NULL AS "startPending"`;
 
 /**
  * Moves queued, due runs to running for node $2 and records their attempts, in one statement.
  * $1 = run ids, $5 = the attempt each caller expects to start (parallel; NULL = any),
  * $2 = node id, $3 = claim grace ms, $4 = clock-skew tolerance ms, $6 = claim lead ms.
  * An `allow` run may be claimed up to the lead before not_before (its call still starts at
- * not_before, so the attempt starts then and the claim deadline counts from then); `forbid` and
+ * not_before, so the attempt starts then and the claim deadline counts from then; a first attempt
+ * claimed before not_before is started by {@link startRuns}, until which a pause or an edit may
+ * withdraw it); `forbid` and
  * `replace` runs only once due, so their policy is judged against the runs active at that time.
  * A fresh occurrence of a `forbid` job is not claimed while a sibling waits to retry (that
  * sibling is still active); a second *running* run of a `forbid` job violates
@@ -47,7 +54,10 @@ const CLAIM = `
     SET state = 'running', attempt = r.attempt + 1, claimed_by = $2, reason = NULL,
         claim_expires_at = greatest(statement_timestamp(), r.not_before)
                            + (r.timeout_ms + $3) * interval '1 millisecond',
-        started_at = coalesce(r.started_at, greatest(statement_timestamp(), r.not_before))
+        -- A run claimed before it is due has not started: started_at stays NULL until its call
+        -- is about to begin (startRuns), and until then a pause or an edit withdraws it.
+        started_at = CASE WHEN r.not_before > statement_timestamp() THEN r.started_at
+                          ELSE coalesce(r.started_at, statement_timestamp()) END
     FROM input c
     -- "IS TRUE" (the same test) keeps the planner from proving runs_queued_idx's predicate and
     -- scanning every queued run when its statistics say there are few (a herd just created
@@ -125,6 +135,49 @@ export async function claimRun(
 ): Promise<ClaimedRun | null> {
   const [run] = await claimRuns(db, [{ runId, expectedAttempt }], options);
   return run ?? null;
+}
+
+/**
+ * Marks runs claimed ahead of their time (ClaimedRun.startPending) started, where node $3 still
+ * holds the attempt: from here on a pause or an edit no longer withdraws them (WITHDRAW_FUTURE_RUNS
+ * only takes runs whose started_at is NULL). Both statements write the row, so whichever commits
+ * first wins and the other sees it: a withdrawn run is not started (nothing to update), a started
+ * run is not withdrawn (the delete re-reads the row it waited for). Parallel arrays: $1 = run ids,
+ * $2 = attempts. Returns the ids started. started_at is not indexed, so this is a HOT update when
+ * the page has room (the completion later narrows it to when the call began).
+ */
+const START = `
+  WITH input AS MATERIALIZED (
+    -- As in the completion statement: node and state as columns of a materialised input keep the
+    -- plan one primary-key lookup per run, whatever the statistics say about running runs.
+    SELECT s.*, $3::text AS node, 'running'::text AS running
+    FROM unnest($1::uuid[], $2::int[]) AS s (id, attempt)
+  )
+  UPDATE runs r SET started_at = statement_timestamp()
+  FROM input s
+  WHERE r.id = s.id AND r.attempt = s.attempt AND r.claimed_by = s.node AND r.state = s.running
+    AND r.started_at IS NULL
+  RETURNING r.id`;
+
+/**
+ * Starts claimed-ahead runs (see START) in one statement; returns, per run, whether it may be
+ * called: false when it was withdrawn (a pause, an edit, a deletion) or its claim lost.
+ */
+export async function startRuns(
+  db: Queryable,
+  nodeId: string,
+  runs: readonly { readonly id: string; readonly attempt: number }[],
+): Promise<boolean[]> {
+  if (runs.length === 0) return [];
+  // Sorted like claims and completions, so concurrent batches lock rows in the same order.
+  const sorted = [...runs].sort((a, b) => (a.id < b.id ? -1 : a.id > b.id ? 1 : 0));
+  const { rows } = await db.query<{ id: string }>({ name: 'helios-start-runs', text: START }, [
+    sorted.map((r) => r.id),
+    sorted.map((r) => r.attempt),
+    nodeId,
+  ]);
+  const started = new Set(rows.map((r) => r.id));
+  return runs.map((r) => started.has(r.id));
 }
 
 /** Why a claim returned nothing: the run as it is now. */

@@ -18,5 +18,6 @@ export function fakeClaimedRun(runId: string, attempt = 1): ClaimedRun {
     concurrency: 'allow',
     notBefore: new Date(),
     claimExpiresAt: new Date(Date.now() + 10_000),
+    startPending: false,
   };
 }

@@ -465,6 +465,7 @@ function attemptQueue(options: {
     executor,
     topics: { runsTopic: 'runs', deadLetterTopic: 'dead' },
     clock,
+    start: async () => true,
     complete: async () => {
       if (options.writeMs) await sleep(options.writeMs);
       return true;
