@@ -145,9 +145,10 @@ export async function deleteJob(db: Queryable, id: string): Promise<boolean> {
 }
 
 /**
- * Deletes job $1's scheduled runs that are due after $2 and not started: created ahead of their
- * time by the dispatcher's lookahead, queued or claimed ahead by a worker (running, first attempt,
- * started_at NULL: its call waits for startRuns, which finds nothing to start once this commits).
+ * Deletes job $1's scheduled runs that are due after $2 and never started (started_at NULL: no
+ * call was made for them): created ahead of their time by the dispatcher's lookahead, queued,
+ * claimed ahead by a worker (its call waits for startRuns, which finds nothing to start once this
+ * commits), or handed back uncalled by a stopping worker. A retry or a replay has started_at set.
  * A pause or an edit withdraws them, so the occurrences follow the job as it is when they fall due:
  * created again from the new definition once it is enabled, or not at all while it is paused.
  * (Marking them `skipped` instead left tombstones that a resume's new runs ran into: ON CONFLICT
@@ -160,7 +161,7 @@ const WITHDRAW_FUTURE_RUNS = `
   WITH withdrawn AS (
     DELETE FROM runs
     WHERE job_id = $1 AND trigger = 'schedule' AND scheduled_for > $2
-      AND ((state = 'queued' AND attempt = 0) OR (state = 'running' AND attempt = 1 AND started_at IS NULL))
+      AND state IN ('queued', 'running') AND started_at IS NULL
     RETURNING scheduled_for
   )
   SELECT min(scheduled_for) AS earliest FROM withdrawn`;

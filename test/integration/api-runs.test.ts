@@ -153,7 +153,10 @@ test('PATCH of what runs copy withdraws the runs created ahead, so they are crea
   const job = await createJob('patch-target');
   const ahead = [await insertRun(job.id, 2500), await insertRun(job.id, 1500)];
   const due = await insertRun(job.id, -5000);
-  const running = await insertRun(job.id, 1000, 'running', 1);
+  // Claimed ahead by a worker: one whose call has begun (marked started), one whose has not.
+  const started = await insertRun(job.id, 1000, 'running', 1);
+  await api.db.pool.query('UPDATE runs SET started_at = now() WHERE id = $1', [started]);
+  const claimedAhead = await insertRun(job.id, 2000, 'running', 1);
   const before = await api.db.pool.query<{ earliest: Date }>(
     'SELECT scheduled_for AS earliest FROM runs WHERE id = $1',
     [ahead[1]],
@@ -164,7 +167,8 @@ test('PATCH of what runs copy withdraws the runs created ahead, so they are crea
   assert.equal(response.status, 200, JSON.stringify(response.body));
   assert.deepEqual(await Promise.all(ahead.map(runExists)), [false, false], 'runs ahead withdrawn');
   assert.equal((await runState(due)).state, 'queued', 'a due run is not withdrawn');
-  assert.equal((await runState(running)).state, 'running', 'a claimed run is not withdrawn');
+  assert.equal((await runState(started)).state, 'running', 'a run whose call has begun is not withdrawn');
+  assert.equal(await runExists(claimedAhead), false, 'a run claimed ahead and not started is withdrawn');
   // The dispatcher creates the withdrawn occurrences again, with the new target.
   assert.equal(new Date((response.body as Job).nextRunAt!).getTime(), before.rows[0]!.earliest.getTime());
 });

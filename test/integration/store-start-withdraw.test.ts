@@ -1,6 +1,8 @@
 import assert from 'node:assert/strict';
 import { after, before, test } from 'node:test';
 import type pg from 'pg';
+import { releaseClaim } from '../../src/store/attempts.js';
+import { inTransaction } from '../../src/store/db.js';
 import { withdrawFutureRuns } from '../../src/store/jobs.js';
 import { claimRuns, startRuns, type ClaimedRun } from '../../src/store/runs.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
@@ -128,4 +130,21 @@ test('a pause and the start of the same runs at once: each run is started or wit
       );
     }
   }
+});
+
+test('a run claimed ahead and handed back uncalled (a stopping worker) is withdrawn by a pause', async () => {
+  const { jobId, runs } = await claimedAheadRuns(2);
+  const report = {
+    outcome: 'cancelled' as const,
+    statusCode: null,
+    durationMs: null,
+    error: 'worker stopping',
+    responseExcerpt: null,
+  };
+  for (const run of runs) {
+    const next = await inTransaction(db.pool, (c) => releaseClaim(c, run, NODE, report, 'runs'));
+    assert.equal(next?.attempt, 2, 'handed back, announced again');
+  }
+  assert.notEqual(await withdrawFutureRuns(db.pool, jobId, new Date()), null);
+  assert.deepEqual(await existing(runs.map((r) => r.id)), [], 'never called, so withdrawn like a queued run');
 });

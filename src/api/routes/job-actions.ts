@@ -40,7 +40,7 @@ export function jobActionRoutes(app: Api, options: ApiOptions): void {
         tags: ['jobs'],
         summary: 'Disable a job',
         description:
-          'Occurrences due until now still run; later ones do not: runs created ahead of their time and not claimed are withdrawn. Runs already claimed or executing finish.',
+          'Occurrences due until now still run; later ones do not: runs created ahead of their time whose call has not begun are withdrawn, claimed ahead by a worker or not. Runs whose call has begun finish.',
         params: IdParams,
         response: { 200: Job, ...problems(404, ...COMMON_PROBLEMS) },
       },
