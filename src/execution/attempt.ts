@@ -65,6 +65,11 @@ export async function runAttempt(
       inTransaction(pool, (client) => releaseClaim(client, run, nodeId, report, ctx.topics.runsTopic)),
     );
   try {
+    // First, before anything acts for this run: a withdrawn run must not replace another (below).
+    if (run.startPending && !(await startOrWithdrawn(ctx, run, log))) {
+      callEnded?.(false);
+      return;
+    }
     if (run.concurrency === 'replace') {
       const replaced = await replaceOlderRuns(pool, run.jobId);
       if (replaced.length > 0) metrics.runsReplaced.inc(replaced.length);
@@ -74,6 +79,7 @@ export async function runAttempt(
         return;
       }
     }
+    // Judged after START and the replacement, which take round trips: the call begins right after.
     const notMade = whyNotStart(ctx, run, drainLeftMs);
     if (notMade) {
       callEnded?.(false);
@@ -90,10 +96,6 @@ export async function runAttempt(
       const released = await release(report).catch(() => null);
       if (released && notMade.outcome === 'stopping') ctx.handOff?.([released]);
       log().warn({ released: Boolean(released) }, notMade.error);
-      return;
-    }
-    if (run.startPending && !(await startOrWithdrawn(ctx, run, log))) {
-      callEnded?.(false);
       return;
     }
     const startedAt = ctx.clock.now();
@@ -163,6 +165,8 @@ export async function runAttempt(
  * withdraws it. False (no call) when it was withdrawn, its claim was lost, or the write failed:
  * one try, no retry. A run that could not be marked started is left to the reaper, which re-queues
  * it once its claim expires without using up an attempt; calling it unmarked could race a pause.
+ * A run marked started and then handed back uncalled (whyNotStart) keeps started_at: it is due by
+ * then, so no later pause would withdraw it anyway (only occurrences after the pause are withdrawn).
  */
 async function startOrWithdrawn(ctx: AttemptContext, run: ClaimedRun, log: () => Logger): Promise<boolean> {
   try {

@@ -50,9 +50,9 @@ export async function pauseJob(
   return inTransaction(db, async (client) => {
     const current = await findJob(client, ref, true);
     if (!current?.enabled) return current;
-    const boundary = await databaseClock(client);
+    // The withdrawal draws the line, then what fell due up to it is created (no run is on both sides).
+    const { boundary } = await withdrawFutureRuns(client, current.id);
     const nextRunAt = await createDueRuns(client, current, boundary, options);
-    await withdrawFutureRuns(client, current.id, boundary);
     return updateJob(client, current.id, { ...current, enabled: false, nextRunAt });
   });
 }
@@ -100,20 +100,21 @@ export async function patchJob(
     const current = await findJob(client, ref, true);
     if (!current) return null;
     const { fields, schedule } = compile(current);
-    const boundary = await databaseClock(client);
-    // What fell due before this edit runs as the job was defined then.
-    let nextRunAt = await createDueRuns(client, current, boundary, options);
     const reschedule =
       fields.schedule !== current.schedule ||
       fields.timezone !== current.timezone ||
       (fields.enabled && !current.enabled);
+    const withdraw = current.enabled && (!fields.enabled || reschedule || runSnapshotChanged(current, fields));
+    // A withdrawal draws the line itself (see withdrawFutureRuns); otherwise the clock does.
+    const { boundary, earliest } = withdraw
+      ? await withdrawFutureRuns(client, current.id)
+      : { boundary: await databaseClock(client), earliest: null };
+    // What fell due before this edit runs as the job was defined then.
+    let nextRunAt = await createDueRuns(client, current, boundary, options);
     if (reschedule) nextRunAt = schedule.next(boundary);
-    if (current.enabled && (!fields.enabled || reschedule || runSnapshotChanged(current, fields))) {
-      const earliest = await withdrawFutureRuns(client, current.id, boundary);
-      // Same schedule, new snapshot: the withdrawn occurrences are created again, from the new definition.
-      if (fields.enabled && !reschedule && earliest && (nextRunAt === null || earliest < nextRunAt)) {
-        nextRunAt = earliest;
-      }
+    // Same schedule, new snapshot: the withdrawn occurrences are created again, from the new definition.
+    if (fields.enabled && !reschedule && earliest && (nextRunAt === null || earliest < nextRunAt)) {
+      nextRunAt = earliest;
     }
     return updateJob(client, current.id, { ...fields, nextRunAt });
   });

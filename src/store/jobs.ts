@@ -145,31 +145,42 @@ export async function deleteJob(db: Queryable, id: string): Promise<boolean> {
 }
 
 /**
- * Deletes job $1's scheduled runs that are due after $2 and never started (started_at NULL: no
- * call was made for them): created ahead of their time by the dispatcher's lookahead, queued,
- * claimed ahead by a worker (its call waits for startRuns, which finds nothing to start once this
- * commits), or handed back uncalled by a stopping worker. A retry or a replay has started_at set.
- * A pause or an edit withdraws them, so the occurrences follow the job as it is when they fall due:
- * created again from the new definition once it is enabled, or not at all while it is paused.
- * (Marking them `skipped` instead left tombstones that a resume's new runs ran into: ON CONFLICT
- * (job_id, scheduled_for) DO NOTHING lost them.) Their announcements may still reach workers,
- * whose claims then find nothing. A run a worker has started is not deleted: its update commits
- * first and this delete, having waited for the row, re-reads it and leaves it (or the other way
- * round: see START in runs.ts).
+ * Deletes job $1's scheduled runs that are due after this statement's start (its `boundary`) and
+ * never started (started_at NULL: no call was made for them): created ahead of their time by the
+ * dispatcher's lookahead, queued, claimed ahead by a worker (its call waits for startRuns, which
+ * finds nothing to start once this commits), or handed back uncalled by a stopping worker. A retry
+ * or a replay has started_at set. A pause or an edit withdraws them, so the occurrences follow the
+ * job as it is when they fall due: created again from the new definition once it is enabled, or not
+ * at all while it is paused. (Marking them `skipped` instead left tombstones that a resume's new runs
+ * ran into: ON CONFLICT (job_id, scheduled_for) DO NOTHING lost them.) Their announcements may still
+ * reach workers, whose claims then find nothing. A run a worker has started is not deleted: its
+ * update commits first and this delete, having waited for the row, re-reads it and leaves it (or the
+ * other way round: see START in runs.ts).
+ *
+ * The boundary is this statement's own clock, not one read earlier in the transaction: a START
+ * committed between an earlier reading and this delete, for an occurrence due after that reading,
+ * would be kept and called on the wrong side of the line.
  */
 const WITHDRAW_FUTURE_RUNS = `
-  WITH withdrawn AS (
+  WITH line AS (
+    SELECT statement_timestamp() AS boundary
+  ), withdrawn AS (
     DELETE FROM runs
-    WHERE job_id = $1 AND trigger = 'schedule' AND scheduled_for > $2
+    WHERE job_id = $1 AND trigger = 'schedule' AND scheduled_for > (SELECT boundary FROM line)
       AND state IN ('queued', 'running') AND started_at IS NULL
     RETURNING scheduled_for
   )
-  SELECT min(scheduled_for) AS earliest FROM withdrawn`;
+  SELECT (SELECT boundary FROM line) AS boundary, min(scheduled_for) AS earliest FROM withdrawn`;
 
-/** Returns the earliest withdrawn occurrence (null when none was withdrawn). */
-export async function withdrawFutureRuns(db: Queryable, jobId: string, after: Date): Promise<Date | null> {
-  const { rows } = await db.query<{ earliest: Date | null }>(WITHDRAW_FUTURE_RUNS, [jobId, after]);
-  return rows[0]?.earliest ?? null;
+/** Where a withdrawal drew its line, and the earliest occurrence it withdrew (null: none). */
+export interface Withdrawal {
+  readonly boundary: Date;
+  readonly earliest: Date | null;
+}
+
+export async function withdrawFutureRuns(db: Queryable, jobId: string): Promise<Withdrawal> {
+  const { rows } = await db.query<Withdrawal>(WITHDRAW_FUTURE_RUNS, [jobId]);
+  return rows[0]!;
 }
 
 /** True when runs created from `after` would differ from runs created from `before`. */

@@ -88,8 +88,8 @@ async function inOpenTransaction<T>(work: (client: pg.PoolClient) => Promise<T>)
 
 test('a pause that withdrew a claimed-ahead run first: its worker finds nothing to start', async () => {
   const { jobId, runs } = await claimedAheadRuns(3);
-  const pause = await inOpenTransaction((c) => withdrawFutureRuns(c, jobId, new Date()));
-  assert.notEqual(pause.result, null, 'the pause withdrew runs');
+  const pause = await inOpenTransaction((c) => withdrawFutureRuns(c, jobId));
+  assert.notEqual(pause.result.earliest, null, 'the pause withdrew runs');
   const starting = startRuns(db.pool, NODE, runs);
   await untilBlocked();
   await pause.commit();
@@ -101,10 +101,10 @@ test('a worker that started a claimed-ahead run first: a pause leaves it to run'
   const { jobId, runs } = await claimedAheadRuns(3);
   const start = await inOpenTransaction((c) => startRuns(c, NODE, runs));
   assert.deepEqual(start.result, [true, true, true]);
-  const withdrawing = withdrawFutureRuns(db.pool, jobId, new Date());
+  const withdrawing = withdrawFutureRuns(db.pool, jobId);
   await untilBlocked();
   await start.commit();
-  assert.equal(await withdrawing, null, 'the pause withdrew no started run');
+  assert.equal((await withdrawing).earliest, null, 'the pause withdrew no started run');
   const left = await existing(runs.map((r) => r.id));
   assert.equal(left.length, 3, 'the started runs are kept');
   assert.ok(left.every((r) => r.startedAt !== null));
@@ -117,7 +117,7 @@ test('a pause and the start of the same runs at once: each run is started or wit
     const [first, second] = [runs.slice(0, 20), runs.slice(20)];
     const [a, , b] = await Promise.all([
       startRuns(db.pool, NODE, first),
-      withdrawFutureRuns(db.pool, jobId, new Date()),
+      withdrawFutureRuns(db.pool, jobId),
       startRuns(db.pool, NODE, second),
     ]);
     const started = new Set(runs.filter((_, i) => (i < 20 ? a[i] : b[i - 20])).map((r) => r.id));
@@ -145,6 +145,6 @@ test('a run claimed ahead and handed back uncalled (a stopping worker) is withdr
     const next = await inTransaction(db.pool, (c) => releaseClaim(c, run, NODE, report, 'runs'));
     assert.equal(next?.attempt, 2, 'handed back, announced again');
   }
-  assert.notEqual(await withdrawFutureRuns(db.pool, jobId, new Date()), null);
+  assert.notEqual((await withdrawFutureRuns(db.pool, jobId)).earliest, null);
   assert.deepEqual(await existing(runs.map((r) => r.id)), [], 'never called, so withdrawn like a queued run');
 });

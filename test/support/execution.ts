@@ -152,16 +152,16 @@ export async function insertJob(db: pg.Pool, spec: JobSpec): Promise<string> {
   return rows[0]!.id;
 }
 
-/** A whole second at least `aheadMs` from now by the database clock. */
 /**
  * Stops jobs as an edit through the API would: disabled, and their runs created ahead of their
  * time (the dispatch lookahead) withdrawn, so nothing of theirs fires afterwards.
  */
 export async function stopJobs(db: pg.Pool, jobIds: string[]): Promise<void> {
   await db.query('UPDATE jobs SET enabled = false WHERE id = ANY($1::uuid[])', [jobIds]);
-  const { rows } = await db.query<{ now: Date }>('SELECT clock_timestamp() AS now');
-  for (const id of jobIds) await withdrawFutureRuns(db, id, rows[0]!.now);
+  for (const id of jobIds) await withdrawFutureRuns(db, id);
 }
+
+/** A whole second at least `aheadMs` from now by the database clock. */
 
 export async function nextWholeSecond(db: pg.Pool, aheadMs: number): Promise<Date> {
   const { rows } = await db.query<{ at: Date }>(
