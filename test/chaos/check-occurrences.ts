@@ -4,7 +4,7 @@
  * did, no occurrence was delivered by two different runs, and each went to the target in force.
  */
 import { arrivalDeadline } from './check-runs.js';
-import { expectations, whyNot, type JobHistory } from './model.js';
+import { expectations, whyNot, type JobHistory, type JobVersion } from './model.js';
 import {
   groupBy,
   iso,
@@ -43,6 +43,98 @@ function isLate(run: RunRow, obs: Observations): boolean {
   return run.createdAt - run.scheduledFor > obs.settings.misfireThresholdMs + LATE_FUZZ_MS;
 }
 
+/**
+ * The deliveries that are calls of a scheduled occurrence. A manual run's X-Helios-Scheduled-For is
+ * its trigger's now() cut to milliseconds: once in a thousand triggers it falls on a whole second and
+ * looked like the occurrence of that second (run while paused, or delivered by two runs). A delivery
+ * counts when its run is a schedule run; a run with no row (its job was deleted, its runs with it)
+ * counts unless a trigger call answered with its id. Returns them and the manual deliveries left out.
+ */
+function occurrenceDeliveries(obs: Observations): { deliveries: Delivery[]; manual: Delivery[] } {
+  const trigger = new Map(obs.runs.map((r) => [r.id, r.trigger]));
+  for (const op of obs.ops)
+    if (op.kind === 'trigger' && op.runId !== undefined && !trigger.has(op.runId))
+      trigger.set(op.runId, 'manual');
+  const deliveries: Delivery[] = [];
+  const manual: Delivery[] = [];
+  for (const d of obs.deliveries) (trigger.get(d.runId) === 'manual' ? manual : deliveries).push(d);
+  return { deliveries, manual };
+}
+
+/** ms → the time of day (UTC) with milliseconds, for the dense details of a violation. */
+const hms = (ms: number | null | undefined) =>
+  ms === null || ms === undefined ? '-' : iso(ms).slice(11, 23);
+
+/**
+ * Everything the database and the target know of a run that delivered an occurrence, so that a
+ * violation can be diagnosed from the CI output alone: trigger, state, attempts, who created it and
+ * when, when it was marked started, which node made each attempt, and when each call arrived.
+ */
+function describeRun(runId: string, arrived: readonly Delivery[], obs: Observations): string {
+  const run = obs.runs.find((r) => r.id === runId);
+  const calls = arrived
+    .filter((d) => d.runId === runId)
+    .sort((a, b) => a.arrivedAt - b.arrivedAt)
+    .map(
+      (d) =>
+        `#${d.attempt} at ${hms(d.arrivedAt)}` +
+        ` (${d.aborted ? 'aborted' : (d.status ?? 'no answer')}${d.path ? ` ${d.path}` : ''})`,
+    );
+  const attempts = obs.attempts
+    .filter((a) => a.runId === runId)
+    .sort((a, b) => a.attempt - b.attempt)
+    .map((a) => `#${a.attempt} ${a.nodeId} from ${hms(a.startedAt)} (${a.outcome ?? 'open'})`);
+  const facts = run
+    ? [
+        `trigger ${run.trigger}`,
+        `${run.state}${run.reason ? ` (${run.reason})` : ''}`,
+        `attempt ${run.attempt}/${run.maxAttempts}`,
+        `created ${hms(run.createdAt)} ${run.createdEpoch === null ? 'through the API (no epoch)' : `by epoch ${run.createdEpoch}`}`,
+        `scheduled_for ${iso(run.scheduledFor)}`,
+        `started_at ${hms(run.startedAt)}`,
+        `finished_at ${hms(run.finishedAt)}`,
+      ]
+    : ['no row (its job was deleted?)'];
+  return (
+    `run ${runId}: ${facts.join(', ')}; attempts ${attempts.join(', ') || 'none recorded'}; ` +
+    `calls ${calls.join(', ') || 'none'}`
+  );
+}
+
+/**
+ * The job's changes around a disabled version: the one that disabled it (a pause, a PATCH of
+ * enabled, or an edit of a paused job that kept it paused) and the next one, with their calls'
+ * sent and answered times, plus the job's trigger calls near `at`.
+ */
+function describeJobAround(
+  job: JobHistory,
+  decidedBy: JobVersion | null,
+  at: number,
+  obs: Observations,
+): string {
+  const parts: string[] = [];
+  const call = (v: JobVersion) => `${v.cause} (sent ${hms(v.from0)}, in force by ${hms(v.from1)})`;
+  const i = decidedBy ? job.versions.indexOf(decidedBy) : -1;
+  if (i >= 0 && decidedBy!.exists && !decidedBy!.enabled) {
+    let first = i;
+    while (first > 0 && job.versions[first - 1]!.exists && !job.versions[first - 1]!.enabled) first -= 1;
+    parts.push(`disabled by ${call(job.versions[first]!)}`);
+    if (first !== i) parts.push(`then ${call(decidedBy!)}`);
+  } else if (decidedBy) {
+    parts.push(`in force: ${call(decidedBy)}`);
+  }
+  const next = i >= 0 ? job.versions[i + 1] : undefined;
+  parts.push(next ? `next change ${call(next)}` : 'no later change');
+  const triggers = obs.ops.filter(
+    (o) => o.kind === 'trigger' && o.jobId === job.id && Math.abs(o.sentAt - at) <= 5000,
+  );
+  for (const t of triggers)
+    parts.push(
+      `trigger sent ${hms(t.sentAt)} answered ${hms(t.answeredAt)} ${t.outcome} run ${t.runId ?? '?'}`,
+    );
+  return parts.join('; ');
+}
+
 export function checkOccurrences(obs: Observations): Findings {
   const violations: string[] = [];
   const lines: string[] = [];
@@ -53,7 +145,8 @@ export function checkOccurrences(obs: Observations): Findings {
     obs.runs.filter((r) => r.trigger === 'schedule'),
     (r) => r.jobId,
   );
-  const deliveriesByJob = groupBy(obs.deliveries, (d) => d.jobId);
+  const { deliveries: scheduled, manual } = occurrenceDeliveries(obs);
+  const deliveriesByJob = groupBy(scheduled, (d) => d.jobId);
   const missing: string[] = [];
   const forbidden: string[] = [];
   const doubled: string[] = [];
@@ -90,13 +183,18 @@ export function checkOccurrences(obs: Observations): Findings {
       const arrived = executed(e.at);
       const runIds = new Set(arrived.map((d) => d.runId));
       if (runIds.size > 1)
-        doubled.push(`${label(e.at)}: delivered by ${runIds.size} different runs ${[...runIds].join(', ')}`);
+        doubled.push(
+          `${label(e.at)}: delivered by ${runIds.size} different runs ${[...runIds].join(', ')}` +
+            [...runIds].map((id) => `\n          ${describeRun(id, arrived, obs)}`).join(''),
+        );
       if (e.verdict === 'either') either += 1;
       if (e.verdict === 'must-not') {
         mustNot += 1;
         if (arrived.length > 0)
           forbidden.push(
-            `${label(e.at)} ran ${whyNot(e.decidedBy ?? null, e.at)} (run ${arrived[0]!.runId})`,
+            `${label(e.at)} ran ${whyNot(e.decidedBy ?? null, e.at)} (run ${arrived[0]!.runId})` +
+              [...runIds].map((id) => `\n          ${describeRun(id, arrived, obs)}`).join('') +
+              `\n          job: ${describeJobAround(job, e.decidedBy ?? null, e.at, obs)}`,
           );
         continue;
       }
@@ -130,7 +228,14 @@ export function checkOccurrences(obs: Observations): Findings {
       const what = run
         ? `its run ${run.id} is ${run.state}${run.reason ? ` (${run.reason})` : ''}`
         : 'no run';
-      missing.push(`${label(e.at)}: ${what}, though a leader was creating runs within the misfire threshold`);
+      // A run still pending when its job was deleted went with it: say how late that was.
+      const deleted =
+        deletedSentAt === undefined
+          ? ''
+          : `; the job was deleted at ${iso(deletedSentAt)}, after the arrival deadline ${iso(arrivalDeadline(obs, e.at))}`;
+      missing.push(
+        `${label(e.at)}: ${what}, though a leader was creating runs within the misfire threshold${deleted}`,
+      );
     }
     misfires.push(...checkMisfirePolicy(job, [...runs.values()], excusedMisses, obs));
   }
@@ -138,7 +243,8 @@ export function checkOccurrences(obs: Observations): Findings {
     `occurrences judged: must run ${must} (missing ${missing.length}, missed by misfire ${excused}, ` +
       `deleted with their job while still pending ${deletedPending}), ` +
       `must not run ${mustNot} (ran ${forbidden.length}), either ${either}; ` +
-      `delivered by two runs ${doubled.length}; wrong target ${wrongTarget.length}`,
+      `delivered by two runs ${doubled.length}; wrong target ${wrongTarget.length}; ` +
+      `calls of manual runs left out ${manual.length} (on a whole second ${manual.filter((d) => d.scheduledFor % 1000 === 0).length})`,
   );
   report(violations, 'occurrences that must have run did not', missing);
   report(violations, 'occurrences that must not have run did', forbidden);

@@ -232,6 +232,108 @@ test('the checker reports an occurrence run while its job was paused', () => {
     /2 occurrences that must not have run did:\n.*o1 \(ops, fire-once\) at 2026-12-01T12:00:14\.000Z ran while the job was paused/,
   );
   assert.doesNotMatch(violations(obs), /12:00:13\.000Z ran/);
+  // What the database and the target know of the run, for a post-mortem from the CI output alone.
+  assert.match(
+    violations(obs),
+    /run o1-14: trigger schedule, succeeded, attempt 1\/3, created 12:00:10\.000 by epoch 1, scheduled_for 2026-12-01T12:00:14\.000Z, started_at 12:00:14\.000, finished_at 12:00:14\.100; attempts #1 chaos-a from 12:00:14\.000 \(succeeded\); calls #1 at 12:00:14\.005 \(200 \/ok\/o1\/v0\)/,
+  );
+  assert.match(
+    violations(obs),
+    /job: disabled by pause \(sent 12:00:13\.200, in force by 12:00:13\.300\); no later change/,
+  );
+});
+
+test('a manual run whose trigger fell on a whole second is not an occurrence of that second', () => {
+  // X-Helios-Scheduled-For carries milliseconds: a manual run triggered at 17.000x s (now() of its
+  // insert) was taken for the 17 s occurrence of its paused job (the likely cause of chaos seed 1's
+  // one failure in CI: ops-new-0 at 01:42:19.000Z "ran while the job was paused").
+  const obs = history();
+  const ops = job('o1', 'ops');
+  ops.versions.push({
+    ...ops.versions[0]!,
+    enabled: false,
+    from0: sec(12),
+    from1: sec(12) + 20,
+    cause: 'pause',
+  });
+  obs.jobs.push(ops);
+  for (let s = 10; s <= 11; s++) {
+    const r = run('o1', s, 1n);
+    obs.runs.push(r);
+    obs.deliveries.push({ ...delivery(r), path: '/ok/o1/v0' });
+  }
+  const manual = run('o1', 17, 1n, {
+    id: 'o1-manual',
+    trigger: 'manual',
+    createdEpoch: null,
+    createdAt: sec(17),
+    startedAt: sec(17) + 2,
+  });
+  obs.runs.push(manual);
+  obs.deliveries.push({ ...delivery(manual), path: '/ok/o1/v0' });
+  obs.attempts.push({
+    runId: manual.id,
+    attempt: 1,
+    nodeId: 'chaos-a',
+    startedAt: sec(17) + 2,
+    finishedAt: null,
+    outcome: 'succeeded',
+  });
+  obs.ops.push({
+    kind: 'trigger',
+    jobId: 'o1',
+    sentAt: sec(17) - 3,
+    answeredAt: sec(17) + 4,
+    outcome: 'ok',
+    runId: manual.id,
+  });
+  assert.equal(violations(obs), '');
+  // A scheduled run of the same second is an occurrence that must not have run.
+  const scheduled = run('o1', 17, 2n, { id: 'o1-17' });
+  obs.runs.push(scheduled);
+  obs.deliveries.push({ ...delivery(scheduled), path: '/ok/o1/v0' });
+  obs.attempts.push({
+    runId: scheduled.id,
+    attempt: 1,
+    nodeId: 'chaos-b',
+    startedAt: sec(17),
+    finishedAt: null,
+    outcome: 'succeeded',
+  });
+  assert.match(
+    violations(obs),
+    /1 occurrences that must not have run did:\n.*o1 \(ops, fire-once\) at 2026-12-01T12:00:17\.000Z ran while the job was paused \(pause\) \(run o1-17\)\n.*run o1-17: trigger schedule/,
+  );
+  assert.doesNotMatch(violations(obs), /run o1-manual:/);
+});
+
+test('a manual run on a whole second of an enabled job is not a second delivery of the occurrence', () => {
+  const obs = history();
+  const manual = run('s1', 15, 1n, {
+    id: 's1-manual',
+    trigger: 'manual',
+    createdEpoch: null,
+    createdAt: sec(15),
+  });
+  obs.runs.push(manual);
+  obs.deliveries.push(delivery(manual, 1, sec(15) + 8));
+  obs.attempts.push({
+    runId: manual.id,
+    attempt: 1,
+    nodeId: 'chaos-b',
+    startedAt: sec(15) + 8,
+    finishedAt: null,
+    outcome: 'succeeded',
+  });
+  obs.ops.push({
+    kind: 'trigger',
+    jobId: 's1',
+    sentAt: sec(15) - 3,
+    answeredAt: sec(15) + 4,
+    outcome: 'ok',
+    runId: manual.id,
+  });
+  assert.equal(violations(obs), '');
 });
 
 test('the checker reports a retry skipped under forbid', () => {
