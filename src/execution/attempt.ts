@@ -66,7 +66,9 @@ export async function runAttempt(
     );
   try {
     // First, before anything acts for this run: a withdrawn run must not replace another (below).
-    if (run.startPending && !(await startOrWithdrawn(ctx, run, log))) {
+    // Not for a run aborted while it waited for its time (a drain, a lost claim): no call follows,
+    // and marking it started before it is due would keep it from a pause after it is handed back.
+    if (run.startPending && !cancel.aborted && !(await startOrWithdrawn(ctx, run, log))) {
       callEnded?.(false);
       return;
     }
@@ -162,25 +164,43 @@ export async function runAttempt(
 
 /**
  * A run claimed ahead of its time: marks it started, after which a pause or an edit no longer
- * withdraws it. False (no call) when it was withdrawn, its claim was lost, or the write failed:
- * one try, no retry. A run that could not be marked started is left to the reaper, which re-queues
- * it once its claim expires without using up an attempt; calling it unmarked could race a pause.
- * A run marked started and then handed back uncalled (whyNotStart) keeps started_at: it is due by
- * then, so no later pause would withdraw it anyway (only occurrences after the pause are withdrawn).
+ * withdraws it. False (no call) when it was withdrawn or its claim lost. A write that fails
+ * (PostgreSQL restarting, a pool timeout) is tried again while the claim still covers the call
+ * (START is repeatable); past that the run is left to the reaper, which re-queues it once its claim
+ * expires without using up an attempt. Calling it unmarked could race a pause. A run marked started
+ * and then handed back uncalled (whyNotStart) keeps started_at: it is due by then (an aborted run
+ * is not marked), so no later pause would withdraw it anyway (only later occurrences are withdrawn).
  */
 async function startOrWithdrawn(ctx: AttemptContext, run: ClaimedRun, log: () => Logger): Promise<boolean> {
-  try {
-    if (await ctx.start(run)) return true;
-    ctx.metrics.runsExecuted.inc({ outcome: 'withdrawn' });
-    log().info('run withdrawn (paused, edited or deleted) or its claim lost before its call; no call made');
-  } catch (err) {
-    ctx.metrics.runsExecuted.inc({ outcome: 'start-failed' });
-    log().warn(
-      { err: toError(err) },
-      'could not mark the run started; no call made, the reaper re-queues it once its claim expires',
-    );
+  for (
+    let tries = 1, pauseMs = SETTLE_RETRY_MS;
+    ;
+    tries++, pauseMs = Math.min(SETTLE_RETRY_MAX_MS, pauseMs * 2)
+  ) {
+    try {
+      if (await ctx.start(run)) return true;
+      ctx.metrics.runsExecuted.inc({ outcome: 'withdrawn' });
+      log().info('run withdrawn (paused, edited or deleted) or its claim lost before its call; no call made');
+      return false;
+    } catch (err) {
+      // Worth another try only while a call started after it could still end within the claim.
+      const spareMs = ctx.clock.msUntil(run.claimExpiresAt) - run.timeoutMs;
+      if (spareMs <= pauseMs) {
+        ctx.metrics.runsExecuted.inc({ outcome: 'start-failed' });
+        log().warn(
+          { err: toError(err), tries },
+          'could not mark the run started; no call made, the reaper re-queues it once its claim expires',
+        );
+        return false;
+      }
+      if (tries === 1)
+        log().warn(
+          { err: toError(err) },
+          'could not mark the run started; retrying while the claim covers the call',
+        );
+      await sleep(pauseMs);
+    }
   }
-  return false;
 }
 
 /**

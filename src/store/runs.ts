@@ -143,8 +143,9 @@ export async function claimRun(
  * only takes runs whose started_at is NULL). Both statements write the row, so whichever commits
  * first wins and the other sees it: a withdrawn run is not started (nothing to update), a started
  * run is not withdrawn (the delete re-reads the row it waited for). Parallel arrays: $1 = run ids,
- * $2 = attempts. Returns the ids started. started_at is not indexed, so this is a HOT update when
- * the page has room (the completion later narrows it to when the call began).
+ * $2 = attempts. Returns the ids started. Repeatable: a retry after a commit whose answer was lost
+ * finds the run started and says so. started_at is not indexed, so this is a HOT update when the
+ * page has room (the completion later narrows it to when the call began).
  */
 const START = `
   WITH input AS MATERIALIZED (
@@ -153,10 +154,9 @@ const START = `
     SELECT s.*, $3::text AS node, 'running'::text AS running
     FROM unnest($1::uuid[], $2::int[]) AS s (id, attempt)
   )
-  UPDATE runs r SET started_at = statement_timestamp()
+  UPDATE runs r SET started_at = coalesce(r.started_at, statement_timestamp())
   FROM input s
   WHERE r.id = s.id AND r.attempt = s.attempt AND r.claimed_by = s.node AND r.state = s.running
-    AND r.started_at IS NULL
   RETURNING r.id`;
 
 /**

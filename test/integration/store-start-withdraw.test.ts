@@ -148,3 +148,17 @@ test('a run claimed ahead and handed back uncalled (a stopping worker) is withdr
   assert.notEqual((await withdrawFutureRuns(db.pool, jobId)).earliest, null);
   assert.deepEqual(await existing(runs.map((r) => r.id)), [], 'never called, so withdrawn like a queued run');
 });
+
+test('START is repeatable (a retry after a lost answer): the run stays started at its first time; another node or a later attempt cannot start it', async () => {
+  const { jobId, runs } = await claimedAheadRuns(2);
+  assert.deepEqual(await startRuns(db.pool, NODE, runs), [true, true]);
+  const startedAt = async () =>
+    new Map((await existing(runs.map((r) => r.id))).map((r) => [r.id, r.startedAt?.getTime()]));
+  const first = await startedAt();
+  assert.deepEqual(await startRuns(db.pool, NODE, runs), [true, true], 'a retry finds them started');
+  assert.deepEqual(await startedAt(), first, 'started_at is not moved by the retry');
+  assert.deepEqual(await startRuns(db.pool, 'node-b', runs), [false, false], 'another node holds no claim');
+  const stale = runs.map((r) => ({ id: r.id, attempt: r.attempt + 1 }));
+  assert.deepEqual(await startRuns(db.pool, NODE, stale), [false, false], 'no such attempt');
+  assert.equal((await withdrawFutureRuns(db.pool, jobId)).earliest, null, 'started runs are kept');
+});

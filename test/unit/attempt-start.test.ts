@@ -34,7 +34,13 @@ function harness(start: (run: ClaimedRun) => Promise<boolean>): Harness {
   const executor = {
     execute: async (run: ClaimedRun, cancel: AbortSignal): Promise<AttemptReport> => {
       if (cancel.aborted) {
-        return { outcome: 'cancelled', statusCode: null, durationMs: 0, error: 'aborted', responseExcerpt: null };
+        return {
+          outcome: 'cancelled',
+          statusCode: null,
+          durationMs: 0,
+          error: 'aborted',
+          responseExcerpt: null,
+        };
       }
       h.calls.push(run.id);
       return { outcome: 'succeeded', statusCode: 200, durationMs: 1, error: null, responseExcerpt: null };
@@ -128,12 +134,64 @@ test('control: a claimed-ahead run with time left is started, then called once',
   assert.deepEqual(h.calls, [RUN]);
 });
 
-test('control: START that throws makes no call and writes nothing (left to the reaper)', async () => {
+test('a START that fails (PostgreSQL restarting) is tried again while the claim covers the call; the run is called once', async () => {
+  // One try only left every run claimed ahead of a PostgreSQL restart uncalled until the reaper
+  // re-queued it after its claim expired: 8-19 s late in the chaos run's restart-postgres window.
+  let tries = 0;
   const h = harness(async () => {
-    throw new Error('connection terminated');
+    tries += 1;
+    if (tries < 4) throw new Error('connect ECONNREFUSED');
+    return true;
   });
   const run: ClaimedRun = { ...fakeClaimedRun(RUN), startPending: true };
   await runAttempt(h.ctx, run, new AbortController().signal);
+  assert.equal(tries, 4);
+  assert.deepEqual(h.calls, [RUN]);
+});
+
+test('a START that keeps failing is given up once the claim no longer covers the call: no call, no write (left to the reaper)', async () => {
+  let tries = 0;
+  const h = harness(async () => {
+    tries += 1;
+    throw new Error('connection terminated');
+  });
+  const run: ClaimedRun = {
+    ...fakeClaimedRun(RUN),
+    timeoutMs: 200,
+    claimExpiresAt: new Date(Date.now() + 600),
+    startPending: true,
+  };
+  const began = Date.now();
+  await runAttempt(h.ctx, run, new AbortController().signal);
+  const tookMs = Date.now() - began;
+  assert.ok(tries > 1, 'tried again while the claim had room');
+  assert.ok(tookMs < 600, `gave up before the claim expired (${tookMs} ms)`);
   assert.deepEqual(h.calls, []);
   assert.deepEqual(h.sql, []);
+});
+
+test('a claimed-ahead run aborted while it waited for its time (a drain) is handed back without START', async () => {
+  // Marked started before it is due, then handed back, it would be called by the next worker
+  // without START, so a pause landing before its time would no longer withdraw it.
+  let starts = 0;
+  const h = harness(async () => {
+    starts += 1;
+    return true;
+  });
+  const cancel = new AbortController();
+  cancel.abort(new Error('drain'));
+  const run: ClaimedRun = {
+    ...fakeClaimedRun(RUN),
+    timeoutMs: 200,
+    notBefore: new Date(Date.now() + 800),
+    claimExpiresAt: new Date(Date.now() + 60_000),
+    startPending: true,
+  };
+  await runAttempt(h.ctx, run, cancel.signal, () => 0);
+  assert.equal(starts, 0, 'START was sent for a run that is not called');
+  assert.deepEqual(h.calls, []);
+  assert.ok(
+    h.sql.some((q) => q.includes("state = 'queued'")),
+    'the claim is handed back',
+  );
 });
