@@ -73,11 +73,18 @@ export async function runAttempt(
       return;
     }
     if (run.concurrency === 'replace') {
-      const replaced = await replaceOlderRuns(pool, run.jobId);
+      const { replaced, running } = await replaceOlderRuns(pool, run.jobId);
       if (replaced.length > 0) metrics.runsReplaced.inc(replaced.length);
-      // A newer occurrence is already running: this one was replaced before it started.
-      if (replaced.includes(run.id)) {
+      // Called only if this attempt is the one left running. Otherwise a newer occurrence runs:
+      // this one was replaced before its call began, now or already (a newer run's claim replaced
+      // it while this one's START was on its way back), or its claim was lost.
+      if (running?.id !== run.id || running.attempt !== run.attempt || running.nodeId !== nodeId) {
+        callEnded?.(false);
         metrics.runsExecuted.inc({ outcome: 'replaced' });
+        log().info(
+          { replaced: replaced.includes(run.id) },
+          'replaced by a newer run of the job before its call; no call made',
+        );
         return;
       }
     }

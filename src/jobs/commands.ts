@@ -104,7 +104,8 @@ export async function patchJob(
       fields.schedule !== current.schedule ||
       fields.timezone !== current.timezone ||
       (fields.enabled && !current.enabled);
-    const withdraw = current.enabled && (!fields.enabled || reschedule || runSnapshotChanged(current, fields));
+    const withdraw =
+      current.enabled && (!fields.enabled || reschedule || runSnapshotChanged(current, fields));
     // A withdrawal draws the line itself (see withdrawFutureRuns); otherwise the clock does.
     const { boundary, earliest } = withdraw
       ? await withdrawFutureRuns(client, current.id)

@@ -157,10 +157,20 @@ export async function deleteJob(db: Queryable, id: string): Promise<boolean> {
  * update commits first and this delete, having waited for the row, re-reads it and leaves it (or the
  * other way round: see START in runs.ts).
  *
- * The boundary is this statement's own clock, not one read earlier in the transaction: a START
- * committed between an earlier reading and this delete, for an occurrence due after that reading,
- * would be kept and called on the wrong side of the line.
+ * The boundary is the delete's own clock, read once every run it may take is locked
+ * (LOCK_FUTURE_RUNS first): a START committed while the command waited (for an earlier reading's
+ * createDueRuns, or for a row another writer held) is for an occurrence due by then, so on the
+ * near side of the line. Drawn before such a wait, the line would have a later occurrence started,
+ * kept and called while an earlier one was withdrawn.
  */
+const LOCK_FUTURE_RUNS = `
+  SELECT id FROM runs
+  WHERE job_id = $1 AND trigger = 'schedule' AND scheduled_for > statement_timestamp()
+    AND state IN ('queued', 'running') AND started_at IS NULL
+  -- The order START batches lock runs in (by id), so the two do not deadlock.
+  ORDER BY id
+  FOR UPDATE`;
+
 const WITHDRAW_FUTURE_RUNS = `
   WITH line AS (
     SELECT statement_timestamp() AS boundary
@@ -178,7 +188,9 @@ export interface Withdrawal {
   readonly earliest: Date | null;
 }
 
+/** Call inside the command's transaction (the locks hold until it ends). */
 export async function withdrawFutureRuns(db: Queryable, jobId: string): Promise<Withdrawal> {
+  await db.query(LOCK_FUTURE_RUNS, [jobId]);
   const { rows } = await db.query<Withdrawal>(WITHDRAW_FUTURE_RUNS, [jobId]);
   return rows[0]!;
 }

@@ -157,7 +157,7 @@ const START = `
   UPDATE runs r SET started_at = coalesce(r.started_at, statement_timestamp())
   FROM input s
   WHERE r.id = s.id AND r.attempt = s.attempt AND r.claimed_by = s.node AND r.state = s.running
-  RETURNING r.id`;
+  RETURNING r.id, r.attempt`;
 
 /**
  * Starts claimed-ahead runs (see START) in one statement; returns, per run, whether it may be
@@ -171,13 +171,13 @@ export async function startRuns(
   if (runs.length === 0) return [];
   // Sorted like claims and completions, so concurrent batches lock rows in the same order.
   const sorted = [...runs].sort((a, b) => (a.id < b.id ? -1 : a.id > b.id ? 1 : 0));
-  const { rows } = await db.query<{ id: string }>({ name: 'helios-start-runs', text: START }, [
-    sorted.map((r) => r.id),
-    sorted.map((r) => r.attempt),
-    nodeId,
-  ]);
-  const started = new Set(rows.map((r) => r.id));
-  return runs.map((r) => started.has(r.id));
+  const { rows } = await db.query<{ id: string; attempt: number }>(
+    { name: 'helios-start-runs', text: START },
+    [sorted.map((r) => r.id), sorted.map((r) => r.attempt), nodeId],
+  );
+  // By attempt: a stale attempt of a run in the same batch as its current one is not started.
+  const started = new Set(rows.map((r) => `${r.id}/${r.attempt}`));
+  return runs.map((r) => started.has(`${r.id}/${r.attempt}`));
 }
 
 /** Why a claim returned nothing: the run as it is now. */
@@ -223,12 +223,13 @@ export async function skipRun(db: Queryable, runId: string, reason: string): Pro
 
 /**
  * `replace`: fails every running run of job $1 except the newest occurrence, records their
- * attempts as replaced, and NOTIFYs `helios_runs` so their workers abort the HTTP call.
+ * attempts as replaced, and NOTIFYs `helios_runs` so their workers abort the HTTP call. Returns
+ * them, and the newest running run (id, attempt, node) in a row of its own (replaced = false).
  * Run after a claim committed: whichever of two racing claims runs this last sees both.
  */
 const REPLACE_OLDER = `
   WITH newest AS (
-    SELECT id FROM runs WHERE job_id = $1 AND state = 'running'
+    SELECT id, attempt, claimed_by FROM runs WHERE job_id = $1 AND state = 'running'
     ORDER BY scheduled_for DESC LIMIT 1
   ), replaced AS (
     UPDATE runs r SET state = 'failed', reason = 'replaced', finished_at = now(),
@@ -240,12 +241,33 @@ const REPLACE_OLDER = `
                               error = 'replaced by a newer run of the job'
     FROM replaced WHERE a.run_id = replaced.id AND a.attempt = replaced.attempt AND a.outcome IS NULL
   )
-  SELECT id, pg_notify('helios_runs', id::text) FROM replaced`;
+  -- pg_notify returns void: "IS NULL" (false) only gives its call a column the union can carry.
+  SELECT id, NULL::int AS attempt, NULL::text AS node, true AS replaced,
+         pg_notify('helios_runs', id::text) IS NULL AS notified
+  FROM replaced
+  UNION ALL
+  SELECT id, attempt, claimed_by, false, false FROM newest`;
 
-/** Returns the ids of the runs that were replaced (possibly including the caller's own). */
-export async function replaceOlderRuns(db: Queryable, jobId: string): Promise<string[]> {
-  const { rows } = await db.query<{ id: string }>(REPLACE_OLDER, [jobId]);
-  return rows.map((r) => r.id);
+/** What a `replace` run's claim did to its job's running runs. */
+export interface Replacement {
+  /** The runs failed as replaced (possibly including the caller's own). */
+  readonly replaced: string[];
+  /** The attempt left running, the newest occurrence's; null when none runs. */
+  readonly running: { readonly id: string; readonly attempt: number; readonly nodeId: string } | null;
+}
+
+export async function replaceOlderRuns(db: Queryable, jobId: string): Promise<Replacement> {
+  const { rows } = await db.query<{
+    id: string;
+    attempt: number | null;
+    node: string | null;
+    replaced: boolean;
+  }>(REPLACE_OLDER, [jobId]);
+  const newest = rows.find((r) => !r.replaced);
+  return {
+    replaced: rows.filter((r) => r.replaced).map((r) => r.id),
+    running: newest ? { id: newest.id, attempt: newest.attempt!, nodeId: newest.node! } : null,
+  };
 }
 
 /**

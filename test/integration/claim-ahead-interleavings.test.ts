@@ -230,7 +230,12 @@ test('a completion batch with a stale attempt and the current one of the same ru
     { run: second, report: ok(202) },
   ]);
   assert.deepEqual(done, [false, true]);
-  const { rows } = await db.pool.query<{ attempt: number; outcome: string; status: number | null; excerpt: string | null }>(
+  const { rows } = await db.pool.query<{
+    attempt: number;
+    outcome: string;
+    status: number | null;
+    excerpt: string | null;
+  }>(
     `SELECT attempt, outcome, status_code AS status, response_excerpt AS excerpt
      FROM run_attempts WHERE run_id = $1 ORDER BY attempt`,
     [run.id],
@@ -265,7 +270,10 @@ test("a pause whose boundary precedes an occurrence does not let that occurrence
     return rows[0]!.n > 0;
   });
   const boundaryAtMost = await dbNow();
-  assert.ok(run.scheduledFor.getTime() > boundaryAtMost, 'precondition: the occurrence is after the boundary');
+  assert.ok(
+    run.scheduledFor.getTime() > boundaryAtMost,
+    'precondition: the occurrence is after the boundary',
+  );
   await untilDbTime(run.scheduledFor);
   // START may wait for the pause (which waits for the locker), so the lock goes once it is sent.
   const starting = startRuns(db.pool, NODE, [claimed]);

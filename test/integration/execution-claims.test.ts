@@ -291,9 +291,15 @@ describe('claims and completions (PostgreSQL)', () => {
       listener.on('notification', (n) => notified.push(n.payload ?? ''));
       await listener.query('LISTEN helios_runs');
       assert.ok(await claimRun(fx.db.pool, runId, claim('w1'), 1));
-      assert.deepEqual(await replaceOlderRuns(fx.db.pool, jobId), []);
+      assert.deepEqual(await replaceOlderRuns(fx.db.pool, jobId), {
+        replaced: [],
+        running: { id: runId, attempt: 1, nodeId: 'w1' },
+      });
       assert.ok(await claimRun(fx.db.pool, newer, claim('w2'), 1));
-      assert.deepEqual(await replaceOlderRuns(fx.db.pool, jobId), [runId]);
+      assert.deepEqual(await replaceOlderRuns(fx.db.pool, jobId), {
+        replaced: [runId],
+        running: { id: newer, attempt: 1, nodeId: 'w2' },
+      });
       assert.deepEqual(await run(runId), {
         state: 'failed',
         attempt: 1,
