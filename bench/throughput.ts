@@ -6,11 +6,12 @@
  * is *sustained* when ≥ 95% of the offered runs completed and the depth stayed bounded (below
  * two seconds' worth of load at the end). Then the highest sustained rate is held for 60 s.
  *
- *   npm run build && npx tsx bench/throughput.ts [--steps 1000,1500,2000,…] [--step-seconds 20] [--hold 60]
+ *   npm run build && npx tsx bench/throughput.ts [--steps 1000,1500,2000,…] [--step-seconds 20] [--hold 60] [--env HELIOS_X=Y]…
  */
 import { setTimeout as sleep } from 'node:timers/promises';
 import { pathToFileURL } from 'node:url';
 import { parseArgs } from 'node:util';
+import { envArgs } from './lib/args.js';
 import { BenchCluster } from './lib/cluster.js';
 import { machine, max } from './lib/stats.js';
 
@@ -74,6 +75,8 @@ export async function throughput(options: {
   steps: number[];
   stepSeconds: number;
   holdSeconds: number;
+  /** Extra environment of every node (HELIOS_…). */
+  env?: Record<string, string>;
   log?: (line: string) => void;
 }): Promise<ThroughputResult> {
   const describe = (s: ThroughputStep) =>
@@ -81,7 +84,7 @@ export async function throughput(options: {
     `at the end ${s.endDepth} → ${s.sustained ? 'sustained' : 'NOT sustained'}`;
   const steps: ThroughputStep[] = [];
   let best: number | null = null;
-  const cluster = await BenchCluster.start();
+  const cluster = await BenchCluster.start({ env: options.env });
   try {
     let added = 0;
     for (const offered of options.steps) {
@@ -97,7 +100,7 @@ export async function throughput(options: {
   }
   if (best === null || options.holdSeconds <= 0) return { steps, hold: null };
   // The hold on a fresh cluster, so the backlog of a failed step does not count against it.
-  const fresh = await BenchCluster.start();
+  const fresh = await BenchCluster.start({ env: options.env });
   try {
     const hold = await step(fresh, best, options.holdSeconds, 0);
     options.log?.(`hold: ${describe(hold)}`);
@@ -113,6 +116,7 @@ async function main(): Promise<void> {
       steps: { type: 'string', default: '1000,1500,2000,2500,3000,4000,5000' },
       'step-seconds': { type: 'string', default: '20' },
       hold: { type: 'string', default: '60' },
+      env: { type: 'string', multiple: true },
     },
   });
   console.log(`sustained throughput on 3 nodes, ${machine()}`);
@@ -120,6 +124,7 @@ async function main(): Promise<void> {
     steps: values.steps.split(',').map(Number),
     stepSeconds: Number(values['step-seconds']),
     holdSeconds: Number(values.hold),
+    env: envArgs(values.env),
     log: (line) => console.log(`  ${line}`),
   });
   const best = result.hold ?? result.steps.filter((s) => s.sustained).at(-1);

@@ -1,13 +1,15 @@
 /**
  * Runs and their deliveries: final states per kind of job, a second delivery only when a fault
  * hit the node that held that run's claim during that call, nothing early, lateness within the
- * bound of the fault it was due in, triggers and replays executed, dead runs used every attempt.
+ * bound of the fault it was due in, triggers and replays executed, each attempt of a dead run used
+ * up by a failed call or a fault.
  */
 import type { JobRole } from './model.js';
 import {
   faultNodes,
   groupBy,
   iso,
+  type AttemptRow,
   type Delivery,
   type Fault,
   type Findings,
@@ -135,6 +137,43 @@ function percentile(values: number[], p: number): number {
   return sorted[Math.min(sorted.length - 1, Math.max(0, Math.ceil((p / 100) * sorted.length) - 1))] ?? NaN;
 }
 
+/**
+ * A dead run's attempts that were used up neither by a call the (failing) target answered 500 nor
+ * by a claim that expired while a fault hit its claimant. Checked per attempt, not against `max_attempts`: a claim handed
+ * back (outcome `cancelled`) or an expiry the reaper forgave re-queues the run without using up an
+ * attempt by raising `max_attempts`, so a run may die after more attempts than calls. An attempt
+ * claimed ahead starts at its run's time (its row's `started_at`), up to the claim lead after its
+ * claim: a fault from then on may have cut it (a worker killed while the run waited for its time).
+ */
+function unfailedAttempts(
+  obs: Observations,
+  run: RunRow,
+  calls: readonly Delivery[],
+  attempts: ReadonlyMap<string, AttemptRow>,
+): string[] {
+  const failedAtTarget = new Set(calls.filter((c) => c.status === 500).map((c) => c.attempt));
+  const found: string[] = [];
+  for (let n = 1; n <= run.attempt; n++) {
+    if (failedAtTarget.has(n)) continue;
+    const row = attempts.get(`${run.id}/${n}`);
+    if (row?.outcome === 'cancelled') continue;
+    const from = (row?.startedAt ?? run.scheduledFor) - obs.settings.claimLeadMs - 500;
+    const to = row?.finishedAt ?? run.finishedAt ?? Infinity;
+    // Only an expiry: a worker killed, frozen or cut off while it held the claim. An attempt
+    // recorded `failed` was settled by its worker, after a call that should have reached the target.
+    const excused =
+      row?.outcome === 'expired' &&
+      obs.faults.some((f) => faultNodes(f).includes(row.nodeId) && f.start <= to && f.end >= from);
+    if (!excused)
+      found.push(
+        `run ${run.id} is dead after ${run.attempt} attempts of ${run.maxAttempts}; attempt ${n} ` +
+          `(${row ? `${row.outcome ?? 'no outcome'} on ${row.nodeId}` : 'no attempt row'}) was used up ` +
+          `without a call failing at the target or a fault on its claimant`,
+      );
+  }
+  return found;
+}
+
 export function checkRuns(obs: Observations): Findings {
   const violations: string[] = [];
   const lines: string[] = [];
@@ -200,24 +239,7 @@ export function checkRuns(obs: Observations): Findings {
             `${iso(next.arrivedAt)}, with no fault on ${claimant ?? 'its claimant'}`,
         );
     }
-    if (run.state === 'dead') {
-      // Each attempt of the budget is a call answered 500 (the failing target); fewer means an
-      // attempt was used up without a call, which only a fault on its claimant may excuse.
-      const failedCalls = new Set(calls.filter((c) => c.status === 500).map((c) => c.attempt)).size;
-      if (failedCalls < run.maxAttempts) {
-        const nodes = obs.attempts.filter((a) => a.runId === run.id).map((a) => a.nodeId);
-        const excused = obs.faults.some(
-          (f) =>
-            faultNodes(f).some((n) => nodes.includes(n)) &&
-            f.start <= (run.finishedAt ?? Infinity) &&
-            f.end >= (run.startedAt ?? 0) - 500,
-        );
-        if (!excused)
-          budget.push(
-            `run ${run.id} is dead after ${run.attempt} attempts of ${run.maxAttempts} but only ${failedCalls} calls failed at the target`,
-          );
-      }
-    }
+    if (run.state === 'dead') budget.push(...unfailedAttempts(obs, run, calls, attempts));
   }
   // Deliveries of runs that are not in the database: only jobs deleted meanwhile lose their runs.
   for (const [runId, calls] of byRun) {

@@ -35,7 +35,7 @@ import type { FaultRecord } from './faults.js';
 import type { Findings } from './observations.js';
 import { Nemesis } from './operations.js';
 import { seededRandom } from './random.js';
-import { CLAIM_GRACE_MS, chaosSettings } from './settings.js';
+import { CLAIM_GRACE_MS, CLAIM_LEAD_MS, chaosSettings } from './settings.js';
 import { initialJobs, targetBehaviour } from './workload.js';
 
 const servers = serverEnv();
@@ -76,7 +76,7 @@ async function pausedLeaderScenario(fence: 'intact' | 'disabled'): Promise<Findi
     databaseUrl: db.url,
     etcdPrefix: `/helios-test/${uniqueId()}`,
     topic: `helios.test.${uniqueId()}`,
-    extra: { HELIOS_CLAIM_GRACE_MS: String(CLAIM_GRACE_MS) },
+    extra: { HELIOS_CLAIM_GRACE_MS: String(CLAIM_GRACE_MS), HELIOS_CLAIM_LEAD_MS: String(CLAIM_LEAD_MS) },
   };
   const target = new TargetServer(targetBehaviour(new Set()));
   const processes: ManagedProcess[] = [];

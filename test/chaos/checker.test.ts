@@ -108,6 +108,7 @@ function history(): Crafted {
       misfireThresholdMs: 5000,
       lookaheadMs: 5000,
       claimGraceMs: 3000,
+      claimLeadMs: 1000,
       leaseTtlMs: 3000,
       opToleranceMs: 500,
       earlyToleranceMs: 25,
@@ -437,4 +438,59 @@ test('an occurrence a fault held up may be deleted with its job; one that should
     violations(obs),
     /2 occurrences that must have run did not:\n.*s1 \(steady, fire-once\) at 2026-12-01T12:00:14\.000Z: no run/,
   );
+});
+
+test('a dead run may have used an attempt on a claim a fault cut, not on nothing', () => {
+  // A failing job (2 attempts) whose run due at 12 s was claimed ahead by chaos-c; chaos-c was
+  // killed before the run was due, the reaper forgave the expiry (max_attempts 2 → 3), and the
+  // next two attempts each failed at the target: dead after 3 attempts and 2 calls.
+  const dead = (attempts: [string, number][], faults: Observations['faults']) => {
+    const obs = history();
+    obs.jobs.push(job('x1', 'failing', '*/4 * * * * *'));
+    const r = run('x1', 12, 1n, { state: 'dead', attempt: 3, maxAttempts: 3, startedAt: sec(20) });
+    obs.runs.push(r);
+    attempts.forEach(([outcome, at], i) =>
+      obs.attempts.push({
+        runId: r.id,
+        attempt: i + 1,
+        nodeId: 'chaos-c',
+        startedAt: at,
+        finishedAt: at + 50,
+        outcome,
+      }),
+    );
+    obs.deliveries.push(
+      { ...delivery(r, 2, sec(20)), status: 500 },
+      { ...delivery(r, 3, sec(21)), status: 500 },
+    );
+    obs.faults.push(...faults);
+    return violations(obs);
+  };
+  const killed = { kind: 'kill-worker-mid-call', node: 'chaos-c', start: sec(11) + 500, end: sec(14) };
+  const cut: [string, number][] = [
+    ['expired', sec(12)],
+    ['failed', sec(20)],
+    ['failed', sec(21)],
+  ];
+  assert.doesNotMatch(dead(cut, [killed]), /dead runs that used attempts/);
+  // No fault on the claimant: the expiry used up an attempt for nothing.
+  assert.match(
+    dead(cut, []),
+    /dead runs that used attempts without calling:\n.*attempt 1 \(expired on chaos-c\) was used up/,
+  );
+  // A fault on another node excuses nothing.
+  assert.match(dead(cut, [{ ...killed, node: 'chaos-a' }]), /attempt 1 \(expired on chaos-c\)/);
+  // A claim handed back costs no attempt; an attempt recorded failed without a call is a violation.
+  const released: [string, number][] = [
+    ['cancelled', sec(12)],
+    ['failed', sec(20)],
+    ['failed', sec(21)],
+  ];
+  assert.doesNotMatch(dead(released, []), /dead runs that used attempts/);
+  const uncalled: [string, number][] = [
+    ['failed', sec(12)],
+    ['failed', sec(20)],
+    ['failed', sec(21)],
+  ];
+  assert.match(dead(uncalled, [killed]), /attempt 1 \(failed on chaos-c\) was used up/);
 });

@@ -94,6 +94,8 @@ export interface Settings {
   readonly lookaheadMs: number;
   /** Added to a run's timeout to make its claim deadline (HELIOS_CLAIM_GRACE_MS). */
   readonly claimGraceMs: number;
+  /** How long before its time a worker claims a run (HELIOS_CLAIM_LEAD_MS). */
+  readonly claimLeadMs: number;
   readonly leaseTtlMs: number;
   /** How far around an operation's [sentAt, answeredAt] an occurrence may see either side. */
   readonly opToleranceMs: number;

@@ -28,7 +28,7 @@ import { closeWindow, judgeRun, settle } from './checker.js';
 import { injectFault, planFaults, type FaultRecord } from './faults.js';
 import { Nemesis, OP_KINDS } from './operations.js';
 import { seededRandom } from './random.js';
-import { CLAIM_GRACE_MS, TTL_MS, chaosSettings } from './settings.js';
+import { CLAIM_GRACE_MS, CLAIM_LEAD_MS, TTL_MS, chaosSettings } from './settings.js';
 import { initialJobs, targetBehaviour } from './workload.js';
 
 const { values } = parseArgs({
@@ -61,6 +61,7 @@ const env = {
   extra: {
     HELIOS_LOG_LEVEL: 'info',
     HELIOS_CLAIM_GRACE_MS: String(CLAIM_GRACE_MS),
+    HELIOS_CLAIM_LEAD_MS: String(CLAIM_LEAD_MS),
     HELIOS_SHUTDOWN_TIMEOUT_MS: '3000',
     // The checker reads every outbox row back against the topic; the leader's pruner would delete
     // published rows after the default 10 minutes, and a long run's first rows would then look

@@ -8,6 +8,8 @@ import type { Settings } from './observations.js';
 export const TTL_MS = 3000;
 /** The nodes' HELIOS_CLAIM_GRACE_MS. */
 export const CLAIM_GRACE_MS = 3000;
+/** The nodes' HELIOS_CLAIM_LEAD_MS (the default's value). */
+export const CLAIM_LEAD_MS = 1000;
 
 /**
  * Lateness bounds (first call − scheduled_for, by the fault whose window the occurrence was due
@@ -20,6 +22,7 @@ export function chaosSettings(settleMs: number): Settings {
     misfireThresholdMs: 5000,
     lookaheadMs: 5000,
     claimGraceMs: CLAIM_GRACE_MS,
+    claimLeadMs: CLAIM_LEAD_MS,
     leaseTtlMs: TTL_MS,
     opToleranceMs: 500,
     earlyToleranceMs: 25,
