@@ -574,3 +574,43 @@ test('a fresh node guesses 50 ms a call; against slower targets only its first o
   assert.equal(h.handedBack - before, 0, 'the warm node handed back claims of the second herd');
   await h.queue.drain(100, new Error('over'));
 });
+
+test('while runs wait for slots, claims ahead are bounded by the pace slots were given, whatever the call time says', async () => {
+  // A node short of CPU: its sampled call time swings with the load, and at a low sample Little's
+  // law (concurrency × grace / 2 / callMs) let it claim far more ahead than its slots then started
+  // within the grace (the bench: 4,000 claimed ahead at 900 starts a second; one in ten handed
+  // back too late). Here the call time is held at 1 ms (a budget of 2 × 500 / 1 = 1,000, capped
+  // at the prefetch) while one call ends every 10 ms: 0.1 runs per ms, 50 within half the grace.
+  const { queue, seen } = makeQueue({ concurrency: 2, claimGraceMs: 1_000, prefetch: 1_000 });
+  let stop = false;
+  const paced = (async () => {
+    while (!stop) {
+      setCallMs(queue, 1);
+      seen.calls.shift()?.open();
+      await sleep(10);
+    }
+  })();
+  try {
+    for (let n = 1; n <= 200; n++) queue.hold(message(id(n)));
+    // Waiting long enough for the pace to be measured (windows of 250 ms, from the first full one).
+    await sleep(700);
+    for (let n = 1001; n <= 1400; n++) queue.hold(message(id(n)));
+    await sleep(20);
+    const later = () => seen.claimed.filter((r) => r >= id(1001)).length;
+    assert.ok(later() <= 10, `${later()} of the later 400 claimed with ≈130 already waiting (bound ≈50)`);
+    // Once the first runs have drained to the bound, claims keep about that many ahead.
+    await until(() => counters(queue).ahead <= 55, 'the runs ahead drained to the bound', 5_000);
+    let most = 0;
+    for (const end = performance.now() + 500; performance.now() < end; await sleep(5))
+      most = Math.max(most, counters(queue).ahead);
+    assert.ok(most <= 60, `up to ${most} claimed ahead at ≈0.1 runs per ms (bound ≈50)`);
+  } finally {
+    stop = true;
+    await paced;
+  }
+  await drive(seen, 600, 20_000);
+  await until(() => counters(queue).executing === 0, 'all ended');
+  assert.equal(new Set(seen.called).size, 600, 'each run called once');
+  assert.equal(seen.maxInFlight, 2);
+  await queue.drain(100, new Error('test over'));
+});
