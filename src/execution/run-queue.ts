@@ -79,6 +79,11 @@ interface Execution {
   /** Its call has ended (or will not be made); only the outcome's write is left. */
   settling?: boolean;
   /**
+   * Claimed ahead and not yet marked started: START, before its call, checks its claim (a
+   * withdrawn, deleted or taken-over run is not started), so the claim watch leaves it out.
+   */
+  startPending?: boolean;
+  /**
    * Holds an execution slot (see {@link RunQueue}): from when it was given one (a claimed run once
    * due; the poller's runs at once, in the slots it reserved) until the execution has ended.
    */
@@ -259,9 +264,15 @@ export class RunQueue {
     });
   }
 
-  /** Claims being executed, for the claim watch. */
+  /**
+   * Claims for the claim watch: those being executed, and those waiting for their time or a slot
+   * unless their START is still to come. A run claimed ahead is checked by its START (leaving the
+   * thousands a herd or a second of steady load claims ahead out of every check: at 2,000 runs/s
+   * with the 1 s lead the watch's statement cost ≈50 µs per run).
+   */
   *claims(): Iterable<{ runId: string; attempt: number; controller: AbortController }> {
-    for (const execution of this.executing.values()) if (execution.attempt > 0) yield execution;
+    for (const execution of this.executing.values())
+      if (execution.attempt > 0 && (execution.slotted || !execution.startPending)) yield execution;
   }
 
   /**
@@ -581,6 +592,7 @@ export class RunQueue {
     if (outcome.kind !== 'claimed') return;
     const run = outcome.run;
     execution.attempt = run.attempt;
+    execution.startPending = run.startPending;
     const signal = execution.controller.signal;
     // Claimed ahead: the call starts when the run is due, not when the claim came back.
     // Rounded up, so a call never starts before its time by our estimate of the database clock.

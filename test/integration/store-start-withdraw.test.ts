@@ -101,7 +101,8 @@ test('a worker that started a claimed-ahead run first: a pause leaves it to run'
   const { jobId, runs } = await claimedAheadRuns(3);
   const start = await inOpenTransaction((c) => startRuns(c, NODE, runs));
   assert.deepEqual(start.result, [true, true, true]);
-  const withdrawing = withdrawFutureRuns(db.pool, jobId);
+  // In a transaction, as the pause command runs it: its lock in id order holds until the delete.
+  const withdrawing = inTransaction(db.pool, (c) => withdrawFutureRuns(c, jobId));
   await untilBlocked();
   await start.commit();
   assert.equal((await withdrawing).earliest, null, 'the pause withdrew no started run');
@@ -117,7 +118,7 @@ test('a pause and the start of the same runs at once: each run is started or wit
     const [first, second] = [runs.slice(0, 20), runs.slice(20)];
     const [a, , b] = await Promise.all([
       startRuns(db.pool, NODE, first),
-      withdrawFutureRuns(db.pool, jobId),
+      inTransaction(db.pool, (c) => withdrawFutureRuns(c, jobId)),
       startRuns(db.pool, NODE, second),
     ]);
     const started = new Set(runs.filter((_, i) => (i < 20 ? a[i] : b[i - 20])).map((r) => r.id));

@@ -614,3 +614,37 @@ test('while runs wait for slots, claims ahead are bounded by the pace slots were
   assert.equal(seen.maxInFlight, 2);
   await queue.drain(100, new Error('test over'));
 });
+
+test('the claim watch leaves out runs claimed ahead until their START is under way; retries claimed ahead stay in', async () => {
+  // START checks a claimed-ahead run's claim before its call; the watch checking each of them
+  // every interval cost its statement ≈50 µs per run at 2,000 runs/s (a second's runs claimed ahead).
+  const clock = new DbClock();
+  const at = new Date(clock.now() + 150);
+  const { queue, seen } = makeQueue({
+    concurrency: 1,
+    claimLeadMs: 5_000,
+    claim: async (request) => {
+      seen.claimed.push(request.runId);
+      // Run 3 is a retry (started before): claimed ahead, but nothing will START it.
+      const startPending = request.runId !== id(3);
+      return {
+        kind: 'claimed',
+        run: { ...fakeClaimedRun(request.runId, request.attempt), notBefore: at, startPending },
+      };
+    },
+  });
+  for (let n = 1; n <= 3; n++) queue.hold(message(id(n), 1, at));
+  await until(() => seen.claimed.length === 3, 'claimed ahead');
+  await sleep(10);
+  const watched = () => [...queue.claims()].map((c) => c.runId).sort();
+  assert.deepEqual(watched(), [id(3)], 'waiting for their time: only the retry');
+  await until(() => seen.called.length === 1, 'the first call');
+  // One slot: the run called is watched, the other claimed-ahead one waits for its slot unwatched.
+  const first = seen.called[0]!;
+  assert.deepEqual(watched(), [...new Set([first, id(3)])].sort());
+  await drive(seen, 3);
+  await until(() => counters(queue).executing === 0, 'all ended');
+  assert.deepEqual(watched(), []);
+  assertIdle(queue, 1);
+  await queue.drain(100, new Error('test over'));
+});
