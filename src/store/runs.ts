@@ -153,10 +153,16 @@ const START = `
     -- plan one primary-key lookup per run, whatever the statistics say about running runs.
     SELECT s.*, $3::text AS node, 'running'::text AS running
     FROM unnest($1::uuid[], $2::int[]) AS s (id, attempt)
+  ), locked AS MATERIALIZED (
+    -- Locked by id first, as a pause locks the runs it may withdraw (LOCK_FUTURE_RUNS): the
+    -- UPDATE's own order is its plan's (on a small table a hash join over a scan of runs, in
+    -- physical order), and a pause and a START taking one job's runs in opposite orders deadlocked.
+    SELECT r.id FROM runs r WHERE r.id IN (SELECT id FROM input) ORDER BY r.id FOR UPDATE
   )
   UPDATE runs r SET started_at = coalesce(r.started_at, statement_timestamp())
   FROM input s
-  WHERE r.id = s.id AND r.attempt = s.attempt AND r.claimed_by = s.node AND r.state = s.running
+  WHERE r.id = s.id AND r.id IN (SELECT id FROM locked)
+    AND r.attempt = s.attempt AND r.claimed_by = s.node AND r.state = s.running
   RETURNING r.id, r.attempt`;
 
 /**

@@ -163,3 +163,52 @@ test('START is repeatable (a retry after a lost answer): the run stays started a
   assert.deepEqual(await startRuns(db.pool, NODE, stale), [false, false], 'no such attempt');
   assert.equal((await withdrawFutureRuns(db.pool, jobId)).earliest, null, 'started runs are kept');
 });
+
+test('a START whose plan meets its runs out of id order and a pause: no deadlock, each run started or withdrawn', async () => {
+  // START's UPDATE meets rows in its plan's order: on a small table a hash join over a scan of
+  // runs, in physical order. Two runs of one job, the lower id moved physically after the higher.
+  // A third transaction holds the lower-id run; the pause (locking by id) queues for it holding
+  // nothing; START, planned as a hash join, takes the higher one and queues behind the pause.
+  // Once the holder commits, the pause takes the lower run and wants the higher, held by START,
+  // which waits for the pause: a deadlock, unless START too locks by id first.
+  const { jobId, runs } = await claimedAheadRuns(2);
+  const [low, high] = [...runs].sort((a, b) => (a.id < b.id ? -1 : 1)) as [ClaimedRun, ClaimedRun];
+  await db.pool.query('UPDATE runs SET reason = reason WHERE id = $1', [low.id]);
+  const { rows } = await db.pool.query<{ id: string }>(
+    'SELECT id FROM runs WHERE id = ANY($1::uuid[]) ORDER BY ctid',
+    [[low.id, high.id]],
+  );
+  assert.deepEqual(
+    rows.map((r) => r.id),
+    [high.id, low.id],
+    'the higher id comes first in a scan',
+  );
+  const holder = await inOpenTransaction((c) =>
+    c.query('SELECT 1 FROM runs WHERE id = $1 FOR UPDATE', [low.id]),
+  );
+  const pausing = inTransaction(db.pool, (c) => withdrawFutureRuns(c, jobId));
+  await untilBlocked();
+  const starter = await db.pool.connect();
+  try {
+    await starter.query('SET enable_nestloop = off; SET enable_mergejoin = off');
+    const starting = startRuns(starter, NODE, [high, low]);
+    await waitFor('START waiting too', async () => {
+      const { rows: waiting } = await db.pool.query<{ n: number }>(
+        `SELECT count(*)::int AS n FROM pg_stat_activity
+         WHERE datname = current_database() AND wait_event_type = 'Lock'`,
+      );
+      return waiting[0]!.n >= 2;
+    });
+    await holder.commit();
+    const [started, withdrawal] = await Promise.all([starting, pausing]);
+    const left = new Set((await existing([low.id, high.id])).map((r) => r.id));
+    // The pause went first on the lower run: START finds it gone, and (by id) waits for the
+    // higher one until the pause has withdrawn it too.
+    assert.deepEqual(started, [false, false], 'withdrawn before START reached them');
+    assert.equal(left.size, 0);
+    assert.notEqual(withdrawal.earliest, null);
+  } finally {
+    await starter.query('RESET enable_nestloop; RESET enable_mergejoin').catch(() => undefined);
+    starter.release();
+  }
+});
