@@ -166,23 +166,24 @@ test('START is repeatable (a retry after a lost answer): the run stays started a
 
 test('a START whose plan meets its runs out of id order and a pause: no deadlock, each run started or withdrawn', async () => {
   // START's UPDATE meets rows in its plan's order: on a small table a hash join over a scan of
-  // runs, in physical order. Two runs of one job, the lower id moved physically after the higher.
-  // A third transaction holds the lower-id run; the pause (locking by id) queues for it holding
-  // nothing; START, planned as a hash join, takes the higher one and queues behind the pause.
-  // Once the holder commits, the pause takes the lower run and wants the higher, held by START,
-  // which waits for the pause: a deadlock, unless START too locks by id first.
-  const { jobId, runs } = await claimedAheadRuns(2);
-  const [low, high] = [...runs].sort((a, b) => (a.id < b.id ? -1 : 1)) as [ClaimedRun, ClaimedRun];
-  await db.pool.query('UPDATE runs SET reason = reason WHERE id = $1', [low.id]);
-  const { rows } = await db.pool.query<{ id: string }>(
-    'SELECT id FROM runs WHERE id = ANY($1::uuid[]) ORDER BY ctid',
-    [[low.id, high.id]],
-  );
-  assert.deepEqual(
-    rows.map((r) => r.id),
-    [high.id, low.id],
-    'the higher id comes first in a scan',
-  );
+  // runs, in physical order. Two runs of one job where the higher id lies physically first; a
+  // third transaction holds the lower one. The pause (locking by id) queues for it; START, planned
+  // as a hash join, takes the higher one and queues too. Once the holder commits, the pause takes
+  // the lower run and wants the higher, held by START, which waits for the pause: a deadlock,
+  // unless START too locks by id first.
+  let pair: { jobId: string; high: ClaimedRun; low: ClaimedRun } | undefined;
+  while (!pair) {
+    const { jobId, runs } = await claimedAheadRuns(6);
+    const { rows } = await db.pool.query<{ id: string }>(
+      'SELECT id FROM runs WHERE id = ANY($1::uuid[]) ORDER BY ctid',
+      [runs.map((r) => r.id)],
+    );
+    // Two runs out of id order physically (all six in order: 1 in 720).
+    const at = rows.findIndex((r, i) => i > 0 && r.id < rows[i - 1]!.id);
+    const byId = (id: string) => runs.find((r) => r.id === id)!;
+    if (at > 0) pair = { jobId, high: byId(rows[at - 1]!.id), low: byId(rows[at]!.id) };
+  }
+  const { jobId, high, low } = pair;
   const holder = await inOpenTransaction((c) =>
     c.query('SELECT 1 FROM runs WHERE id = $1 FOR UPDATE', [low.id]),
   );
@@ -201,11 +202,10 @@ test('a START whose plan meets its runs out of id order and a pause: no deadlock
     });
     await holder.commit();
     const [started, withdrawal] = await Promise.all([starting, pausing]);
-    const left = new Set((await existing([low.id, high.id])).map((r) => r.id));
-    // The pause went first on the lower run: START finds it gone, and (by id) waits for the
-    // higher one until the pause has withdrawn it too.
+    const left = await existing([low.id, high.id]);
+    // The pause went first on the lower run: START finds both gone.
     assert.deepEqual(started, [false, false], 'withdrawn before START reached them');
-    assert.equal(left.size, 0);
+    assert.deepEqual(left, []);
     assert.notEqual(withdrawal.earliest, null);
   } finally {
     await starter.query('RESET enable_nestloop; RESET enable_mergejoin').catch(() => undefined);
