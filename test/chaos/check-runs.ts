@@ -139,9 +139,10 @@ function percentile(values: number[], p: number): number {
 
 /**
  * A dead run's attempts that were used up neither by a call the (failing) target answered 500 nor
- * by a claim that expired while a fault hit its claimant. Checked per attempt, not against `max_attempts`: a claim handed
- * back (outcome `cancelled`) or an expiry the reaper forgave re-queues the run without using up an
- * attempt by raising `max_attempts`, so a run may die after more attempts than calls. An attempt
+ * by a claim that expired while a fault hit its claimant. Checked per attempt, not against
+ * `max_attempts`: a claim handed back (outcome `cancelled`) or an expiry the reaper forgave
+ * re-queues the run without using up an attempt by raising `max_attempts`, so a run may die after
+ * more attempts than calls. An attempt
  * claimed ahead starts at its run's time (its row's `started_at`), up to the claim lead after its
  * claim: a fault from then on may have cut it (a worker killed while the run waited for its time).
  */
