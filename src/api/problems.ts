@@ -104,9 +104,10 @@ export function toProblem(error: unknown): ProblemError {
   if (typeof e.code === 'string' && /^22[0-9A-Z]{3}$/.test(e.code)) {
     return badRequest([{ field: 'body', message: 'a value is not acceptable to the database' }]);
   }
-  // Two writes met in opposite lock order (deadlock) or a serialization failure: PostgreSQL rolled
-  // this one back whole, so nothing is half-written and the caller may simply try again.
-  if (e.code === '40P01' || e.code === '40001') {
+  // Two writes met in opposite lock order (deadlock), a serialization failure, or a command that
+  // kept yielding to workers holding its rows (55P03, withdrawFutureRuns): PostgreSQL rolled this
+  // one back whole, so nothing is half-written and the caller may simply try again.
+  if (e.code === '40P01' || e.code === '40001' || e.code === '55P03') {
     return new ProblemError(
       409,
       'concurrent-change',

@@ -1,5 +1,5 @@
 import { isDeepStrictEqual } from 'node:util';
-import type { Queryable } from './db.js';
+import type { DbClient, Queryable } from './db.js';
 import { RUN_SNAPSHOT_FIELDS, type MisfirePolicy, type RunSnapshot } from '../model.js';
 
 /**
@@ -167,9 +167,50 @@ const LOCK_FUTURE_RUNS = `
   SELECT id FROM runs
   WHERE job_id = $1 AND trigger = 'schedule' AND scheduled_for > statement_timestamp()
     AND state IN ('queued', 'running') AND started_at IS NULL
-  -- The order START batches lock runs in (by id), so the two do not deadlock.
   ORDER BY id
   FOR UPDATE`;
+
+/**
+ * How long the withdrawal waits for a run another statement holds before it lets go of what it
+ * locked and tries again. A worker's claim or START batch locks its runs in its plan's order (by id
+ * when the plan looks each run up by key, in physical order when it scans a small table), so it
+ * can hold one run of the job and wait for another this withdrawal holds. PostgreSQL would break
+ * that cycle only after deadlock_timeout (1 s by default) and by cancelling either side: a START
+ * batch's calls a second late, or the command answered 409. The withdrawal yields first instead,
+ * and the batch goes on: its runs are started, and the next try leaves them (on a server whose
+ * deadlock_timeout is shorter than this, the withdrawal may be the side PostgreSQL fails: it tries
+ * again the same way). Locking by id inside those batches too would avoid the cycle at the price
+ * of a second pass over every run they take (START: 19 → 45 µs of backend CPU per run,
+ * `bench/claim-sql.ts --ahead`).
+ */
+const YIELD_AFTER_MS = 50;
+/** Tries before the command gives up (then answered 409, nothing written); about 5 s of waiting. */
+const LOCK_TRIES = 100;
+
+/** lock_timeout expired (55P03, lock_not_available), or PostgreSQL chose this side of a deadlock. */
+const isLockWaitGivenUp = (err: unknown) => {
+  const code = (err as { code?: unknown } | null)?.code;
+  return code === '55P03' || code === '40P01';
+};
+
+/** Locks every run the withdrawal may take (see YIELD_AFTER_MS); inside the command's transaction. */
+async function lockFutureRuns(db: DbClient, jobId: string): Promise<void> {
+  const { rows } = await db.query<{ previous: string }>(`SELECT current_setting('lock_timeout') AS previous`);
+  for (let tries = 1; ; tries++) {
+    // Set inside the savepoint, so a rollback to it undoes the setting along with the locks.
+    await db.query(`SAVEPOINT lock_future_runs; SET LOCAL lock_timeout = ${YIELD_AFTER_MS}`);
+    try {
+      await db.query(LOCK_FUTURE_RUNS, [jobId]);
+    } catch (err) {
+      if (!isLockWaitGivenUp(err) || tries === LOCK_TRIES) throw err;
+      await db.query('ROLLBACK TO SAVEPOINT lock_future_runs');
+      continue;
+    }
+    await db.query('RELEASE SAVEPOINT lock_future_runs');
+    await db.query(`SELECT set_config('lock_timeout', $1, true)`, [rows[0]!.previous]);
+    return;
+  }
+}
 
 const WITHDRAW_FUTURE_RUNS = `
   WITH line AS (
@@ -189,8 +230,8 @@ export interface Withdrawal {
 }
 
 /** Call inside the command's transaction (the locks hold until it ends). */
-export async function withdrawFutureRuns(db: Queryable, jobId: string): Promise<Withdrawal> {
-  await db.query(LOCK_FUTURE_RUNS, [jobId]);
+export async function withdrawFutureRuns(db: DbClient, jobId: string): Promise<Withdrawal> {
+  await lockFutureRuns(db, jobId);
   const { rows } = await db.query<Withdrawal>(WITHDRAW_FUTURE_RUNS, [jobId]);
   return rows[0]!;
 }

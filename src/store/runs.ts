@@ -102,7 +102,9 @@ export interface ClaimRequest {
 /**
  * Claims queued runs in one statement; returns, per request, the claimed run or null (another
  * worker won, it is not due, or a `forbid` sibling is active). Throws on a `forbid` violation
- * ({@link isForbidViolation}) or a deadlock with another batch: claim one by one then.
+ * ({@link isForbidViolation}) or a deadlock with another batch: claim one by one then. Its rows
+ * are locked in the plan's order; a pause holding one of them lets go rather than deadlock
+ * (withdrawFutureRuns in jobs.ts).
  */
 export async function claimRuns(
   db: Queryable,
@@ -153,16 +155,12 @@ const START = `
     -- plan one primary-key lookup per run, whatever the statistics say about running runs.
     SELECT s.*, $3::text AS node, 'running'::text AS running
     FROM unnest($1::uuid[], $2::int[]) AS s (id, attempt)
-  ), locked AS MATERIALIZED (
-    -- Locked by id first, as a pause locks the runs it may withdraw (LOCK_FUTURE_RUNS): the
-    -- UPDATE's own order is its plan's (on a small table a hash join over a scan of runs, in
-    -- physical order), and a pause and a START taking one job's runs in opposite orders deadlocked.
-    SELECT r.id FROM runs r WHERE r.id IN (SELECT id FROM input) ORDER BY r.id FOR UPDATE
   )
+  -- Locks its runs in its plan's order, not necessarily by id: a pause holding one of them while it
+  -- waits for another yields (withdrawFutureRuns in jobs.ts), so the two cannot deadlock.
   UPDATE runs r SET started_at = coalesce(r.started_at, statement_timestamp())
   FROM input s
-  WHERE r.id = s.id AND r.id IN (SELECT id FROM locked)
-    AND r.attempt = s.attempt AND r.claimed_by = s.node AND r.state = s.running
+  WHERE r.id = s.id AND r.attempt = s.attempt AND r.claimed_by = s.node AND r.state = s.running
   RETURNING r.id, r.attempt`;
 
 /**

@@ -1,9 +1,10 @@
 import assert from 'node:assert/strict';
 import { after, before, test } from 'node:test';
+import { setTimeout as sleep } from 'node:timers/promises';
 import type pg from 'pg';
 import { releaseClaim } from '../../src/store/attempts.js';
 import { inTransaction } from '../../src/store/db.js';
-import { withdrawFutureRuns } from '../../src/store/jobs.js';
+import { withdrawFutureRuns, type Withdrawal } from '../../src/store/jobs.js';
 import { claimRuns, startRuns, type ClaimedRun } from '../../src/store/runs.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
 import { waitFor } from '../support/execution.js';
@@ -24,8 +25,8 @@ before(async () => {
 });
 after(() => db.drop());
 
-/** A job with `count` scheduled runs due in 30 s, claimed ahead by NODE. */
-async function claimedAheadRuns(count: number): Promise<{ jobId: string; runs: ClaimedRun[] }> {
+/** A job with `count` scheduled runs due in 30 s, queued. */
+async function futureRuns(count: number): Promise<{ jobId: string; ids: string[] }> {
   const { rows: jobs } = await db.pool.query<{ id: string }>(
     `INSERT INTO jobs (name, schedule, target, timeout_ms, max_attempts)
      VALUES ('start-' || gen_random_uuid(), '* * * * * *', '{"url":"http://127.0.0.1:9/"}', 1000, 3) RETURNING id`,
@@ -40,9 +41,15 @@ async function claimedAheadRuns(count: number): Promise<{ jobId: string; runs: C
      RETURNING id`,
     [jobId, count],
   );
+  return { jobId, ids: rows.map((r) => r.id) };
+}
+
+/** A job with `count` scheduled runs due in 30 s, claimed ahead by NODE. */
+async function claimedAheadRuns(count: number): Promise<{ jobId: string; runs: ClaimedRun[] }> {
+  const { jobId, ids } = await futureRuns(count);
   const claimed = await claimRuns(
     db.pool,
-    rows.map((r) => ({ runId: r.id, expectedAttempt: 1 })),
+    ids.map((runId) => ({ runId, expectedAttempt: 1 })),
     options,
   );
   const runs = claimed.filter((r): r is ClaimedRun => r !== null);
@@ -79,6 +86,7 @@ async function inOpenTransaction<T>(work: (client: pg.PoolClient) => Promise<T>)
   const result = await work(client);
   return {
     result,
+    client,
     commit: async () => {
       await client.query('COMMIT');
       client.release();
@@ -146,7 +154,7 @@ test('a run claimed ahead and handed back uncalled (a stopping worker) is withdr
     const next = await inTransaction(db.pool, (c) => releaseClaim(c, run, NODE, report, 'runs'));
     assert.equal(next?.attempt, 2, 'handed back, announced again');
   }
-  assert.notEqual((await withdrawFutureRuns(db.pool, jobId)).earliest, null);
+  assert.notEqual((await inTransaction(db.pool, (c) => withdrawFutureRuns(c, jobId))).earliest, null);
   assert.deepEqual(await existing(runs.map((r) => r.id)), [], 'never called, so withdrawn like a queued run');
 });
 
@@ -161,54 +169,93 @@ test('START is repeatable (a retry after a lost answer): the run stays started a
   assert.deepEqual(await startRuns(db.pool, 'node-b', runs), [false, false], 'another node holds no claim');
   const stale = runs.map((r) => ({ id: r.id, attempt: r.attempt + 1 }));
   assert.deepEqual(await startRuns(db.pool, NODE, stale), [false, false], 'no such attempt');
-  assert.equal((await withdrawFutureRuns(db.pool, jobId)).earliest, null, 'started runs are kept');
+  assert.equal(
+    (await inTransaction(db.pool, (c) => withdrawFutureRuns(c, jobId))).earliest,
+    null,
+    'started runs are kept',
+  );
 });
 
-test('a START whose plan meets its runs out of id order and a pause: no deadlock, each run started or withdrawn', async () => {
-  // START's UPDATE meets rows in its plan's order: on a small table a hash join over a scan of
-  // runs, in physical order. Two runs of one job where the higher id lies physically first; a
-  // third transaction holds the lower one. The pause (locking by id) queues for it; START, planned
-  // as a hash join, takes the higher one and queues too. Once the holder commits, the pause takes
-  // the lower run and wants the higher, held by START, which waits for the pause: a deadlock,
-  // unless START too locks by id first.
-  let pair: { jobId: string; high: ClaimedRun; low: ClaimedRun } | undefined;
-  while (!pair) {
-    const { jobId, runs } = await claimedAheadRuns(6);
-    const { rows } = await db.pool.query<{ id: string }>(
-      'SELECT id FROM runs WHERE id = ANY($1::uuid[]) ORDER BY ctid',
-      [runs.map((r) => r.id)],
-    );
-    // Two runs out of id order physically (all six in order: 1 in 720).
-    const at = rows.findIndex((r, i) => i > 0 && r.id < rows[i - 1]!.id);
-    const byId = (id: string) => runs.find((r) => r.id === id)!;
-    if (at > 0) pair = { jobId, high: byId(rows[at - 1]!.id), low: byId(rows[at]!.id) };
-  }
-  const { jobId, high, low } = pair;
-  const holder = await inOpenTransaction((c) =>
-    c.query('SELECT 1 FROM runs WHERE id = $1 FOR UPDATE', [low.id]),
-  );
+/**
+ * A batch (a claim or a START) that takes the higher of two runs of a job before the lower, as one
+ * statement does when its plan meets them in that order (on a small table, a hash join over a scan
+ * of runs, in physical order), against a pause, which locks by id. Here the batch takes them in
+ * two statements of one transaction, so the order does not depend on a plan: the batch holds the
+ * higher run; the pause takes the lower and waits for the higher; the batch then waits for the
+ * lower. A deadlock, which PostgreSQL breaks after deadlock_timeout by failing one side, unless
+ * the pause lets go first.
+ */
+async function crossLockOrders<T>(
+  jobId: string,
+  [low, high]: readonly [string, string],
+  batch: (client: pg.PoolClient, id: string) => Promise<T>,
+): Promise<{ batched: T[]; withdrawal: Withdrawal }> {
+  const batching = await inOpenTransaction((c) => batch(c, high));
   const pausing = inTransaction(db.pool, (c) => withdrawFutureRuns(c, jobId));
   await untilBlocked();
-  const starter = await db.pool.connect();
-  try {
-    await starter.query('SET enable_nestloop = off; SET enable_mergejoin = off');
-    const starting = startRuns(starter, NODE, [high, low]);
-    await waitFor('START waiting too', async () => {
-      const { rows: waiting } = await db.pool.query<{ n: number }>(
-        `SELECT count(*)::int AS n FROM pg_stat_activity
-         WHERE datname = current_database() AND wait_event_type = 'Lock'`,
-      );
-      return waiting[0]!.n >= 2;
-    });
-    await holder.commit();
-    const [started, withdrawal] = await Promise.all([starting, pausing]);
-    const left = await existing([low.id, high.id]);
-    // The pause went first on the lower run: START finds both gone.
-    assert.deepEqual(started, [false, false], 'withdrawn before START reached them');
-    assert.deepEqual(left, []);
-    assert.notEqual(withdrawal.earliest, null);
-  } finally {
-    await starter.query('RESET enable_nestloop; RESET enable_mergejoin').catch(() => undefined);
-    starter.release();
-  }
+  const second = await batch(batching.client, low);
+  await batching.commit();
+  return { batched: [second, batching.result], withdrawal: await pausing };
+}
+
+/** Two of the job's runs, lower id first. */
+const byId = (ids: readonly string[]) => [...ids].sort().slice(0, 2) as [string, string];
+
+test("a START that takes a job's runs out of id order and a pause: no deadlock, the pause yields to START", async () => {
+  const { jobId, runs } = await claimedAheadRuns(3);
+  const pair = byId(runs.map((r) => r.id));
+  const { batched, withdrawal } = await crossLockOrders(jobId, pair, async (c, id) => {
+    const [started] = await startRuns(c, NODE, [{ id, attempt: 1 }]);
+    return started;
+  });
+  // The pause held the lower run and waited for the higher one (START's): it let go, START took
+  // both, and the pause's next try found them started.
+  assert.deepEqual(batched, [true, true], 'started');
+  const left = await existing(pair);
+  assert.equal(left.length, 2, 'a started run is not withdrawn');
+  assert.ok(left.every((r) => r.startedAt !== null));
+  assert.notEqual(withdrawal.earliest, null, "the job's third run, never started, is withdrawn");
+});
+
+test("a claim that takes a job's runs out of id order and a pause: no deadlock, the claimed runs are withdrawn", async () => {
+  const { jobId, ids } = await futureRuns(2);
+  const pair = byId(ids);
+  const { batched, withdrawal } = await crossLockOrders(jobId, pair, async (c, runId) => {
+    const [claimed] = await claimRuns(c, [{ runId, expectedAttempt: 1 }], options);
+    return claimed?.id;
+  });
+  // The claim took both (claimed ahead, not started); the pause's next try withdrew them, so
+  // their worker's START finds nothing.
+  assert.deepEqual(batched, pair, 'claimed');
+  assert.notEqual(withdrawal.earliest, null, 'claimed ahead and not started: withdrawn');
+  assert.deepEqual(await existing(pair), []);
+  assert.deepEqual(
+    await startRuns(
+      db.pool,
+      NODE,
+      pair.map((id) => ({ id, attempt: 1 })),
+    ),
+    [false, false],
+  );
+});
+
+test("a withdrawal that yielded to a held run restores the transaction's lock_timeout", async () => {
+  const { jobId, runs } = await claimedAheadRuns(2);
+  // Held past several of the withdrawal's waits, so it lets go and tries again more than once.
+  const holder = await inOpenTransaction((c) => startRuns(c, NODE, runs.slice(0, 1)));
+  const releasing = sleep(180).then(() => holder.commit());
+  const { withdrawal, after } = await inTransaction(db.pool, async (c) => {
+    await c.query(`SET LOCAL lock_timeout = '7s'`);
+    const withdrawal = await withdrawFutureRuns(c, jobId);
+    const { rows } = await c.query<{ lock_timeout: string }>('SHOW lock_timeout');
+    return { withdrawal, after: rows[0]!.lock_timeout };
+  });
+  await releasing;
+  assert.equal(after, '7s', 'the rest of the command waits for locks as before');
+  assert.notEqual(withdrawal.earliest, null, 'the run not started is withdrawn');
+  assert.deepEqual(
+    (await existing(runs.map((r) => r.id))).map((r) => r.id),
+    [runs[0]!.id],
+    'the started run is kept',
+  );
 });

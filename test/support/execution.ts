@@ -3,6 +3,7 @@ import type { AddressInfo } from 'node:net';
 import { performance } from 'node:perf_hooks';
 import { setTimeout as sleep } from 'node:timers/promises';
 import type pg from 'pg';
+import { inTransaction } from '../../src/store/db.js';
 import { withdrawFutureRuns } from '../../src/store/jobs.js';
 
 /** One request the target received. */
@@ -158,7 +159,7 @@ export async function insertJob(db: pg.Pool, spec: JobSpec): Promise<string> {
  */
 export async function stopJobs(db: pg.Pool, jobIds: string[]): Promise<void> {
   await db.query('UPDATE jobs SET enabled = false WHERE id = ANY($1::uuid[])', [jobIds]);
-  for (const id of jobIds) await withdrawFutureRuns(db, id);
+  for (const id of jobIds) await inTransaction(db, (c) => withdrawFutureRuns(c, id));
 }
 
 /** A whole second at least `aheadMs` from now by the database clock. */
