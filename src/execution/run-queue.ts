@@ -178,7 +178,7 @@ export class RunQueue {
    */
   private saturatedPace?: number;
   /** The current pace window: since when, slots given to waiting runs in it, waiting at its start. */
-  private paceWindow = { since: performance.now(), granted: 0, waitedAtStart: false };
+  private readonly paceWindow = { since: performance.now(), granted: 0, waitedAtStart: false };
   /** Executions whose call has ended and whose outcome is being written (see callEnded()). */
   private settling = 0;
   private full = false;
@@ -372,7 +372,10 @@ export class RunQueue {
       const before = this.saturatedPace ?? pace;
       this.saturatedPace = before + (pace - before) * PACE_WEIGHT;
     }
-    this.paceWindow = { since: now, granted: 0, waitedAtStart: waiting };
+    // Reset in place: while no run waits this runs on every pump.
+    window.since = now;
+    window.granted = 0;
+    window.waitedAtStart = waiting;
   }
 
   /**
