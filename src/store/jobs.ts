@@ -1,3 +1,4 @@
+import { performance } from 'node:perf_hooks';
 import { isDeepStrictEqual } from 'node:util';
 import type { DbClient, Queryable } from './db.js';
 import { RUN_SNAPSHOT_FIELDS, type MisfirePolicy, type RunSnapshot } from '../model.js';
@@ -135,13 +136,74 @@ export async function listJobs(
   return rows;
 }
 
+/** Locks every run of job $1, by id (see lockYielding). */
+const LOCK_JOB_RUNS = `SELECT id FROM runs WHERE job_id = $1 ORDER BY id FOR UPDATE`;
+
 /** Deletes job $1 (its runs, attempts and dead letters cascade). */
 const DELETE = `DELETE FROM jobs WHERE id = $1`;
 
-/** True when a job was deleted. */
-export async function deleteJob(db: Queryable, id: string): Promise<boolean> {
+/**
+ * True when a job was deleted. Inside the command's transaction: the job's runs are locked first
+ * (yielding to workers' batches, as a withdrawal does), so the cascade, which would lock them in
+ * its plan's order, waits for no worker that waits for it.
+ */
+export async function deleteJob(db: DbClient, id: string): Promise<boolean> {
+  await lockYielding(db, LOCK_JOB_RUNS, [id]);
   const { rowCount } = await db.query(DELETE, [id]);
   return (rowCount ?? 0) > 0;
+}
+
+/**
+ * How long a command (a pause, an edit, a delete) waits for a run another statement holds before
+ * it lets go of the runs it locked and tries again. A worker's claim, START or completion batch
+ * locks its runs in its plan's order (by id when the plan looks each run up by key, in physical
+ * order when it scans a small table), so it can hold one run of the job and wait for another the
+ * command holds. PostgreSQL would break that cycle only after deadlock_timeout (1 s by default)
+ * and by cancelling either side: a START batch's calls a second late, or the command answered
+ * 409. The command yields first instead, and the batch goes on (on a server whose deadlock_timeout
+ * is shorter than this, the command may be the side PostgreSQL fails: it tries again the same
+ * way). Locking by id inside those batches too would avoid the cycle at the price of a second
+ * pass over every run they take (START: 19 → 45 µs of backend CPU per run,
+ * `bench/claim-sql.ts --ahead`).
+ */
+const YIELD_AFTER_MS = 50;
+/**
+ * How long a command keeps trying before it gives up (then answered 409, nothing written): as long
+ * as the pool lets one statement wait (its statement_timeout, store/db.ts), which is how long the
+ * command waited for a held run before it yielded.
+ */
+const LOCK_PATIENCE_MS = 30_000;
+
+/** lock_timeout expired (55P03, lock_not_available), or PostgreSQL chose this side of a deadlock. */
+const isLockWaitGivenUp = (err: unknown) => {
+  const code = (err as { code?: unknown } | null)?.code;
+  return code === '55P03' || code === '40P01';
+};
+
+/**
+ * Runs `lockSql` (a SELECT … ORDER BY id FOR UPDATE) inside the command's transaction, yielding
+ * (see YIELD_AFTER_MS): each try runs under a savepoint with a short lock_timeout, and a try that
+ * waited too long rolls back to it, which lets go of the rows it locked. The transaction's own
+ * lock_timeout holds again afterwards.
+ */
+async function lockYielding(db: DbClient, lockSql: string, params: unknown[]): Promise<void> {
+  const { rows } = await db.query<{ previous: string }>(`SELECT current_setting('lock_timeout') AS previous`);
+  const giveUpAt = performance.now() + LOCK_PATIENCE_MS;
+  // One savepoint for every try: a rollback to it keeps it (a new one per try would nest).
+  await db.query('SAVEPOINT lock_yielding');
+  for (;;) {
+    // Set inside the savepoint, so the rollback to it undoes it too: set again for each try.
+    await db.query(`SET LOCAL lock_timeout = ${YIELD_AFTER_MS}`);
+    try {
+      await db.query(lockSql, params);
+      break;
+    } catch (err) {
+      if (!isLockWaitGivenUp(err) || performance.now() > giveUpAt) throw err;
+      await db.query('ROLLBACK TO SAVEPOINT lock_yielding');
+    }
+  }
+  await db.query('RELEASE SAVEPOINT lock_yielding');
+  await db.query(`SELECT set_config('lock_timeout', $1, true)`, [rows[0]!.previous]);
 }
 
 /**
@@ -170,48 +232,6 @@ const LOCK_FUTURE_RUNS = `
   ORDER BY id
   FOR UPDATE`;
 
-/**
- * How long the withdrawal waits for a run another statement holds before it lets go of what it
- * locked and tries again. A worker's claim or START batch locks its runs in its plan's order (by id
- * when the plan looks each run up by key, in physical order when it scans a small table), so it
- * can hold one run of the job and wait for another this withdrawal holds. PostgreSQL would break
- * that cycle only after deadlock_timeout (1 s by default) and by cancelling either side: a START
- * batch's calls a second late, or the command answered 409. The withdrawal yields first instead,
- * and the batch goes on: its runs are started, and the next try leaves them (on a server whose
- * deadlock_timeout is shorter than this, the withdrawal may be the side PostgreSQL fails: it tries
- * again the same way). Locking by id inside those batches too would avoid the cycle at the price
- * of a second pass over every run they take (START: 19 → 45 µs of backend CPU per run,
- * `bench/claim-sql.ts --ahead`).
- */
-const YIELD_AFTER_MS = 50;
-/** Tries before the command gives up (then answered 409, nothing written); about 5 s of waiting. */
-const LOCK_TRIES = 100;
-
-/** lock_timeout expired (55P03, lock_not_available), or PostgreSQL chose this side of a deadlock. */
-const isLockWaitGivenUp = (err: unknown) => {
-  const code = (err as { code?: unknown } | null)?.code;
-  return code === '55P03' || code === '40P01';
-};
-
-/** Locks every run the withdrawal may take (see YIELD_AFTER_MS); inside the command's transaction. */
-async function lockFutureRuns(db: DbClient, jobId: string): Promise<void> {
-  const { rows } = await db.query<{ previous: string }>(`SELECT current_setting('lock_timeout') AS previous`);
-  for (let tries = 1; ; tries++) {
-    // Set inside the savepoint, so a rollback to it undoes the setting along with the locks.
-    await db.query(`SAVEPOINT lock_future_runs; SET LOCAL lock_timeout = ${YIELD_AFTER_MS}`);
-    try {
-      await db.query(LOCK_FUTURE_RUNS, [jobId]);
-    } catch (err) {
-      if (!isLockWaitGivenUp(err) || tries === LOCK_TRIES) throw err;
-      await db.query('ROLLBACK TO SAVEPOINT lock_future_runs');
-      continue;
-    }
-    await db.query('RELEASE SAVEPOINT lock_future_runs');
-    await db.query(`SELECT set_config('lock_timeout', $1, true)`, [rows[0]!.previous]);
-    return;
-  }
-}
-
 const WITHDRAW_FUTURE_RUNS = `
   WITH line AS (
     SELECT statement_timestamp() AS boundary
@@ -231,7 +251,7 @@ export interface Withdrawal {
 
 /** Call inside the command's transaction (the locks hold until it ends). */
 export async function withdrawFutureRuns(db: DbClient, jobId: string): Promise<Withdrawal> {
-  await lockFutureRuns(db, jobId);
+  await lockYielding(db, LOCK_FUTURE_RUNS, [jobId]);
   const { rows } = await db.query<Withdrawal>(WITHDRAW_FUTURE_RUNS, [jobId]);
   return rows[0]!;
 }

@@ -4,7 +4,7 @@ import { setTimeout as sleep } from 'node:timers/promises';
 import type pg from 'pg';
 import { releaseClaim } from '../../src/store/attempts.js';
 import { inTransaction } from '../../src/store/db.js';
-import { withdrawFutureRuns, type Withdrawal } from '../../src/store/jobs.js';
+import { deleteJob, withdrawFutureRuns } from '../../src/store/jobs.js';
 import { claimRuns, startRuns, type ClaimedRun } from '../../src/store/runs.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
 import { waitFor } from '../support/execution.js';
@@ -177,25 +177,25 @@ test('START is repeatable (a retry after a lost answer): the run stays started a
 });
 
 /**
- * A batch (a claim or a START) that takes the higher of two runs of a job before the lower, as one
- * statement does when its plan meets them in that order (on a small table, a hash join over a scan
- * of runs, in physical order), against a pause, which locks by id. Here the batch takes them in
- * two statements of one transaction, so the order does not depend on a plan: the batch holds the
- * higher run; the pause takes the lower and waits for the higher; the batch then waits for the
- * lower. A deadlock, which PostgreSQL breaks after deadlock_timeout by failing one side, unless
- * the pause lets go first.
+ * A batch (a claim or a START) that takes two runs of a job in the reverse of the order in which a
+ * command (a pause, a delete) locks them, as one statement does when its plan meets them that way
+ * (on a small table, a hash join over a scan of runs, in physical order; a pause locks by id).
+ * Here the batch takes them in two statements of one transaction, so its order does not depend on
+ * a plan: the batch holds the second run; the command takes the first and waits for the second;
+ * the batch then waits for the first. A deadlock, which PostgreSQL breaks after deadlock_timeout
+ * by failing one side, unless the command lets go first.
  */
-async function crossLockOrders<T>(
-  jobId: string,
-  [low, high]: readonly [string, string],
+async function crossLockOrders<T, C>(
+  command: (client: pg.PoolClient) => Promise<C>,
+  [first, second]: readonly [string, string],
   batch: (client: pg.PoolClient, id: string) => Promise<T>,
-): Promise<{ batched: T[]; withdrawal: Withdrawal }> {
-  const batching = await inOpenTransaction((c) => batch(c, high));
-  const pausing = inTransaction(db.pool, (c) => withdrawFutureRuns(c, jobId));
+): Promise<{ batched: T[]; commanded: C }> {
+  const batching = await inOpenTransaction((c) => batch(c, second));
+  const commanding = inTransaction(db.pool, command);
   await untilBlocked();
-  const second = await batch(batching.client, low);
+  const again = await batch(batching.client, first);
   await batching.commit();
-  return { batched: [second, batching.result], withdrawal: await pausing };
+  return { batched: [again, batching.result], commanded: await commanding };
 }
 
 /** Two of the job's runs, lower id first. */
@@ -204,10 +204,14 @@ const byId = (ids: readonly string[]) => [...ids].sort().slice(0, 2) as [string,
 test("a START that takes a job's runs out of id order and a pause: no deadlock, the pause yields to START", async () => {
   const { jobId, runs } = await claimedAheadRuns(3);
   const pair = byId(runs.map((r) => r.id));
-  const { batched, withdrawal } = await crossLockOrders(jobId, pair, async (c, id) => {
-    const [started] = await startRuns(c, NODE, [{ id, attempt: 1 }]);
-    return started;
-  });
+  const { batched, commanded: withdrawal } = await crossLockOrders(
+    (c) => withdrawFutureRuns(c, jobId),
+    pair,
+    async (c, id) => {
+      const [started] = await startRuns(c, NODE, [{ id, attempt: 1 }]);
+      return started;
+    },
+  );
   // The pause held the lower run and waited for the higher one (START's): it let go, START took
   // both, and the pause's next try found them started.
   assert.deepEqual(batched, [true, true], 'started');
@@ -220,10 +224,14 @@ test("a START that takes a job's runs out of id order and a pause: no deadlock, 
 test("a claim that takes a job's runs out of id order and a pause: no deadlock, the claimed runs are withdrawn", async () => {
   const { jobId, ids } = await futureRuns(2);
   const pair = byId(ids);
-  const { batched, withdrawal } = await crossLockOrders(jobId, pair, async (c, runId) => {
-    const [claimed] = await claimRuns(c, [{ runId, expectedAttempt: 1 }], options);
-    return claimed?.id;
-  });
+  const { batched, commanded: withdrawal } = await crossLockOrders(
+    (c) => withdrawFutureRuns(c, jobId),
+    pair,
+    async (c, runId) => {
+      const [claimed] = await claimRuns(c, [{ runId, expectedAttempt: 1 }], options);
+      return claimed?.id;
+    },
+  );
   // The claim took both (claimed ahead, not started); the pause's next try withdrew them, so
   // their worker's START finds nothing.
   assert.deepEqual(batched, pair, 'claimed');
@@ -239,23 +247,51 @@ test("a claim that takes a job's runs out of id order and a pause: no deadlock, 
   );
 });
 
-test("a withdrawal that yielded to a held run restores the transaction's lock_timeout", async () => {
+test("a withdrawal that yielded to a held run restores the transaction's lock_timeout and leaves no savepoint open", async () => {
   const { jobId, runs } = await claimedAheadRuns(2);
   // Held past several of the withdrawal's waits, so it lets go and tries again more than once.
   const holder = await inOpenTransaction((c) => startRuns(c, NODE, runs.slice(0, 1)));
   const releasing = sleep(180).then(() => holder.commit());
-  const { withdrawal, after } = await inTransaction(db.pool, async (c) => {
+  const { withdrawal, after, nested } = await inTransaction(db.pool, async (c) => {
     await c.query(`SET LOCAL lock_timeout = '7s'`);
     const withdrawal = await withdrawFutureRuns(c, jobId);
     const { rows } = await c.query<{ lock_timeout: string }>('SHOW lock_timeout');
-    return { withdrawal, after: rows[0]!.lock_timeout };
+    // A savepoint of the tries still open would nest the rest of the command in subtransactions.
+    await c.query('SAVEPOINT probe');
+    const nested = await c.query('RELEASE SAVEPOINT lock_yielding').then(
+      () => true,
+      async () => {
+        await c.query('ROLLBACK TO SAVEPOINT probe');
+        return false;
+      },
+    );
+    return { withdrawal, after: rows[0]!.lock_timeout, nested };
   });
   await releasing;
   assert.equal(after, '7s', 'the rest of the command waits for locks as before');
+  assert.equal(nested, false, 'no savepoint of the tries is left open');
   assert.notEqual(withdrawal.earliest, null, 'the run not started is withdrawn');
   assert.deepEqual(
     (await existing(runs.map((r) => r.id))).map((r) => r.id),
     [runs[0]!.id],
     'the started run is kept',
   );
+});
+
+test("a job deleted while a batch takes its runs in the reverse of the delete's scan: no deadlock, the delete yields", async () => {
+  const { jobId, runs } = await claimedAheadRuns(2);
+  // The cascade of a delete would meet the runs in physical order on this small table.
+  const { rows } = await db.pool.query<{ id: string }>(
+    'SELECT id FROM runs WHERE id = ANY($1::uuid[]) ORDER BY ctid',
+    [runs.map((r) => r.id)],
+  );
+  const scan = rows.map((r) => r.id) as [string, string];
+  const { batched, commanded: deleted } = await crossLockOrders(
+    (c) => deleteJob(c, jobId),
+    scan,
+    async (c, id) => (await startRuns(c, NODE, [{ id, attempt: 1 }]))[0],
+  );
+  assert.deepEqual(batched, [true, true], 'START went on');
+  assert.equal(deleted, true, 'and the job was deleted after it');
+  assert.deepEqual(await existing(scan), [], 'with its runs');
 });
