@@ -1,4 +1,4 @@
-import { readFileSync } from 'node:fs';
+import { mkdirSync, readFileSync } from 'node:fs';
 import { setTimeout as sleep } from 'node:timers/promises';
 import type { Etcd3 } from 'etcd3';
 import { createKafka, deleteTopics, describeGroup, type BrokerClient } from '../../src/broker/index.js';
@@ -230,6 +230,7 @@ export class BenchCluster {
 
 /** Cluster options under which every node can profile a window: SIGUSR2 starts, SIGUSR2 writes. */
 export function profiled(dir: string): ClusterOptions {
+  mkdirSync(dir, { recursive: true });
   return {
     nodeArgs: ['--import', `${REPO_ROOT}bench/lib/cpu-profiler.mjs`],
     env: { HELIOS_BENCH_PROFILE_DIR: dir },
