@@ -109,6 +109,7 @@ function history(): Crafted {
       lookaheadMs: 5000,
       claimGraceMs: 3000,
       claimLeadMs: 1000,
+      reaperIntervalMs: 1000,
       leaseTtlMs: 3000,
       opToleranceMs: 500,
       earlyToleranceMs: 25,
@@ -493,4 +494,32 @@ test('a dead run may have used an attempt on a claim a fault cut, not on nothing
     ['failed', sec(21)],
   ];
   assert.match(dead(uncalled, [killed]), /attempt 1 \(failed on chaos-c\) was used up/);
+});
+
+test('a run first called as a later attempt (its claim lost uncalled) may be late by the lost claim, and no more', () => {
+  // The steady run due at 15 s was claimed ahead by chaos-c, killed before the run was due: its
+  // claim expired at due + timeout (5 s) + grace (3 s), the reaper took it back within its pass
+  // (1 s), and attempt 2 was the first call. The bound ('no fault', 1.5 s) counts from then.
+  const late = (afterDueMs: number) => {
+    const obs = history();
+    const r = obs.runs[5]!;
+    obs.runs[5] = { ...r, attempt: 2 };
+    obs.attempts[5] = { ...obs.attempts[5]!, nodeId: 'chaos-c', outcome: 'expired' };
+    obs.attempts.push({
+      runId: r.id,
+      attempt: 2,
+      nodeId: 'chaos-a',
+      startedAt: r.scheduledFor + afterDueMs,
+      finishedAt: r.scheduledFor + afterDueMs + 100,
+      outcome: 'succeeded',
+    });
+    obs.deliveries[5] = delivery(r, 2, r.scheduledFor + afterDueMs);
+    return violations(obs);
+  };
+  assert.equal(late(10_000), '');
+  // Left waiting longer than a lost claim takes (e.g. a claim watch that never let go of it).
+  assert.match(
+    late(12_000),
+    /run s1-15 due 2026-12-01T12:00:15\.000Z arrived 12000 ms late \(no fault, bound 1500 ms, first called as attempt 2: 9000 ms for the claims lost before it\)/,
+  );
 });

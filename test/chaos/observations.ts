@@ -96,6 +96,8 @@ export interface Settings {
   readonly claimGraceMs: number;
   /** How long before its time a worker claims a run (HELIOS_CLAIM_LEAD_MS). */
   readonly claimLeadMs: number;
+  /** Longest pause between the reaper's passes over expired claims (HELIOS_REAPER_INTERVAL_MS). */
+  readonly reaperIntervalMs: number;
   readonly leaseTtlMs: number;
   /** How far around an operation's [sentAt, answeredAt] an occurrence may see either side. */
   readonly opToleranceMs: number;

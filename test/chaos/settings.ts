@@ -10,6 +10,8 @@ export const TTL_MS = 3000;
 export const CLAIM_GRACE_MS = 3000;
 /** The nodes' HELIOS_CLAIM_LEAD_MS (the default's value). */
 export const CLAIM_LEAD_MS = 1000;
+/** The nodes' HELIOS_REAPER_INTERVAL_MS (the default). */
+export const REAPER_INTERVAL_MS = 1000;
 
 /**
  * Lateness bounds (first call − scheduled_for, by the fault whose window the occurrence was due
@@ -23,6 +25,7 @@ export function chaosSettings(settleMs: number): Settings {
     lookaheadMs: 5000,
     claimGraceMs: CLAIM_GRACE_MS,
     claimLeadMs: CLAIM_LEAD_MS,
+    reaperIntervalMs: REAPER_INTERVAL_MS,
     leaseTtlMs: TTL_MS,
     opToleranceMs: 500,
     earlyToleranceMs: 25,
