@@ -56,6 +56,8 @@ export interface HerdRun {
   readonly phases: { created: number; published: number; started: number };
   /** Runs claimed by the due instant (claimed ahead: HELIOS_CLAIM_LEAD_MS, the claim budget). */
   readonly claimedByDue: number;
+  /** Per node: its calls and when its last call started (ms after due). */
+  readonly byNode: readonly { node: string; calls: number; lastStartedMs: number }[];
   /**
    * CPU ms per run by process category, from the jobs' insert (before the dispatcher sees them)
    * until the last call arrived: dispatch, publish, claim, call and completion of every run.
@@ -100,6 +102,17 @@ const PHASES = `
   SELECT (SELECT max(created_at) FROM herd) AS created,
          (SELECT max(published_at) FROM outbox WHERE key IN (SELECT job_id::text FROM herd)) AS published,
          (SELECT max(started_at) FROM run_attempts WHERE run_id IN (SELECT id FROM herd)) AS started`;
+
+/**
+ * The herd's calls by node: how many each made and when its last one started. Claims ahead are
+ * each node's own (from its partitions), so a node that falls behind finishes the herd alone.
+ * $1 = the herd's due instant.
+ */
+const BY_NODE = `
+  SELECT a.node_id AS node, count(*)::int AS calls, max(a.started_at) AS "lastStarted"
+  FROM run_attempts a JOIN runs r ON r.id = a.run_id
+  WHERE r.scheduled_for = $1 AND a.outcome = 'succeeded'
+  GROUP BY a.node_id ORDER BY a.node_id`;
 
 /** Cron (6 fields, seconds first) that fires once a day at `at`'s UTC second. */
 function onceADayAt(at: Date): string {
@@ -196,6 +209,10 @@ export async function herdOnce(
       started: Date | null;
     }>(PHASES, [new Date(due)]);
     const at = (d: Date | null | undefined) => (d ? d.getTime() - due : NaN);
+    const { rows: nodes } = await cluster.db.pool.query<{ node: string; calls: number; lastStarted: Date }>(
+      BY_NODE,
+      [new Date(due)],
+    );
     return {
       lastMs: complete ? max(arrivals) : NaN,
       firstMs: Math.min(...arrivals),
@@ -208,6 +225,7 @@ export async function herdOnce(
         started: at(rows[0]?.started),
       },
       claimedByDue: await claimedByDue,
+      byNode: nodes.map((n) => ({ node: n.node, calls: n.calls, lastStartedMs: at(n.lastStarted) })),
       cpuPerRun: cpuPerRun(wholeSample, jobs),
       afterDueCpuPerRun: cpuPerRun(afterDueSample, jobs),
       cold: {
@@ -257,6 +275,9 @@ export async function herd(
         `(first ${ms(run.firstMs)}, p50 ${ms(run.p50Ms)}${run.duplicates ? `, ${run.duplicates} duplicates` : ''}); ` +
         `last run created ${ms(run.phases.created)}, last published ${ms(run.phases.published)}, ` +
         `last call started ${ms(run.phases.started)}; ${run.claimedByDue} claimed by the due instant`,
+    );
+    options.log?.(
+      `  by node: ${run.byNode.map((n) => `${n.node} ${n.calls} calls, last started ${ms(n.lastStartedMs)}`).join('; ')}`,
     );
     options.log?.(`  CPU per run (insert → last arrival): ${describeCpuPerRun(run.cpuPerRun)}`);
     options.log?.(`  of which from the due instant on: ${describeCpuPerRun(run.afterDueCpuPerRun)}`);
