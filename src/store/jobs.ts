@@ -136,19 +136,30 @@ export async function listJobs(
   return rows;
 }
 
-/** Locks every run of job $1, by id (see lockYielding). */
-const LOCK_JOB_RUNS = `SELECT id FROM runs WHERE job_id = $1 ORDER BY id FOR UPDATE`;
+/** Locks job $1's row. */
+const LOCK_JOB = `SELECT id FROM jobs WHERE id = $1 FOR UPDATE`;
+
+/** Locks job $1's queued and running runs (the ones workers' batches take), by id. */
+const LOCK_ACTIVE_RUNS = `
+  SELECT id FROM runs WHERE job_id = $1 AND state IN ('queued', 'running') ORDER BY id FOR UPDATE`;
 
 /** Deletes job $1 (its runs, attempts and dead letters cascade). */
 const DELETE = `DELETE FROM jobs WHERE id = $1`;
 
 /**
- * True when a job was deleted. Inside the command's transaction: the job's runs are locked first
- * (yielding to workers' batches, as a withdrawal does), so the cascade, which would lock them in
- * its plan's order, waits for no worker that waits for it.
+ * True when a job was deleted. Inside the command's transaction. The job's row and then its active
+ * runs are locked first, both in one yielding try (lockYielding): the cascade, which would lock the
+ * runs in its plan's order, then waits for no worker that waits for it; and the job's row comes
+ * first, as a pause, an edit or a dead-letter replay takes it before the runs, so a delete never
+ * holds runs while it waits for one of those. (Locked outside the try, the row would stay locked
+ * while a try lets go of the runs, and a worker that holds a run and then needs the row, to bury
+ * the run as a dead letter, would wait for the delete that waits for it.)
  */
 export async function deleteJob(db: DbClient, id: string): Promise<boolean> {
-  await lockYielding(db, LOCK_JOB_RUNS, [id]);
+  await lockYielding(db, async () => {
+    await db.query(LOCK_JOB, [id]);
+    await db.query(LOCK_ACTIVE_RUNS, [id]);
+  });
   const { rowCount } = await db.query(DELETE, [id]);
   return (rowCount ?? 0) > 0;
 }
@@ -181,12 +192,12 @@ const isLockWaitGivenUp = (err: unknown) => {
 };
 
 /**
- * Runs `lockSql` (a SELECT … ORDER BY id FOR UPDATE) inside the command's transaction, yielding
- * (see YIELD_AFTER_MS): each try runs under a savepoint with a short lock_timeout, and a try that
- * waited too long rolls back to it, which lets go of the rows it locked. The transaction's own
- * lock_timeout holds again afterwards.
+ * Runs `lock` (statements that lock rows, each in id order) inside the command's transaction,
+ * yielding (see YIELD_AFTER_MS): each try runs under a savepoint with a short lock_timeout, and a
+ * try that waited too long rolls back to it, which lets go of the rows it locked. The
+ * transaction's own lock_timeout holds again afterwards.
  */
-async function lockYielding(db: DbClient, lockSql: string, params: unknown[]): Promise<void> {
+async function lockYielding(db: DbClient, lock: () => Promise<void>): Promise<void> {
   const { rows } = await db.query<{ previous: string }>(`SELECT current_setting('lock_timeout') AS previous`);
   const giveUpAt = performance.now() + LOCK_PATIENCE_MS;
   // One savepoint for every try: a rollback to it keeps it (a new one per try would nest).
@@ -195,7 +206,7 @@ async function lockYielding(db: DbClient, lockSql: string, params: unknown[]): P
     // Set inside the savepoint, so the rollback to it undoes it too: set again for each try.
     await db.query(`SET LOCAL lock_timeout = ${YIELD_AFTER_MS}`);
     try {
-      await db.query(lockSql, params);
+      await lock();
       break;
     } catch (err) {
       if (!isLockWaitGivenUp(err) || performance.now() > giveUpAt) throw err;
@@ -251,7 +262,9 @@ export interface Withdrawal {
 
 /** Call inside the command's transaction (the locks hold until it ends). */
 export async function withdrawFutureRuns(db: DbClient, jobId: string): Promise<Withdrawal> {
-  await lockYielding(db, LOCK_FUTURE_RUNS, [jobId]);
+  await lockYielding(db, async () => {
+    await db.query(LOCK_FUTURE_RUNS, [jobId]);
+  });
   const { rows } = await db.query<Withdrawal>(WITHDRAW_FUTURE_RUNS, [jobId]);
   return rows[0]!;
 }

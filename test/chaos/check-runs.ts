@@ -69,6 +69,7 @@ function lateness(
   runs: readonly RunRow[],
   byRun: Map<string, Delivery[]>,
   roles: Map<string, JobRole>,
+  attempts: ReadonlyMap<string, AttemptRow>,
 ) {
   const byKind = new Map<string, number[]>();
   const over: string[] = [];
@@ -83,17 +84,20 @@ function lateness(
     const kind = fault?.kind ?? 'no fault';
     const late = first.arrivedAt - due;
     // The first call of a later attempt: each earlier one ended without a call (its claimant was
-    // killed or stopped with the run claimed ahead), and may have held the run until its claim
-    // expired (the due instant + timeout + grace) and the reaper's next pass took it back. The
-    // figures by kind are of first attempts, as they always were.
+    // killed or stopped with the run claimed ahead). One that expired may have held the run until
+    // its claim did (the due instant + timeout + grace) and the reaper's next pass took it back;
+    // one handed back (`cancelled`) was announced again at once. The figures by kind are of first
+    // attempts, as they always were.
     const lost = first.attempt - 1;
-    const held = lost * (run.timeoutMs + obs.settings.claimGraceMs + obs.settings.reaperIntervalMs);
+    let expired = 0;
+    for (let n = 1; n <= lost; n++) if (attempts.get(`${run.id}/${n}`)?.outcome !== 'cancelled') expired += 1;
+    const held = expired * (run.timeoutMs + obs.settings.claimGraceMs + obs.settings.reaperIntervalMs);
     if (lost === 0) {
       let list = byKind.get(kind);
       if (!list) byKind.set(kind, (list = []));
       list.push(late);
     }
-    const { deadline, by } = latestArrival(obs, due + held, kind);
+    const { deadline, by } = lost > 0 ? reapedLate(obs, due, held, kind) : latestArrival(obs, due, kind);
     if (first.arrivedAt > deadline)
       over.push(
         `run ${run.id} due ${iso(due)} arrived ${late.toFixed(0)} ms late (${kind}, bound ` +
@@ -108,6 +112,31 @@ function lateness(
 export function arrivalDeadline(obs: Observations, due: number): number {
   const fault = obs.faults.find((f) => due >= f.start - 1000 && due <= f.end + obs.settings.settleMs);
   return latestArrival(obs, due, fault?.kind ?? 'no fault').deadline;
+}
+
+/**
+ * Faults during which no node leads: etcd as a whole away or restarting. The reaper runs on the
+ * leader, so a claim lost meanwhile is taken back only after the fault, an election and a pass.
+ */
+const WITHOUT_LEADER = new Set(['etcd-down-30s', 'restart-etcd']);
+
+/**
+ * The latest a run whose claims were lost (first called as a later attempt) may first arrive:
+ * latestArrival counted from when its lost claims may have held it (`held`), or, when a fault
+ * during which nothing reaps overlaps that wait, from that fault's end: a lease, a reaper pass,
+ * then the run's own bound.
+ */
+function reapedLate(obs: Observations, due: number, held: number, kind: string) {
+  const arrival = latestArrival(obs, due + held, kind);
+  for (const f of obs.faults) {
+    if (!WITHOUT_LEADER.has(f.kind) || f.end + obs.settings.settleMs < due) continue;
+    if (f.start - 1000 > arrival.deadline) continue;
+    const after = f.end + obs.settings.leaseTtlMs + obs.settings.reaperIntervalMs + boundOf(obs, kind);
+    if (after <= arrival.deadline) continue;
+    arrival.deadline = after;
+    if (!arrival.by.includes(f.kind)) arrival.by.push(f.kind);
+  }
+  return arrival;
 }
 
 function boundOf(obs: Observations, kind: string): number {
@@ -260,7 +289,7 @@ export function checkRuns(obs: Observations): Findings {
       vanished.push(`run ${runId} of ${job?.name ?? calls[0]!.jobId} reached the target but has no row`);
   }
 
-  const { byKind, over } = lateness(obs, obs.runs, byRun, roles);
+  const { byKind, over } = lateness(obs, obs.runs, byRun, roles, attempts);
   lines.push(
     `runs ${obs.runs.length}: still active ${active.length}, unexpected final state ${badState.length}, ` +
       `never reached the target ${neverCalled.length}, called again after a call that did not fail ${repeated} ` +

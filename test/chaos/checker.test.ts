@@ -500,11 +500,12 @@ test('a run first called as a later attempt (its claim lost uncalled) may be lat
   // The steady run due at 15 s was claimed ahead by chaos-c, killed before the run was due: its
   // claim expired at due + timeout (5 s) + grace (3 s), the reaper took it back within its pass
   // (1 s), and attempt 2 was the first call. The bound ('no fault', 1.5 s) counts from then.
-  const late = (afterDueMs: number) => {
+  const late = (afterDueMs: number, faults: Observations['faults'] = [], lostAs = 'expired') => {
     const obs = history();
+    obs.faults.push(...faults);
     const r = obs.runs[5]!;
     obs.runs[5] = { ...r, attempt: 2 };
-    obs.attempts[5] = { ...obs.attempts[5]!, nodeId: 'chaos-c', outcome: 'expired' };
+    obs.attempts[5] = { ...obs.attempts[5]!, nodeId: 'chaos-c', outcome: lostAs };
     obs.attempts.push({
       runId: r.id,
       attempt: 2,
@@ -521,5 +522,18 @@ test('a run first called as a later attempt (its claim lost uncalled) may be lat
   assert.match(
     late(12_000),
     /run s1-15 due 2026-12-01T12:00:15\.000Z arrived 12000 ms late \(no fault, bound 1500 ms, first called as attempt 2: 9000 ms for the claims lost before it\)/,
+  );
+  // The reaper runs on the leader: with etcd away from 7 s after due, nothing took the claim back
+  // until it returned (37 s after due), a lease later; from there the run's bound counts again.
+  const etcdDown = [{ kind: 'etcd-down-30s', start: sec(22), end: sec(52) }];
+  assert.equal(late(40_000, etcdDown), '');
+  // A claim handed back (a stopping worker) is announced again at once: no allowance for it.
+  assert.match(
+    late(10_000, [], 'cancelled'),
+    /arrived 10000 ms late \(no fault, bound 1500 ms, first called as attempt 2: 0 ms/,
+  );
+  assert.match(
+    late(45_000, etcdDown),
+    /arrived 45000 ms late \(no fault, bound 1500 ms, then etcd-down-30s, first called/,
   );
 });

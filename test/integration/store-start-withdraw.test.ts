@@ -1,5 +1,6 @@
 import assert from 'node:assert/strict';
 import { after, before, test } from 'node:test';
+import { performance } from 'node:perf_hooks';
 import { setTimeout as sleep } from 'node:timers/promises';
 import type pg from 'pg';
 import { releaseClaim } from '../../src/store/attempts.js';
@@ -183,7 +184,8 @@ test('START is repeatable (a retry after a lost answer): the run stays started a
  * Here the batch takes them in two statements of one transaction, so its order does not depend on
  * a plan: the batch holds the second run; the command takes the first and waits for the second;
  * the batch then waits for the first. A deadlock, which PostgreSQL breaks after deadlock_timeout
- * by failing one side, unless the command lets go first.
+ * (1 s) by failing one side, unless the command lets go first: the batch's wait must end well
+ * before that (a command that only retried when PostgreSQL failed it would pass otherwise).
  */
 async function crossLockOrders<T, C>(
   command: (client: pg.PoolClient) => Promise<C>,
@@ -193,9 +195,13 @@ async function crossLockOrders<T, C>(
   const batching = await inOpenTransaction((c) => batch(c, second));
   const commanding = inTransaction(db.pool, command);
   await untilBlocked();
+  const waitFrom = performance.now();
   const again = await batch(batching.client, first);
+  const waitedMs = performance.now() - waitFrom;
   await batching.commit();
-  return { batched: [again, batching.result], commanded: await commanding };
+  const commanded = await commanding;
+  assert.ok(waitedMs < 500, `the batch waited ${Math.round(waitedMs)} ms for the command to let go`);
+  return { batched: [again, batching.result], commanded };
 }
 
 /** Two of the job's runs, lower id first. */
@@ -252,24 +258,21 @@ test("a withdrawal that yielded to a held run restores the transaction's lock_ti
   // Held past several of the withdrawal's waits, so it lets go and tries again more than once.
   const holder = await inOpenTransaction((c) => startRuns(c, NODE, runs.slice(0, 1)));
   const releasing = sleep(180).then(() => holder.commit());
-  const { withdrawal, after, nested } = await inTransaction(db.pool, async (c) => {
+  const { withdrawal, after, transactionIds } = await inTransaction(db.pool, async (c) => {
     await c.query(`SET LOCAL lock_timeout = '7s'`);
     const withdrawal = await withdrawFutureRuns(c, jobId);
     const { rows } = await c.query<{ lock_timeout: string }>('SHOW lock_timeout');
-    // A savepoint of the tries still open would nest the rest of the command in subtransactions.
-    await c.query('SAVEPOINT probe');
-    const nested = await c.query('RELEASE SAVEPOINT lock_yielding').then(
-      () => true,
-      async () => {
-        await c.query('ROLLBACK TO SAVEPOINT probe');
-        return false;
-      },
+    // A savepoint of the tries still open would nest the rest of the command in subtransactions:
+    // each open level that wrote (locked rows) holds a transaction id (a released one lets go of
+    // it), the top level one more.
+    const { rows: ids } = await c.query<{ n: number }>(
+      `SELECT count(*)::int AS n FROM pg_locks WHERE pid = pg_backend_pid() AND locktype = 'transactionid'`,
     );
-    return { withdrawal, after: rows[0]!.lock_timeout, nested };
+    return { withdrawal, after: rows[0]!.lock_timeout, transactionIds: ids[0]!.n };
   });
   await releasing;
   assert.equal(after, '7s', 'the rest of the command waits for locks as before');
-  assert.equal(nested, false, 'no savepoint of the tries is left open');
+  assert.equal(transactionIds, 1, 'the transaction alone holds one: no savepoint of the tries is left open');
   assert.notEqual(withdrawal.earliest, null, 'the run not started is withdrawn');
   assert.deepEqual(
     (await existing(runs.map((r) => r.id))).map((r) => r.id),
@@ -278,14 +281,21 @@ test("a withdrawal that yielded to a held run restores the transaction's lock_ti
   );
 });
 
-test("a job deleted while a batch takes its runs in the reverse of the delete's scan: no deadlock, the delete yields", async () => {
-  const { jobId, runs } = await claimedAheadRuns(2);
-  // The cascade of a delete would meet the runs in physical order on this small table.
-  const { rows } = await db.pool.query<{ id: string }>(
-    'SELECT id FROM runs WHERE id = ANY($1::uuid[]) ORDER BY ctid',
-    [runs.map((r) => r.id)],
-  );
-  const scan = rows.map((r) => r.id) as [string, string];
+test("a job deleted while a batch takes its runs in the reverse of the delete's order: no deadlock, the delete yields", async () => {
+  // Two runs whose physical order (the order the cascade of a delete meets them in on this small
+  // table) is also their id order (the order the delete now locks them in), so that the batch,
+  // taking them the other way round, crosses both.
+  let picked: { jobId: string; scan: [string, string] } | undefined;
+  while (!picked) {
+    const { jobId, runs } = await claimedAheadRuns(4);
+    const { rows } = await db.pool.query<{ id: string }>(
+      'SELECT id FROM runs WHERE id = ANY($1::uuid[]) ORDER BY ctid',
+      [runs.map((r) => r.id)],
+    );
+    const at = rows.findIndex((r, i) => i > 0 && r.id > rows[i - 1]!.id);
+    if (at > 0) picked = { jobId, scan: [rows[at - 1]!.id, rows[at]!.id] };
+  }
+  const { jobId, scan } = picked;
   const { batched, commanded: deleted } = await crossLockOrders(
     (c) => deleteJob(c, jobId),
     scan,
@@ -294,4 +304,20 @@ test("a job deleted while a batch takes its runs in the reverse of the delete's 
   assert.deepEqual(batched, [true, true], 'START went on');
   assert.equal(deleted, true, 'and the job was deleted after it');
   assert.deepEqual(await existing(scan), [], 'with its runs');
+});
+
+test('a job deleted while a pause of it holds the job and then takes its runs: the delete waits its turn', async () => {
+  const { jobId } = await claimedAheadRuns(2);
+  // The pause command locks the job's row first (findJob … FOR UPDATE), then its runs.
+  const pause = await inOpenTransaction((c) =>
+    c.query('SELECT id FROM jobs WHERE id = $1 FOR UPDATE', [jobId]),
+  );
+  const deleting = inTransaction(db.pool, (c) => deleteJob(c, jobId));
+  await untilBlocked();
+  // A delete that had locked the runs before the job would now hold what the pause needs while it
+  // waits for the pause's row.
+  const withdrawal = await withdrawFutureRuns(pause.client, jobId);
+  await pause.commit();
+  assert.notEqual(withdrawal.earliest, null, 'the pause withdrew the runs');
+  assert.equal(await deleting, true, 'then the delete deleted the job');
 });
