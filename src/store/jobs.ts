@@ -136,32 +136,23 @@ export async function listJobs(
   return rows;
 }
 
-/** Locks job $1's row. */
-const LOCK_JOB = `SELECT id FROM jobs WHERE id = $1 FOR UPDATE`;
-
-/** Locks job $1's queued and running runs (the ones workers' batches take), by id. */
-const LOCK_ACTIVE_RUNS = `
-  SELECT id FROM runs WHERE job_id = $1 AND state IN ('queued', 'running') ORDER BY id FOR UPDATE`;
-
 /** Deletes job $1 (its runs, attempts and dead letters cascade). */
 const DELETE = `DELETE FROM jobs WHERE id = $1`;
 
 /**
- * True when a job was deleted. Inside the command's transaction. The job's row and then its active
- * runs are locked first, both in one yielding try (lockYielding): the cascade, which would lock the
- * runs in its plan's order, then waits for no worker that waits for it; and the job's row comes
- * first, as a pause, an edit or a dead-letter replay takes it before the runs, so a delete never
- * holds runs while it waits for one of those. (Locked outside the try, the row would stay locked
- * while a try lets go of the runs, and a worker that holds a run and then needs the row, to bury
- * the run as a dead letter, would wait for the delete that waits for it.)
+ * True when a job was deleted. Inside the command's transaction, as one yielding try
+ * (lockYielding): the delete locks the job's row, then its cascade locks the runs in its plan's
+ * order, and a worker's batch may hold one of them while it waits for another the cascade took
+ * (or for one a writer finished while the batch waited for it: the batch keeps that row locked).
+ * A try that waits too long lets go of all of it and starts again.
  */
 export async function deleteJob(db: DbClient, id: string): Promise<boolean> {
+  let deleted = false;
   await lockYielding(db, async () => {
-    await db.query(LOCK_JOB, [id]);
-    await db.query(LOCK_ACTIVE_RUNS, [id]);
+    const { rowCount } = await db.query(DELETE, [id]);
+    deleted = (rowCount ?? 0) > 0;
   });
-  const { rowCount } = await db.query(DELETE, [id]);
-  return (rowCount ?? 0) > 0;
+  return deleted;
 }
 
 /**
@@ -192,7 +183,7 @@ const isLockWaitGivenUp = (err: unknown) => {
 };
 
 /**
- * Runs `lock` (statements that lock rows, each in id order) inside the command's transaction,
+ * Runs `lock` (statements that lock or write rows others may hold) inside the command's transaction,
  * yielding (see YIELD_AFTER_MS): each try runs under a savepoint with a short lock_timeout, and a
  * try that waited too long rolls back to it, which lets go of the rows it locked. The
  * transaction's own lock_timeout holds again afterwards.

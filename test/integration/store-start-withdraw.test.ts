@@ -3,10 +3,10 @@ import { after, before, test } from 'node:test';
 import { performance } from 'node:perf_hooks';
 import { setTimeout as sleep } from 'node:timers/promises';
 import type pg from 'pg';
-import { releaseClaim } from '../../src/store/attempts.js';
+import { completeSucceededMany, releaseClaim } from '../../src/store/attempts.js';
 import { inTransaction } from '../../src/store/db.js';
 import { deleteJob, withdrawFutureRuns } from '../../src/store/jobs.js';
-import { claimRuns, startRuns, type ClaimedRun } from '../../src/store/runs.js';
+import { claimRuns, replaceOlderRuns, startRuns, type ClaimedRun } from '../../src/store/runs.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
 import { waitFor } from '../support/execution.js';
 
@@ -320,4 +320,55 @@ test('a job deleted while a pause of it holds the job and then takes its runs: t
   await pause.commit();
   assert.notEqual(withdrawal.earliest, null, 'the pause withdrew the runs');
   assert.equal(await deleting, true, 'then the delete deleted the job');
+});
+
+test('a job deleted while a completion batch holds a run another writer finished under it: the delete yields', async () => {
+  // A `replace` job with two running runs of NODE: x (older) and a.
+  const { rows: jobs } = await db.pool.query<{ id: string }>(
+    `INSERT INTO jobs (name, schedule, target, timeout_ms, max_attempts, concurrency)
+     VALUES ('start-' || gen_random_uuid(), '* * * * * *', '{"url":"http://127.0.0.1:9/"}', 1000, 3, 'replace')
+     RETURNING id`,
+  );
+  const jobId = jobs[0]!.id;
+  const { rows } = await db.pool.query<{ id: string }>(
+    `INSERT INTO runs (job_id, scheduled_for, state, attempt, max_attempts, target, timeout_ms, backoff_ms,
+                       backoff_multiplier, concurrency, not_before, claimed_by, claim_expires_at, started_at)
+     SELECT $1, t, 'running', 1, 3, '{"url":"http://127.0.0.1:9/"}', 1000, 100, 2, 'replace', t, $2,
+            now() + interval '1 minute', t
+     FROM (VALUES (now() - interval '3 seconds'), (now() - interval '1 second')) AS s (t)
+     ORDER BY t RETURNING id`,
+    [jobId, NODE],
+  );
+  const [x, a] = rows.map((r) => r.id) as [string, string];
+  await db.pool.query(
+    `INSERT INTO run_attempts (run_id, attempt, node_id) SELECT unnest($1::uuid[]), 1, $2`,
+    [[x, a], NODE],
+  );
+  const report = {
+    outcome: 'succeeded' as const,
+    statusCode: 200,
+    durationMs: 5,
+    error: null,
+    responseExcerpt: null,
+  };
+  // A newer run fails x as replaced; a completion batch waits for x meanwhile. x no longer matches
+  // once the replace commits, but the batch keeps the row it waited for locked. The batch is two
+  // statements of one transaction here, so that it reaches a (which the delete takes) afterwards.
+  const replacing = await inOpenTransaction((c) => replaceOlderRuns(c, jobId));
+  assert.deepEqual(replacing.result.replaced, [x]);
+  const batch = await inOpenTransaction(async () => undefined);
+  const first = completeSucceededMany(batch.client, NODE, [{ run: { id: x, attempt: 1 }, report }]);
+  await untilBlocked();
+  await replacing.commit();
+  assert.deepEqual(await first, [false], 'x was replaced: not completed');
+  // The delete's cascade takes a, then waits for x (held by the batch), which waits for a.
+  const deleting = inTransaction(db.pool, (c) => deleteJob(c, jobId));
+  await untilBlocked();
+  const waitFrom = performance.now();
+  const second = await completeSucceededMany(batch.client, NODE, [{ run: { id: a, attempt: 1 }, report }]);
+  const waitedMs = performance.now() - waitFrom;
+  await batch.commit();
+  assert.equal(await deleting, true);
+  assert.deepEqual(second, [true], 'a completed, then deleted with its job');
+  assert.ok(waitedMs < 500, `the batch waited ${Math.round(waitedMs)} ms for the delete to let go`);
 });
