@@ -105,8 +105,8 @@ export function toProblem(error: unknown): ProblemError {
     return badRequest([{ field: 'body', message: 'a value is not acceptable to the database' }]);
   }
   // Two writes met in opposite lock order (deadlock), a serialization failure, or a command that
-  // kept yielding to workers holding its rows (55P03, withdrawFutureRuns): PostgreSQL rolled this
-  // one back whole, so nothing is half-written and the caller may simply try again.
+  // kept yielding to workers holding its rows (55P03, lockYielding in store/jobs.ts): PostgreSQL
+  // rolled this one back whole, so nothing is half-written and the caller may simply try again.
   if (e.code === '40P01' || e.code === '40001' || e.code === '55P03') {
     return new ProblemError(
       409,
