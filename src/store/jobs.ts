@@ -147,12 +147,10 @@ const DELETE = `DELETE FROM jobs WHERE id = $1`;
  * A try that waits too long lets go of all of it and starts again.
  */
 export async function deleteJob(db: DbClient, id: string): Promise<boolean> {
-  let deleted = false;
-  await lockYielding(db, async () => {
+  return lockYielding(db, async () => {
     const { rowCount } = await db.query(DELETE, [id]);
-    deleted = (rowCount ?? 0) > 0;
+    return (rowCount ?? 0) > 0;
   });
-  return deleted;
 }
 
 /**
@@ -185,10 +183,10 @@ const isLockWaitGivenUp = (err: unknown) => {
 /**
  * Runs `lock` (statements that lock or write rows others may hold) inside the command's transaction,
  * yielding (see YIELD_AFTER_MS): each try runs under a savepoint with a short lock_timeout, and a
- * try that waited too long rolls back to it, which lets go of the rows it locked. The
- * transaction's own lock_timeout holds again afterwards.
+ * try that waited too long rolls back to it, which lets go of the rows it locked. Returns what the
+ * try that went through returned; the transaction's own lock_timeout holds again afterwards.
  */
-async function lockYielding(db: DbClient, lock: () => Promise<void>): Promise<void> {
+async function lockYielding<T>(db: DbClient, lock: () => Promise<T>): Promise<T> {
   const { rows } = await db.query<{ previous: string }>(`SELECT current_setting('lock_timeout') AS previous`);
   const giveUpAt = performance.now() + LOCK_PATIENCE_MS;
   // One savepoint for every try: a rollback to it keeps it (a new one per try would nest).
@@ -196,16 +194,18 @@ async function lockYielding(db: DbClient, lock: () => Promise<void>): Promise<vo
   for (;;) {
     // Set inside the savepoint, so the rollback to it undoes it too: set again for each try.
     await db.query(`SET LOCAL lock_timeout = ${YIELD_AFTER_MS}`);
+    let result: T;
     try {
-      await lock();
-      break;
+      result = await lock();
     } catch (err) {
       if (!isLockWaitGivenUp(err) || performance.now() > giveUpAt) throw err;
       await db.query('ROLLBACK TO SAVEPOINT lock_yielding');
+      continue;
     }
+    await db.query('RELEASE SAVEPOINT lock_yielding');
+    await db.query(`SELECT set_config('lock_timeout', $1, true)`, [rows[0]!.previous]);
+    return result;
   }
-  await db.query('RELEASE SAVEPOINT lock_yielding');
-  await db.query(`SELECT set_config('lock_timeout', $1, true)`, [rows[0]!.previous]);
 }
 
 /**
