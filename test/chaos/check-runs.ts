@@ -128,7 +128,8 @@ const WITHOUT_LEADER = new Set(['etcd-down-30s', 'restart-etcd']);
  */
 function reapedLate(obs: Observations, due: number, held: number, kind: string) {
   const arrival = latestArrival(obs, due + held, kind);
-  for (const f of obs.faults) {
+  // In the order they began, as latestArrival takes them: an extension may bring a later fault in.
+  for (const f of [...obs.faults].sort((a, b) => a.start - b.start)) {
     if (!WITHOUT_LEADER.has(f.kind) || f.end + obs.settings.settleMs < due) continue;
     if (f.start - 1000 > arrival.deadline) continue;
     const after = f.end + obs.settings.leaseTtlMs + obs.settings.reaperIntervalMs + boundOf(obs, kind);
