@@ -14,7 +14,9 @@
  * measured (lib/herd-rounds.ts): one burst of the same calls, then, 2 s after the last client
  * finished it, the measured burst, which all three clients start at the same whole second.
  *
- *   npx tsx bench/http-floor.ts [--rate 500] [--seconds 10] [--window N]
+ * `--clients N` runs N client processes instead of 3 (1: as the peers' single worker process).
+ *
+ *   npx tsx bench/http-floor.ts [--rate 500] [--seconds 10] [--window N] [--clients 3]
  */
 import { fork, type ChildProcess } from 'node:child_process';
 import { setMaxListeners } from 'node:events';
@@ -118,16 +120,21 @@ function warmed(child: ChildProcess): Promise<void> {
   });
 }
 
-export async function httpFloor(rate: number, seconds: number, window = Infinity): Promise<FloorResult> {
+export async function httpFloor(
+  rate: number,
+  seconds: number,
+  window = Infinity,
+  processes = 3,
+): Promise<FloorResult> {
   const target = new RecordingTarget();
   await target.start();
   const { warmupBursts, settleMs } = floorShape(window);
   const self = fileURLToPath(import.meta.url);
-  const clients = [0, 1, 2].map(() =>
+  const clients = Array.from({ length: processes }, () =>
     fork(self, [
       '--client',
       target.url,
-      String(Math.round(rate / 3)),
+      String(Math.round(rate / processes)),
       String(seconds),
       String(window),
       String(warmupBursts),
@@ -137,7 +144,7 @@ export async function httpFloor(rate: number, seconds: number, window = Infinity
   const exited = clients.map((c) => new Promise<number | null>((resolve) => c.once('exit', resolve)));
   try {
     await Promise.all(clients.map(warmed));
-    // One instant for the three clients, as one due instant for three nodes.
+    // One instant for every client, as one due instant for the nodes.
     const first = Math.ceil((Date.now() + settleMs + START_NOTICE_MS) / 1000) * 1000;
     for (const c of clients) c.send({ start: first });
     const codes = await Promise.all(exited);
@@ -158,6 +165,7 @@ async function main(): Promise<void> {
       rate: { type: 'string', multiple: true },
       seconds: { type: 'string', default: '10' },
       window: { type: 'string' },
+      clients: { type: 'string', default: '3' },
     },
   });
   if (values.client) {
@@ -165,10 +173,11 @@ async function main(): Promise<void> {
     return client(url!, Number(perSecond), Number(seconds), Number(window), Number(warmupBursts));
   }
   const window = values.window === undefined ? Infinity : Number(values.window);
+  const processes = Number(values.clients);
   const inFlight = window === Infinity ? '' : `, at most ${window} calls in flight per client`;
-  console.log(`HTTP fan-out floor (3 client processes → 1 target${inFlight}), ${machine()}`);
+  console.log(`HTTP fan-out floor (${processes} client processes → 1 target${inFlight}), ${machine()}`);
   for (const rate of (values.rate ?? ['100', '500', '2000']).map(Number)) {
-    const r = await httpFloor(rate, Number(values.seconds), window);
+    const r = await httpFloor(rate, Number(values.seconds), window, processes);
     console.log(`${rate} calls at each whole second: p50 ${ms(r.p50)}  p99 ${ms(r.p99)}  max ${ms(r.max)}`);
   }
 }

@@ -102,6 +102,19 @@ interface Wakeup {
   readonly entries: Set<Held>;
 }
 
+/**
+ * Claimed runs waiting for the same not_before: one timer for all of them, as {@link Wakeup} is for
+ * held runs. A herd's thousands of runs claimed ahead wake in one callback, in the order they
+ * were claimed, instead of one promise timer and abort listener each (≈30 µs of CPU per run
+ * measured for `timers/promises` with a signal, against ≈2 µs this way).
+ */
+interface DueWait {
+  timer: NodeJS.Timeout;
+  firesAt: number;
+  /** Resolvers of the runs waiting, each also resolved on its own when its execution is aborted. */
+  readonly waiters: Set<() => void>;
+}
+
 /** A claimed, due run waiting for a slot; `grant` gives it one. */
 interface SlotWaiter {
   readonly execution: Execution;
@@ -154,6 +167,8 @@ export class RunQueue {
   private readonly held = new Map<string, Held>();
   /** Held runs by the instant they wait for (database clock, ms); see {@link Wakeup}. */
   private readonly wakeups = new Map<number, Wakeup>();
+  /** Claimed runs by the not_before they wait for (database clock, ms); see {@link DueWait}. */
+  private readonly dueWaits = new Map<number, DueWait>();
   private readonly ready: string[] = [];
   private readonly executing = new Map<string, Execution>();
   /**
@@ -599,12 +614,66 @@ export class RunQueue {
     const signal = execution.controller.signal;
     // Claimed ahead: the call starts when the run is due, not when the claim came back.
     // Rounded up, so a call never starts before its time by our estimate of the database clock.
-    const wait = this.options.clock.msUntil(run.notBefore);
-    if (wait > 0) await sleep(Math.ceil(wait), undefined, { signal }).catch(() => undefined);
+    await this.untilDue(run.notBefore.getTime(), signal);
     // Aborted meanwhile (the claim was lost, the worker stopped): run() makes no call then.
     await this.slotFor(execution, signal);
     // Read now: a drain that began while this run waited for its time applies to it.
     await this.options.run(run, signal, this.drainLeftMs, (called) => this.callEnded(execution, called));
+  }
+
+  /**
+   * Resolves once `notBefore` (database clock, ms) has come by our estimate, rounded up to whole
+   * ms so a call never starts before its time, or at once when `signal` aborts. Runs waiting for
+   * the same instant share one timer (see {@link DueWait}).
+   */
+  private untilDue(notBefore: number, signal: AbortSignal): Promise<void> {
+    const delayMs = notBefore - this.options.clock.now();
+    if (delayMs <= 0 || signal.aborted) return Promise.resolve();
+    const waitMs = Math.min(MAX_TIMER_MS, Math.ceil(delayMs));
+    const firesAt = performance.now() + waitMs;
+    let due = this.dueWaits.get(notBefore);
+    if (!due) {
+      due = { timer: setTimeout(() => this.dueCame(notBefore), waitMs), firesAt, waiters: new Set() };
+      this.dueWaits.set(notBefore, due);
+    } else if (firesAt < due.firesAt - 1) {
+      // The clock estimate moved forward since the timer was set (a re-sync): as in armOnly().
+      clearTimeout(due.timer);
+      due.timer = setTimeout(() => this.dueCame(notBefore), waitMs);
+      due.firesAt = firesAt;
+    }
+    const instant = due;
+    return new Promise<void>((resolve) => {
+      const done = () => {
+        signal.removeEventListener('abort', done);
+        instant.waiters.delete(done);
+        // The last run waiting for it was aborted (a drain, a lost claim): no timer left behind.
+        if (instant.waiters.size === 0 && this.dueWaits.get(notBefore) === instant) {
+          clearTimeout(instant.timer);
+          this.dueWaits.delete(notBefore);
+        }
+        resolve();
+      };
+      instant.waiters.add(done);
+      signal.addEventListener('abort', done, { once: true });
+    });
+  }
+
+  /**
+   * The timer of the instant `notBefore` fired: its runs are due, unless the clock estimate moved
+   * it later meanwhile (a re-sync, or a timer cut at MAX_TIMER_MS), and then they wait again.
+   */
+  private dueCame(notBefore: number): void {
+    const due = this.dueWaits.get(notBefore);
+    if (!due) return;
+    const delayMs = notBefore - this.options.clock.now();
+    if (delayMs > 0) {
+      const waitMs = Math.min(MAX_TIMER_MS, Math.ceil(delayMs));
+      due.timer = setTimeout(() => this.dueCame(notBefore), waitMs);
+      due.firesAt = performance.now() + waitMs;
+      return;
+    }
+    this.dueWaits.delete(notBefore);
+    for (const done of due.waiters) done();
   }
 
   /** Idle: nothing held or executing, and no poll claiming into reserved slots (its runs come next). */
