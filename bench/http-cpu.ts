@@ -7,6 +7,11 @@
  *   npx tsx bench/http-cpu.ts [--calls 20000] [--window 200] [--repeat 3] [--plain]
  *
  * `--plain` measures the peers' call instead (a bare undici Agent.request, bench/peers/herd-worker.ts).
+ * `--machinery` measures the worker around the call instead, without a database: `calls` runs
+ * claimed ahead of one due instant go through the RunQueue (`window` slots) and runAttempt, START
+ * and completion through MicroBatchers whose statements are one event-loop turn each, CPU counted
+ * from the due instant to the last completion. Less the executor's own figure at the same window,
+ * what the queue, the attempt and the batchers cost per run.
  */
 import { fork } from 'node:child_process';
 import { once } from 'node:events';
@@ -38,8 +43,116 @@ async function plainCaller(
   };
 }
 
+/**
+ * The worker's machinery around the call, without PostgreSQL: a RunQueue (claims answered at once,
+ * claimed ahead of one due instant, as a herd's are) and runAttempt with START and completion going
+ * through MicroBatchers whose statements are replaced by a turn of the event loop. `window` is the
+ * queue's concurrency. Returns a function that runs a herd of `calls` runs and resolves with the
+ * µs of CPU per run from the due instant until the last completion.
+ */
+async function machineryHerd(url: string, window: number) {
+  const { RunQueue } = await import('../src/execution/run-queue.js');
+  const { runAttempt } = await import('../src/execution/attempt.js');
+  const { MicroBatcher } = await import('../src/execution/micro-batcher.js');
+  const { DbClock } = await import('../src/execution/db-clock.js');
+  const { HttpExecutor } = await import('../src/execution/http-executor.js');
+  const { createMetrics } = await import('../src/observability/metrics.js');
+  const { silentLogger } = await import('../src/observability/logger.js');
+  const turn = () => new Promise<void>((resolve) => setImmediate(resolve));
+  let completed = 0;
+  let onCompleted = () => undefined as void;
+  // What batching.ts gives the worker, with each statement replaced by one turn of the event loop.
+  const starts = new MicroBatcher<unknown, boolean>(
+    async (items) => (await turn(), items.map(() => true)),
+    256,
+    2,
+  );
+  const completions = new MicroBatcher<unknown, boolean>(
+    async (items) => {
+      await turn();
+      completed += items.length;
+      onCompleted();
+      return items.map(() => true);
+    },
+    256,
+    2,
+  );
+  const clock = new DbClock();
+  const metrics = createMetrics('machinery');
+  const executor = new HttpExecutor();
+  const context = {
+    pool: undefined as never,
+    nodeId: 'machinery',
+    executor,
+    topics: { runsTopic: 'runs', deadLetterTopic: 'dlq' },
+    clock,
+    start: (run: { id: string }) => starts.add(run.id),
+    complete: (run: { id: string }) => completions.add(run.id),
+    logger: silentLogger,
+    metrics,
+  };
+  let due = new Date();
+  const queue = new RunQueue({
+    claim: async (message) => ({
+      kind: 'claimed',
+      run: {
+        id: message.runId,
+        jobId: message.jobId,
+        attempt: 1,
+        maxAttempts: 3,
+        scheduledFor: due,
+        target: { url: `${url}/tick`, method: 'POST', headers: {}, body: { bench: true } },
+        timeoutMs: 60_000,
+        backoffMs: 1000,
+        backoffMultiplier: 2,
+        concurrency: 'allow',
+        notBefore: due,
+        claimExpiresAt: new Date(due.getTime() + 600_000),
+        startPending: true,
+      },
+    }),
+    claimLeadMs: 1_000,
+    concurrency: window,
+    claimGraceMs: 600_000,
+    prefetch: 1_000_000,
+    clock,
+    run: (run, signal, left, ended) => runAttempt(context, run, signal, left, ended),
+    onBackpressure: () => undefined,
+    logger: silentLogger,
+    metrics,
+  });
+  let herd = 0;
+  const run = async (calls: number): Promise<number> => {
+    herd += 1;
+    completed = 0;
+    due = new Date(Date.now() + 1_500);
+    for (let i = 0; i < calls; i++) {
+      const runId = `00000000-0000-4000-8${String(herd).padStart(3, '0')}-${String(i).padStart(12, '0')}`;
+      queue.hold({ runId, jobId: runId, attempt: 1, scheduledFor: due, notBefore: due });
+    }
+    await new Promise((resolve) => setTimeout(resolve, due.getTime() - Date.now()));
+    const before = process.cpuUsage();
+    await new Promise<void>((resolve) => {
+      onCompleted = () => (completed >= calls ? resolve() : undefined);
+      onCompleted();
+    });
+    const used = process.cpuUsage(before);
+    return (used.user + used.system) / calls;
+  };
+  return { run, close: () => executor.close() };
+}
+
 /** One client: warm-up, then `calls` calls `window` at a time; sends µs of CPU per call and failures. */
-async function client(url: string, calls: number, window: number, plain: boolean): Promise<void> {
+async function client(url: string, calls: number, window: number, mode: string): Promise<void> {
+  if (mode === 'machinery') {
+    const herd = await machineryHerd(url, window);
+    await herd.run(WARMUP_CALLS);
+    const perCall = await herd.run(calls);
+    await herd.close();
+    process.send!({ perCall, failed: 0 });
+    return;
+  }
+  const plain = mode === 'plain';
   const { HttpExecutor } = await import('../src/execution/http-executor.js');
   const executor = new HttpExecutor();
   const bare = plain ? await plainCaller(url) : undefined;
@@ -98,15 +211,11 @@ async function main(): Promise<void> {
       window: { type: 'string', default: '200' },
       repeat: { type: 'string', default: '3' },
       plain: { type: 'boolean', default: false },
+      machinery: { type: 'boolean', default: false },
     },
   });
   if (values.client)
-    return client(
-      positionals[0]!,
-      Number(positionals[1]),
-      Number(positionals[2]),
-      positionals[3] === 'plain',
-    );
+    return client(positionals[0]!, Number(positionals[1]), Number(positionals[2]), positionals[3]!);
   // The target in a child process of its own, so only the client's CPU is counted.
   const target = fork(fileURLToPath(import.meta.url), ['--target']);
   const [url] = (await once(target, 'message')) as [string];
@@ -118,7 +227,7 @@ async function main(): Promise<void> {
         url,
         values.calls,
         values.window,
-        values.plain ? 'plain' : 'executor',
+        values.machinery ? 'machinery' : values.plain ? 'plain' : 'executor',
       ]);
       let result: { perCall: number; failed: number; firstFailure?: string } | undefined;
       child.once('message', (m: typeof result) => (result = m));
@@ -134,7 +243,7 @@ async function main(): Promise<void> {
   const undici = new URL('../node_modules/undici/package.json', import.meta.url);
   const { version } = JSON.parse(readFileSync(undici, 'utf8')) as { version: string };
   console.log(
-    `${values.plain ? "bare undici Agent.request (the peers' call)" : 'HttpExecutor'} CPU per call (undici ${version}, ${values.calls} calls, ${values.window} at a time), ${machine()}: ` +
+    `${values.machinery ? 'the worker around its calls (RunQueue, runAttempt, batchers; no database), a herd:' : values.plain ? "bare undici Agent.request (the peers' call)" : 'HttpExecutor'} CPU per call (undici ${version}, ${values.calls} calls, ${values.window} at a time), ${machine()}: ` +
       `median ${median(figures).toFixed(1)} µs (runs: ${figures.map((f) => f.toFixed(1)).join(', ')})`,
   );
 }

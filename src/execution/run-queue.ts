@@ -1,4 +1,5 @@
 import { setTimeout as sleep } from 'node:timers/promises';
+import Denque from 'denque';
 import { ClaimLostError, toError, withTimeout } from '../errors.js';
 import type { Logger } from '../observability/logger.js';
 import type { Metrics } from '../observability/metrics.js';
@@ -121,6 +122,16 @@ interface SlotWaiter {
   readonly grant: () => void;
 }
 
+/** Removes the first `item` from `queue`, if it is there (a scan: for the rare removal from the middle). */
+function removeFrom<T>(queue: Denque<T>, item: T): void {
+  for (let i = 0; i < queue.length; i++) {
+    if (queue.peekAt(i) === item) {
+      queue.removeOne(i);
+      return;
+    }
+  }
+}
+
 /** Longest setTimeout Node accepts; a longer hold re-arms. */
 const MAX_TIMER_MS = 2_147_483_647;
 /**
@@ -169,7 +180,13 @@ export class RunQueue {
   private readonly wakeups = new Map<number, Wakeup>();
   /** Claimed runs by the not_before they wait for (database clock, ms); see {@link DueWait}. */
   private readonly dueWaits = new Map<number, DueWait>();
-  private readonly ready: string[] = [];
+  /**
+   * Held runs whose time has come, waiting for the claim budget. Double-ended queues, as
+   * `slotWaiters` is: a herd's thousands leave from the front one by one, and an array's shift()
+   * copies the rest once its backing store is too large for V8 to trim in place (past ≈16,000
+   * entries): a 20,000-run herd on one node spent 670 ms of CPU in those copies.
+   */
+  private readonly ready = new Denque<string>();
   private readonly executing = new Map<string, Execution>();
   /**
    * Executions whose entry in `executing` the poller's claim of the same run replaced: aborted
@@ -182,7 +199,7 @@ export class RunQueue {
   /** Executions claiming or claimed without a slot yet (waiting for not_before or a slot). */
   private ahead = 0;
   /** Claimed, due runs waiting for a slot, first come first served. */
-  private readonly slotWaiters: SlotWaiter[] = [];
+  private readonly slotWaiters = new Denque<SlotWaiter>();
   /** Recent time a slot was held until the call ended, ms (see RunQueue). */
   private callMs: number;
   /** Calls timed so far, up to 1 / CALL_MS_WEIGHT (the estimate is their mean until then). */
@@ -428,8 +445,7 @@ export class RunQueue {
         },
       };
       const onAbort = () => {
-        const index = this.slotWaiters.indexOf(waiter);
-        if (index >= 0) this.slotWaiters.splice(index, 1);
+        removeFrom(this.slotWaiters, waiter);
         resolve();
       };
       signal.addEventListener('abort', onAbort, { once: true });
@@ -527,8 +543,7 @@ export class RunQueue {
       }
       entry.wakeAt = undefined;
     } else {
-      const index = this.ready.indexOf(runId);
-      if (index >= 0) this.ready.splice(index, 1);
+      removeFrom(this.ready, runId);
     }
   }
 

@@ -52,7 +52,7 @@ function counters(queue: RunQueue): Counters {
     reserved: number;
     executing: Map<string, unknown>;
     superseded: Set<unknown>;
-    slotWaiters: unknown[];
+    slotWaiters: { length: number };
   };
   return {
     slotted: q.slotted,

@@ -36,7 +36,7 @@ interface Held {
 interface Internals {
   held: Map<string, Held>;
   wakeups: Map<number, { timer: NodeJS.Timeout; entries: Set<Held> }>;
-  ready: string[];
+  ready: { toArray(): string[] };
   executing: Map<string, unknown>;
 }
 
@@ -68,15 +68,16 @@ function assertConsistent(queue: RunQueue, when: string): void {
       inWakeups.add(entry);
     }
   }
-  assert.equal(new Set(q.ready).size, q.ready.length, `${when}: a run twice in ready`);
-  for (const runId of q.ready) {
+  const ready = q.ready.toArray();
+  assert.equal(new Set(ready).size, ready.length, `${when}: a run twice in ready`);
+  for (const runId of ready) {
     const entry = q.held.get(runId);
     assert.ok(entry, `${when}: ${runId} ready but not held`);
     assert.equal(entry.wakeAt, undefined, `${when}: ${runId} both ready and in a wake-up`);
   }
   for (const [runId, entry] of q.held) {
     assert.ok(
-      inWakeups.has(entry) || q.ready.includes(runId),
+      inWakeups.has(entry) || ready.includes(runId),
       `${when}: ${runId} held, neither ready nor waiting`,
     );
   }
@@ -189,9 +190,9 @@ test('newer attempts move a run from ready to a wake-up and back: each older one
   queue.hold(message(id(1), new Date()));
   await until(() => calls.length === 1, 'run 1 claimed and calling');
   queue.hold(message(id(2), new Date())); // due, but no budget: it stays ready
-  assert.deepEqual(internals(queue).ready, [id(2)]);
+  assert.deepEqual(internals(queue).ready.toArray(), [id(2)]);
   queue.hold(message(id(2), new Date(clock.now() + 60_000), 2)); // ready → a wake-up
-  assert.deepEqual(internals(queue).ready, []);
+  assert.deepEqual(internals(queue).ready.toArray(), []);
   const timer = internals(queue).wakeups.values().next().value!.timer;
   assertConsistent(queue, 'attempt 2 waiting');
   queue.hold(message(id(2), new Date(), 3)); // the wake-up → ready again
