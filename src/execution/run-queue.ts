@@ -93,6 +93,12 @@ interface Execution {
   slotAt: number;
   /** Its call ended past `concurrency` settling runs: it keeps its slot until written. */
   keptSlot?: boolean;
+  /**
+   * Ends the wait it is in, for its instant or for a slot, when its controller aborts: one abort
+   * listener per execution calls it, instead of one added and removed per wait (each pair ≈3 µs
+   * of a herd's CPU per run).
+   */
+  stopWaiting?: () => void;
 }
 
 /** Held runs waiting for the same instant: one timer for all of them (a herd: thousands, one timer). */
@@ -439,16 +445,16 @@ export class RunQueue {
       const waiter: SlotWaiter = {
         execution,
         grant: () => {
-          signal.removeEventListener('abort', onAbort);
+          execution.stopWaiting = undefined;
           this.giveSlot(execution);
           resolve();
         },
       };
-      const onAbort = () => {
+      execution.stopWaiting = () => {
+        execution.stopWaiting = undefined;
         removeFrom(this.slotWaiters, waiter);
         resolve();
       };
-      signal.addEventListener('abort', onAbort, { once: true });
       this.slotWaiters.push(waiter);
     });
   }
@@ -629,7 +635,9 @@ export class RunQueue {
     const signal = execution.controller.signal;
     // Claimed ahead: the call starts when the run is due, not when the claim came back.
     // Rounded up, so a call never starts before its time by our estimate of the database clock.
-    await this.untilDue(run.notBefore.getTime(), signal);
+    // One abort listener for both waits below (see Execution.stopWaiting).
+    signal.addEventListener('abort', () => execution.stopWaiting?.(), { once: true });
+    await this.untilDue(run.notBefore.getTime(), execution, signal);
     // Aborted meanwhile (the claim was lost, the worker stopped): run() makes no call then.
     await this.slotFor(execution, signal);
     // Read now: a drain that began while this run waited for its time applies to it.
@@ -641,7 +649,7 @@ export class RunQueue {
    * ms so a call never starts before its time, or at once when `signal` aborts. Runs waiting for
    * the same instant share one timer (see {@link DueWait}).
    */
-  private untilDue(notBefore: number, signal: AbortSignal): Promise<void> {
+  private untilDue(notBefore: number, execution: Execution, signal: AbortSignal): Promise<void> {
     const delayMs = notBefore - this.options.clock.now();
     if (delayMs <= 0 || signal.aborted) return Promise.resolve();
     const waitMs = Math.min(MAX_TIMER_MS, Math.ceil(delayMs));
@@ -659,7 +667,7 @@ export class RunQueue {
     const instant = due;
     return new Promise<void>((resolve) => {
       const done = () => {
-        signal.removeEventListener('abort', done);
+        execution.stopWaiting = undefined;
         instant.waiters.delete(done);
         // The last run waiting for it was aborted (a drain, a lost claim): no timer left behind.
         if (instant.waiters.size === 0 && this.dueWaits.get(notBefore) === instant) {
@@ -669,7 +677,7 @@ export class RunQueue {
         resolve();
       };
       instant.waiters.add(done);
-      signal.addEventListener('abort', done, { once: true });
+      execution.stopWaiting = done;
     });
   }
 
