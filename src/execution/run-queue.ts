@@ -640,6 +640,9 @@ export class RunQueue {
     await this.untilDue(run.notBefore.getTime(), execution, signal);
     // Aborted meanwhile (the claim was lost, the worker stopped): run() makes no call then.
     await this.slotFor(execution, signal);
+    // A re-sync of the clock estimate during the wait for a slot may have moved the instant later
+    // again: no call before it by the estimate (the slot is held meanwhile).
+    await this.untilDue(run.notBefore.getTime(), execution, signal);
     // Read now: a drain that began while this run waited for its time applies to it.
     await this.options.run(run, signal, this.drainLeftMs, (called) => this.callEnded(execution, called));
   }
@@ -651,7 +654,13 @@ export class RunQueue {
    */
   private untilDue(notBefore: number, execution: Execution, signal: AbortSignal): Promise<void> {
     const delayMs = notBefore - this.options.clock.now();
-    if (delayMs <= 0 || signal.aborted) return Promise.resolve();
+    if (signal.aborted) return Promise.resolve();
+    if (delayMs <= 0) {
+      // By a moved-forward estimate the instant has come: the runs already waiting for it (on a
+      // timer set under the old estimate) go now too, before this one.
+      if (this.dueWaits.has(notBefore)) this.dueCame(notBefore);
+      return Promise.resolve();
+    }
     const waitMs = Math.min(MAX_TIMER_MS, Math.ceil(delayMs));
     const firesAt = performance.now() + waitMs;
     let due = this.dueWaits.get(notBefore);

@@ -56,7 +56,10 @@ test('runs claimed ahead for one instant wait on one timer and are called at it,
   const { queue, calls } = harness(clock, due, 1_000);
   const runs = Array.from({ length: 50 }, (_, i) => id(i + 1));
   for (const runId of runs) queue.hold(announce(runId, due));
-  await until(() => dueWaits(queue).get(due.getTime())?.waiters.size === runs.length, 'all 50 claimed, waiting');
+  await until(
+    () => dueWaits(queue).get(due.getTime())?.waiters.size === runs.length,
+    'all 50 claimed, waiting',
+  );
   assert.equal(dueWaits(queue).size, 1, 'one timer for the instant');
   assert.equal(calls.length, 0, 'nothing called before its instant');
   await until(() => calls.length === runs.length, 'all 50 called');
@@ -121,4 +124,59 @@ test('a drain ends the wait of runs claimed ahead at once: no call, and no timer
   );
   assert.equal(dueWaits(queue).size, 0);
   assert.ok(!alive(timer), 'the instant’s timer was cleared with its last waiter');
+});
+
+test('a run joining an instant already past by a moved-forward estimate releases the runs waiting for it first', async () => {
+  const clock = new MovableClock();
+  const due = new Date(Math.trunc(clock.now()) + 600);
+  const { queue, calls } = harness(clock, due, 1_000);
+  queue.hold(announce(id(1), due));
+  await until(() => dueWaits(queue).get(due.getTime())?.waiters.size === 1, 'run 1 waiting');
+  clock.shiftMs = 700; // by the new estimate the instant is past
+  queue.hold(announce(id(2), due));
+  await until(() => calls.length === 2, 'both called', 2_000);
+  assert.deepEqual(
+    calls.map((c) => c.runId),
+    [id(1), id(2)],
+    'run 1 was left on the timer of the old estimate',
+  );
+  assert.equal(dueWaits(queue).size, 0);
+  await queue.drain(100, new Error('test over'));
+});
+
+test('a re-sync moving the estimate back while a due run waits for a slot: its call still waits for not_before', async () => {
+  const clock = new MovableClock();
+  const first = new Date(Math.trunc(clock.now()) - 1);
+  const due = new Date(Math.trunc(clock.now()) + 60);
+  const calls: { runId: string; lateMs: number }[] = [];
+  let endFirst = () => undefined as void;
+  const queue = testRunQueue({
+    clock,
+    claimLeadMs: 1_000,
+    claimGraceMs: 10_000,
+    concurrency: 1,
+    claim: async (request) => ({
+      kind: 'claimed',
+      run: {
+        ...fakeClaimedRun(request.runId),
+        notBefore: request.notBefore,
+        startPending: request.notBefore > new Date(),
+      },
+    }),
+    run: async (run, _signal, _left, callEnded) => {
+      calls.push({ runId: run.id, lateMs: clock.now() - run.notBefore.getTime() });
+      if (run.id === id(1)) await new Promise<void>((resolve) => (endFirst = resolve));
+      callEnded();
+    },
+  });
+  queue.hold(announce(id(1), first)); // takes the only slot and keeps it
+  await until(() => calls.length === 1, 'run 1 calling');
+  queue.hold(announce(id(2), due));
+  const waiters = () => (queue as unknown as { slotWaiters: { length: number } }).slotWaiters.length;
+  await until(() => waiters() === 1, 'run 2 due, waiting for the slot');
+  clock.shiftMs = -300; // by the new estimate run 2 is due in ≈300 ms again
+  endFirst();
+  await until(() => calls.length === 2, 'run 2 called');
+  assert.ok(calls[1]!.lateMs >= 0, `run 2 called ${-calls[1]!.lateMs} ms before its not_before`);
+  await queue.drain(100, new Error('test over'));
 });
