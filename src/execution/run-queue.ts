@@ -143,17 +143,21 @@ interface InstantTimer {
   firesAt: number;
 }
 
-/** (Re-)arms `shared` to call `fire` in `delayMs`, rounded up: a timer never fires before its time. */
-function arm(shared: InstantTimer, delayMs: number, fire: () => void): void {
+/** A timer calling `fire` in `delayMs`, rounded up: a timer never fires before its time. */
+function startTimer(delayMs: number, fire: () => void): InstantTimer {
   const waitMs = Math.min(MAX_TIMER_MS, Math.ceil(delayMs));
+  return { timer: setTimeout(fire, waitMs), firesAt: performance.now() + waitMs };
+}
+
+/** Replaces `shared`'s timer with one calling `fire` in `delayMs` (see startTimer). */
+function rearm(shared: InstantTimer, delayMs: number, fire: () => void): void {
   clearTimeout(shared.timer);
-  shared.timer = setTimeout(fire, waitMs);
-  shared.firesAt = performance.now() + waitMs;
+  Object.assign(shared, startTimer(delayMs, fire));
 }
 
 /**
- * The shared timer of instant `at` in `timers`, made by `create` (and armed) when there is none.
- * An existing one is armed again when it would fire later than `delayMs` from now: the clock
+ * The shared timer of instant `at` in `timers`, made by `create` around a new timer when there is
+ * none. An existing one is armed again when it would fire later than `delayMs` from now: the clock
  * estimate moved forward since it was set (a re-sync), so by it the instant comes sooner, for
  * everything already waiting for it too.
  */
@@ -162,18 +166,20 @@ function timerOf<T extends InstantTimer>(
   at: number,
   delayMs: number,
   fire: () => void,
-  create: (shared: InstantTimer) => T,
+  create: (started: InstantTimer) => T,
 ): T {
-  let shared = timers.get(at);
+  const shared = timers.get(at);
   if (!shared) {
-    shared = create({ timer: undefined as unknown as NodeJS.Timeout, firesAt: Infinity });
-    arm(shared, delayMs, fire);
-    timers.set(at, shared);
-  } else if (performance.now() + Math.ceil(delayMs) < shared.firesAt - 1) {
-    arm(shared, delayMs, fire);
+    const created = create(startTimer(delayMs, fire));
+    timers.set(at, created);
+    return created;
+  }
+  if (performance.now() + Math.min(MAX_TIMER_MS, Math.ceil(delayMs)) < shared.firesAt - 1) {
+    rearm(shared, delayMs, fire);
   }
   return shared;
 }
+
 /**
  * The call time (slot to call end) assumed before this node has timed a call: a typical webhook.
  * Its first timed calls replace it (see sampleSlot).
@@ -720,7 +726,7 @@ export class RunQueue {
     if (!due) return;
     const delayMs = notBefore - this.options.clock.now();
     if (delayMs > 0) {
-      arm(due, delayMs, () => this.dueCame(notBefore));
+      rearm(due, delayMs, () => this.dueCame(notBefore));
       return;
     }
     this.dueWaits.delete(notBefore);
