@@ -58,14 +58,16 @@ async function machineryHerd(url: string, window: number) {
   const { HttpExecutor } = await import('../src/execution/http-executor.js');
   const { createMetrics } = await import('../src/observability/metrics.js');
   const { silentLogger } = await import('../src/observability/logger.js');
+  const { MAX_BATCH, MAX_IN_FLIGHT } = await import('../src/execution/batching.js');
+  const { fakeClaimedRun } = await import('../test/support/claimed-run.js');
   const turn = () => new Promise<void>((resolve) => setImmediate(resolve));
   let completed = 0;
   let onCompleted = () => undefined as void;
   // What batching.ts gives the worker, with each statement replaced by one turn of the event loop.
   const starts = new MicroBatcher<unknown, boolean>(
     async (items) => (await turn(), items.map(() => true)),
-    256,
-    2,
+    MAX_BATCH,
+    MAX_IN_FLIGHT,
   );
   const completions = new MicroBatcher<unknown, boolean>(
     async (items) => {
@@ -74,8 +76,8 @@ async function machineryHerd(url: string, window: number) {
       onCompleted();
       return items.map(() => true);
     },
-    256,
-    2,
+    MAX_BATCH,
+    MAX_IN_FLIGHT,
   );
   const clock = new DbClock();
   const metrics = createMetrics('machinery');
@@ -96,16 +98,10 @@ async function machineryHerd(url: string, window: number) {
     claim: async (message) => ({
       kind: 'claimed',
       run: {
-        id: message.runId,
-        jobId: message.jobId,
-        attempt: 1,
-        maxAttempts: 3,
+        ...fakeClaimedRun(message.runId),
         scheduledFor: due,
         target: { url: `${url}/tick`, method: 'POST', headers: {}, body: { bench: true } },
         timeoutMs: 60_000,
-        backoffMs: 1000,
-        backoffMultiplier: 2,
-        concurrency: 'allow',
         notBefore: due,
         claimExpiresAt: new Date(due.getTime() + 600_000),
         startPending: true,

@@ -17,12 +17,12 @@ import { BatchItemError, MicroBatcher } from './micro-batcher.js';
 export type ClaimResult = ClaimedRun | 'missed' | 'forbidden';
 
 /** Runs per claim or completion statement at most. */
-const MAX_BATCH = 256;
+export const MAX_BATCH = 256;
 /**
  * Statements of one kind (claims, completions) a worker runs at once; what arrives meanwhile
  * waits and goes in the next one, so batches grow with the load.
  */
-const MAX_IN_FLIGHT = 2;
+export const MAX_IN_FLIGHT = 2;
 /** Items that fail one by one for want of the database, none succeeding, before the rest are failed without a try. */
 const OUTAGE_AFTER = 2;
 
