@@ -69,6 +69,13 @@ export interface HerdRun {
    * duration depends on.
    */
   readonly afterDueCpuPerRun: Record<CpuCategory | 'total', number>;
+  /**
+   * Due instant → the last run recorded finished in PostgreSQL, and the CPU per run from the due
+   * instant until then: a worker writes successes after its due calls have slots (batching.ts),
+   * so part of a herd's completions come after its last arrival.
+   */
+  readonly recordedMs: number;
+  readonly recordedCpuPerRun: Record<CpuCategory | 'total', number>;
   /** The first herd of the same run, on the same (then freshly started) nodes. */
   readonly cold: ColdHerd;
 }
@@ -83,12 +90,19 @@ export interface HerdResult {
   /** Median over runs, per category (warm herd). */
   readonly cpuPerRun: Record<CpuCategory | 'total', number>;
   readonly afterDueCpuPerRun: Record<CpuCategory | 'total', number>;
+  /** From the due instant until the last run was recorded finished (HerdRun.recordedCpuPerRun). */
+  readonly recordedCpuPerRun: Record<CpuCategory | 'total', number>;
   /** The same for the cold herd, from its due instant on. */
   readonly coldAfterDueCpuPerRun: Record<CpuCategory | 'total', number>;
 }
 
 // Both queries see only one herd: its runs are those scheduled for its due instant (the cold and
 // the warm herd are due at different seconds, and each job fires once a day).
+
+/** Runs of the herd not yet recorded finished, and the last finish. $1 = the herd's due instant. */
+const RECORDED = `
+  SELECT count(*) FILTER (WHERE finished_at IS NULL)::int AS open, max(finished_at) AS last
+  FROM runs WHERE scheduled_for = $1`;
 
 /** Runs of the herd already claimed. $1 = the herd's due instant. */
 const CLAIMED = 'SELECT count(*)::int AS n FROM runs WHERE scheduled_for = $1 AND attempt > 0';
@@ -113,6 +127,22 @@ const BY_NODE = `
   FROM run_attempts a JOIN runs r ON r.id = a.run_id
   WHERE r.scheduled_for = $1 AND a.outcome = 'succeeded'
   GROUP BY a.node_id ORDER BY a.node_id`;
+
+/**
+ * Waits until every run of the herd due at `due` is recorded finished (polling every 20 ms, for
+ * at most 30 s); returns when the last one finished (epoch ms, the database's clock).
+ */
+async function herdRecorded(cluster: BenchCluster, due: number): Promise<number> {
+  const deadline = Date.now() + 30_000;
+  for (;;) {
+    const { rows } = await cluster.db.pool.query<{ open: number; last: Date | null }>(RECORDED, [
+      new Date(due),
+    ]);
+    if (rows[0]!.open === 0) return rows[0]!.last?.getTime() ?? NaN;
+    if (Date.now() > deadline) return NaN;
+    await sleep(20);
+  }
+}
 
 /** Cron (6 fields, seconds first) that fires once a day at `at`'s UTC second. */
 function onceADayAt(at: Date): string {
@@ -162,6 +192,7 @@ export async function herdOnce(
   const cpu = new CpuMeter(cluster.cpuGroups());
   const whole = new CpuMeter(cluster.cpuGroups());
   const afterDue = new CpuMeter(cluster.cpuGroups());
+  const untilRecorded = new CpuMeter(cluster.cpuGroups());
   let cpuReport = '';
   try {
     const lookaheadMs = Number(options.env?.HELIOS_DISPATCH_LOOKAHEAD_MS ?? 5000);
@@ -185,6 +216,7 @@ export async function herdOnce(
     }
     await sleep(due - Date.now());
     afterDue.restart();
+    untilRecorded.restart();
     // Claims take no execution slot: how many of the herd's runs were claimed before it was due.
     const claimedByDue = cluster.db.pool
       .query<{ n: number }>(CLAIMED, [new Date(due)])
@@ -192,6 +224,8 @@ export async function herdOnce(
     await herdArrived(cluster.target, due, jobs);
     const wholeSample = await whole.sample(cpus().length);
     const afterDueSample = await afterDue.sample(cpus().length);
+    const recorded = await herdRecorded(cluster, due);
+    const recordedSample = await untilRecorded.sample(cpus().length);
     sampler.stop();
     if (profileDir) {
       cpuReport =
@@ -228,6 +262,8 @@ export async function herdOnce(
       byNode: nodes.map((n) => ({ node: n.node, calls: n.calls, lastStartedMs: at(n.lastStarted) })),
       cpuPerRun: cpuPerRun(wholeSample, jobs),
       afterDueCpuPerRun: cpuPerRun(afterDueSample, jobs),
+      recordedMs: recorded - due,
+      recordedCpuPerRun: cpuPerRun(recordedSample, jobs),
       cold: {
         lastMs: cold.complete ? max(cold.arrivals) : NaN,
         arrived: cold.arrivals.length,
@@ -281,6 +317,10 @@ export async function herd(
     );
     options.log?.(`  CPU per run (insert → last arrival): ${describeCpuPerRun(run.cpuPerRun)}`);
     options.log?.(`  of which from the due instant on: ${describeCpuPerRun(run.afterDueCpuPerRun)}`);
+    options.log?.(
+      `  last run recorded finished ${ms(run.recordedMs)} after due; CPU per run from the due instant until then: ` +
+        describeCpuPerRun(run.recordedCpuPerRun),
+    );
   }
   return {
     jobs,
@@ -289,6 +329,7 @@ export async function herd(
     coldMedianMs: median(runs.map((r) => r.cold.lastMs)),
     cpuPerRun: medianCpuPerRun(runs.map((r) => r.cpuPerRun)),
     afterDueCpuPerRun: medianCpuPerRun(runs.map((r) => r.afterDueCpuPerRun)),
+    recordedCpuPerRun: medianCpuPerRun(runs.map((r) => r.recordedCpuPerRun)),
     coldAfterDueCpuPerRun: medianCpuPerRun(runs.map((r) => r.cold.afterDueCpuPerRun)),
   };
 }
@@ -320,6 +361,7 @@ async function main(): Promise<void> {
   );
   console.log(`CPU per run, warm herd (medians): ${describeCpuPerRun(result.cpuPerRun)}`);
   console.log(`  from the due instant on: ${describeCpuPerRun(result.afterDueCpuPerRun)}`);
+  console.log(`  from the due instant until recorded: ${describeCpuPerRun(result.recordedCpuPerRun)}`);
   console.log(`  cold herd, from the due instant on: ${describeCpuPerRun(result.coldAfterDueCpuPerRun)}`);
 }
 

@@ -75,8 +75,13 @@ function summary(r: Results): string {
     ]);
     rows.push(['  CPU per run, warm herd (insert → last call)', cpuCell(r.herd.cpuPerRun), '≤ 0.2 ms']);
     rows.push([
-      '    of which from the due instant on (claim, call, completion)',
+      '    of which from the due instant on (start, call, completion) until the last call',
       cpuCell(r.herd.afterDueCpuPerRun),
+      '',
+    ]);
+    rows.push([
+      '    from the due instant on until the last run was recorded finished',
+      `${cpuCell(r.herd.recordedCpuPerRun)}; last recorded ${seconds(median(r.herd.runs.map((h) => h.recordedMs)))}`,
       '',
     ]);
     rows.push(['    the cold herd, from the due instant on', cpuCell(r.herd.coldAfterDueCpuPerRun), '']);

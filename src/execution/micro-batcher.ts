@@ -12,6 +12,21 @@ interface Pending<I, O> {
   readonly item: I;
   readonly resolve: (value: O) => void;
   readonly reject: (error: Error) => void;
+  /** Added with `mayWait` (see MicroBatcher.add). */
+  readonly mayWait: boolean;
+  /** performance.now() when it was added. */
+  readonly since: number;
+}
+
+/**
+ * When items added with `mayWait` are held back instead of sent after the current turn: while
+ * `busy()` says so, for at most `maxWaitMs` each and `maxWaiting` in all. Whoever knows when
+ * `busy()` turns false calls {@link MicroBatcher.release}.
+ */
+export interface WaitPolicy {
+  readonly busy: () => boolean;
+  readonly maxWaitMs: number;
+  readonly maxWaiting: number;
 }
 
 /**
@@ -22,40 +37,95 @@ interface Pending<I, O> {
  * and grow with it (group commit): a herd of runs due at once costs a few large statements
  * instead of one small statement per freed execution slot, and the per-statement overhead, not
  * the rows, was what PostgreSQL spent its time on.
+ *
+ * Items that may wait (a {@link WaitPolicy}) are held back while the policy says the process is
+ * busy with more urgent work, and go together once it is not, or once the oldest has waited long
+ * enough: the worker's completions wait while due calls wait for a slot (see batching.ts).
  */
 export class MicroBatcher<I, O> {
   private pending: Pending<I, O>[] = [];
   private scheduled = false;
   private inFlight = 0;
+  /** Pending items added without `mayWait`: while there is one, nothing is held back. */
+  private urgent = 0;
+  /** True while the pending items are held back by the wait policy. */
+  private holding = false;
+  /** Pending items, from the front, that were held back; and those of them in batches running. */
+  private heldPending = 0;
+  private heldInFlight = 0;
+  /** Ends the hold when the oldest held item has waited `maxWaitMs`. */
+  private holdTimer?: NodeJS.Timeout;
 
   constructor(
     private readonly run: BatchFunction<I, O>,
     private readonly maxBatch: number,
     private readonly maxInFlight = Number.POSITIVE_INFINITY,
+    private readonly waitPolicy?: WaitPolicy,
   ) {}
 
-  /** Adds an item to the next batch; resolves with its result. */
-  add(item: I): Promise<O> {
+  /**
+   * Adds an item to the next batch; resolves with its result. An item that `mayWait` is held back
+   * while the wait policy's `busy()` is true (with no policy, or an urgent item pending, it goes
+   * as any other).
+   */
+  add(item: I, mayWait = false): Promise<O> {
     return new Promise<O>((resolve, reject) => {
-      this.pending.push({ item, resolve, reject });
+      this.pending.push({ item, resolve, reject, mayWait, since: performance.now() });
+      if (!mayWait) this.urgent += 1;
       this.schedule();
     });
   }
 
+  /** Items that were held back by the wait policy and are not written yet. */
+  get held(): number {
+    return this.heldPending + this.heldInFlight;
+  }
+
+  /** The wait policy's `busy()` may have turned false: held items go unless it still says busy. */
+  release(): void {
+    if (this.holding) this.schedule();
+  }
+
   private schedule(): void {
     if (this.scheduled || this.pending.length === 0 || this.inFlight >= this.maxInFlight) return;
+    this.holding = this.mayHold();
+    if (this.holding) {
+      this.heldPending = this.pending.length;
+      return;
+    }
     this.scheduled = true;
     // setImmediate runs after the timers and I/O callbacks of this turn.
     setImmediate(() => this.flush());
+  }
+
+  /** Whether every pending item may wait and the policy holds them (arming the timer that ends it). */
+  private mayHold(): boolean {
+    const policy = this.waitPolicy;
+    if (!policy || this.urgent > 0 || this.pending.length >= policy.maxWaiting) return false;
+    const endsIn = this.pending[0]!.since + policy.maxWaitMs - performance.now();
+    if (endsIn <= 0 || !policy.busy()) return false;
+    if (!this.holdTimer) {
+      this.holdTimer = setTimeout(() => {
+        this.holdTimer = undefined;
+        this.release();
+      }, endsIn);
+      this.holdTimer.unref();
+    }
+    return true;
   }
 
   private flush(): void {
     this.scheduled = false;
     while (this.pending.length > 0 && this.inFlight < this.maxInFlight) {
       const batch = this.pending.splice(0, this.maxBatch);
+      for (const p of batch) if (!p.mayWait) this.urgent -= 1;
+      const held = Math.min(batch.length, this.heldPending);
+      this.heldPending -= held;
+      this.heldInFlight += held;
       this.inFlight += 1;
       void this.runBatch(batch).finally(() => {
         this.inFlight -= 1;
+        this.heldInFlight -= held;
         this.schedule();
       });
     }

@@ -53,6 +53,13 @@ export interface RunQueueOptions {
   readonly handOff?: (messages: RunMessage[]) => void;
   /** Called with true when fetching should pause (prefetch full), false when it may resume. */
   readonly onBackpressure: (full: boolean) => void;
+  /**
+   * Outcomes whose write is being held back while due calls wait (the completion batcher's
+   * `held`): their runs give their slots back however many they are (see busy()). Default: none.
+   */
+  readonly writesHeld?: () => number;
+  /** Called when due runs no longer wait ({@link RunQueue.callsWaiting} turned false). */
+  readonly onCallsCaughtUp?: () => void;
   readonly logger: Logger;
   readonly metrics: Metrics;
 }
@@ -260,6 +267,8 @@ export class RunQueue {
   /** Executions whose call has ended and whose outcome is being written (see callEnded()). */
   private settling = 0;
   private full = false;
+  /** callsWaiting() as of the last update(). */
+  private wasWaiting = false;
   private draining = false;
   /**
    * While draining: the time left before calls still running are aborted. Monotonic, like the
@@ -410,9 +419,26 @@ export class RunQueue {
     this.watch.abort();
   }
 
-  /** Slots taken: calls, and the settling runs beyond `concurrency` of them, and reservations. */
+  /**
+   * Due runs wait: for the claim budget or for a slot. Not while draining (what is left of the
+   * drain should not wait for writes held back meanwhile).
+   */
+  callsWaiting(): boolean {
+    return !this.draining && (this.ready.length > 0 || this.slotWaiters.length > 0);
+  }
+
+  /**
+   * Slots taken: calls, and the settling runs beyond `concurrency` of them (writes held back while
+   * calls wait, `writesHeld`, never take one), and reservations.
+   */
   private busy(): number {
-    return this.slotted - Math.min(this.settling, this.options.concurrency) + this.reserved;
+    return this.slotted - this.settlingWithoutSlot() + this.reserved;
+  }
+
+  /** Settling runs that have given their slot back: those whose write is held, and `concurrency` more. */
+  private settlingWithoutSlot(): number {
+    const held = this.options.writesHeld?.() ?? 0;
+    return held + Math.min(Math.max(0, this.settling - held), this.options.concurrency);
   }
 
   /**
@@ -466,7 +492,7 @@ export class RunQueue {
     this.settling += 1;
     // Only a call made measures how long calls hold their slots: one not made (handed back, or
     // aborted before it started) took ~0 ms and would raise the budget that made it late.
-    if (called && this.settling <= this.options.concurrency) this.sampleSlot(execution);
+    if (called && this.settling <= this.settlingWithoutSlot()) this.sampleSlot(execution);
     else if (called) execution.keptSlot = true;
     this.pump();
   }
@@ -754,6 +780,9 @@ export class RunQueue {
       this.full = full;
       this.options.onBackpressure(full);
     }
+    const waiting = this.callsWaiting();
+    if (this.wasWaiting && !waiting) this.options.onCallsCaughtUp?.();
+    this.wasWaiting = waiting;
     this.options.metrics.runsHeld.set(this.held.size);
     this.options.metrics.runsInFlight.set(this.slotted - this.settling);
     this.options.metrics.runsClaimedAhead.set(this.ahead);

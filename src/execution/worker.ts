@@ -13,7 +13,12 @@ import type { RunMessage } from '../model.js';
 import type { ClaimedRun } from '../store/runs.js';
 import { runAttempt, WorkerStoppingError, type AttemptContext } from './attempt.js';
 import { watchClaims } from './claim-watch.js';
-import { createClaimBatcher, createCompletionBatcher, createStartBatcher } from './batching.js';
+import {
+  completionMayWait,
+  createClaimBatcher,
+  createCompletionBatcher,
+  createStartBatcher,
+} from './batching.js';
 import { DbClock } from './db-clock.js';
 import { HttpExecutor } from './http-executor.js';
 import { KafkaIntake } from './intake.js';
@@ -82,7 +87,10 @@ export class Worker {
       maxExcerptBytes: options.settings.maxExcerptBytes,
       targetPolicy: options.targetPolicy,
     });
-    const completions = createCompletionBatcher(options.pool, options.nodeId);
+    // Successes wait while due calls wait for a slot (see createCompletionBatcher).
+    const completions = createCompletionBatcher(options.pool, options.nodeId, () =>
+      this.queue.callsWaiting(),
+    );
     const claims = createClaimBatcher(options.pool, this.claimOptions());
     const starts = createStartBatcher(options.pool, options.nodeId);
     const context: AttemptContext = {
@@ -92,7 +100,7 @@ export class Worker {
       topics: { runsTopic: options.runsTopic, deadLetterTopic: options.deadLetterTopic },
       clock: this.clock,
       start: (run) => starts.add({ id: run.id, attempt: run.attempt }),
-      complete: (run, report) => completions.add({ run, report }),
+      complete: (run, report) => completions.add({ run, report }, completionMayWait(run, report, this.clock)),
       handOff: (messages) => this.handOff(messages),
       logger,
       metrics: options.metrics,
@@ -115,6 +123,8 @@ export class Worker {
       run: (run, signal, drainLeftMs, callEnded) => runAttempt(context, run, signal, drainLeftMs, callEnded),
       handOff: (messages) => this.handOff(messages),
       onBackpressure: (full) => (full ? this.intake.pause() : this.intake.resume()),
+      writesHeld: () => completions.held,
+      onCallsCaughtUp: () => completions.release(),
       logger,
       metrics: options.metrics,
     });

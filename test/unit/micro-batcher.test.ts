@@ -1,7 +1,12 @@
 import assert from 'node:assert/strict';
+import { setTimeout as sleep } from 'node:timers/promises';
 import { test } from 'node:test';
-import { oneByOne } from '../../src/execution/batching.js';
+import { COMPLETION_WAIT_MAX_MS, completionMayWait, oneByOne } from '../../src/execution/batching.js';
+import { DbClock } from '../../src/execution/db-clock.js';
 import { BatchItemError, MicroBatcher } from '../../src/execution/micro-batcher.js';
+import type { AttemptReport } from '../../src/store/attempts.js';
+import type { ClaimedRun } from '../../src/store/runs.js';
+import { fakeClaimedRun } from '../support/claimed-run.js';
 
 /**
  * Lets the batcher's setImmediate callbacks run: a few turns of the event loop. (A fixed 5 ms
@@ -131,4 +136,134 @@ test('oneByOne: items the database refuses on their own, however many lead the b
     results.map((r) => (r instanceof BatchItemError ? r.error.message : r)),
     ['trigger refused 1', 'trigger refused 2', 30, 40],
   );
+});
+
+/** A wait policy whose busy() the test sets. */
+function waitPolicy(maxWaitMs = 10_000, maxWaiting = 100) {
+  const state = { busy: true };
+  return { state, policy: { busy: () => state.busy, maxWaitMs, maxWaiting } };
+}
+
+test('items that may wait are held while the policy is busy, and go together on release once it is not', async () => {
+  const { batches, run } = gatedBatches();
+  const { state, policy } = waitPolicy();
+  const batcher = new MicroBatcher(run, 100, 2, policy);
+  const results = Promise.all([1, 2, 3].map((i) => batcher.add(i, true)));
+  await turns();
+  assert.equal(batches.length, 0, 'held while busy');
+  assert.equal(batcher.held, 3);
+  batcher.release(); // still busy: a release changes nothing
+  await turns();
+  assert.equal(batches.length, 0);
+  state.busy = false;
+  batcher.release();
+  await turns();
+  assert.deepEqual(
+    batches.map((b) => b.items),
+    [[1, 2, 3]],
+  );
+  assert.equal(batcher.held, 3, 'counted as held until written');
+  batches[0]!.release();
+  assert.deepEqual(await results, [10, 20, 30]);
+  assert.equal(batcher.held, 0);
+});
+
+test('an item that may not wait takes the held ones with it; without a policy nothing waits', async () => {
+  const { batches, run } = gatedBatches();
+  const { policy } = waitPolicy();
+  const batcher = new MicroBatcher(run, 100, 2, policy);
+  void batcher.add(1, true);
+  void batcher.add(2, true);
+  await turns();
+  assert.equal(batches.length, 0);
+  void batcher.add(3);
+  await turns();
+  assert.deepEqual(
+    batches.map((b) => b.items),
+    [[1, 2, 3]],
+  );
+  // The urgent item was counted out with its batch: the next items that may wait are held again.
+  void batcher.add(4, true);
+  await turns();
+  assert.equal(batches.length, 1);
+
+  const plain = gatedBatches();
+  const unpolicied = new MicroBatcher(plain.run, 100, 2);
+  void unpolicied.add(1, true);
+  await turns();
+  assert.deepEqual(
+    plain.batches.map((b) => b.items),
+    [[1]],
+  );
+  assert.equal(unpolicied.held, 0);
+});
+
+test('held items go once the oldest has waited maxWaitMs, or once maxWaiting are held, however busy', async () => {
+  const timed = gatedBatches();
+  const { policy } = waitPolicy(30);
+  const batcher = new MicroBatcher(timed.run, 100, 2, policy);
+  const since = performance.now();
+  void batcher.add(1, true);
+  await sleep(10);
+  void batcher.add(2, true);
+  await turns();
+  assert.equal(timed.batches.length, 0);
+  while (timed.batches.length === 0) await sleep(2);
+  assert.ok(performance.now() - since >= 29, 'not before the oldest waited maxWaitMs');
+  assert.deepEqual(timed.batches[0]!.items, [1, 2]);
+
+  const counted = gatedBatches();
+  const full = new MicroBatcher(counted.run, 100, 2, waitPolicy(10_000, 3).policy);
+  void full.add(1, true);
+  void full.add(2, true);
+  await turns();
+  assert.equal(counted.batches.length, 0);
+  void full.add(3, true);
+  await turns();
+  assert.deepEqual(
+    counted.batches.map((b) => b.items),
+    [[1, 2, 3]],
+  );
+});
+
+test('items added after a hold ended are not counted as held', async () => {
+  const { batches, run } = gatedBatches();
+  const { state, policy } = waitPolicy();
+  const batcher = new MicroBatcher(run, 100, 1, policy);
+  void batcher.add(1, true);
+  await turns();
+  state.busy = false;
+  batcher.release();
+  await turns();
+  assert.equal(batches.length, 1);
+  void batcher.add(2, true); // waits for room (maxInFlight 1), not for the policy
+  await turns();
+  assert.equal(batcher.held, 1, 'only item 1, in flight');
+  batches[0]!.release();
+  await turns();
+  assert.equal(batcher.held, 0);
+  assert.deepEqual(batches[1]!.items, [2]);
+});
+
+test('completionMayWait: only an allow run with a short excerpt and twice the wait left on its claim', () => {
+  const clock = new DbClock();
+  const report = (excerpt: string | null): AttemptReport => ({
+    outcome: 'succeeded',
+    statusCode: 200,
+    durationMs: 3,
+    error: null,
+    responseExcerpt: excerpt,
+  });
+  const run = (concurrency: ClaimedRun['concurrency'], claimLeftMs = 10_000): ClaimedRun => ({
+    ...fakeClaimedRun('r1'),
+    concurrency,
+    claimExpiresAt: new Date(Date.now() + claimLeftMs),
+  });
+  assert.equal(completionMayWait(run('allow'), report('ok'), clock), true);
+  assert.equal(completionMayWait(run('allow'), report(null), clock), true);
+  assert.equal(completionMayWait(run('forbid'), report('ok'), clock), false, 'its next run waits for it');
+  assert.equal(completionMayWait(run('replace'), report('ok'), clock), false);
+  assert.equal(completionMayWait(run('allow'), report('x'.repeat(1025)), clock), false, 'kept in memory');
+  const tight = run('allow', 2 * COMPLETION_WAIT_MAX_MS - 100);
+  assert.equal(completionMayWait(tight, report('ok'), clock), false, 'too little of the claim left');
 });

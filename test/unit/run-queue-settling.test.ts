@@ -1,10 +1,11 @@
 import assert from 'node:assert/strict';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { test } from 'node:test';
+import { MicroBatcher } from '../../src/execution/micro-batcher.js';
 import { RunQueue, type RunQueueOptions } from '../../src/execution/run-queue.js';
 import type { RunMessage } from '../../src/execution/run-message.js';
 import { fakeClaimedRun } from '../support/claimed-run.js';
-import { testRunQueue } from '../support/run-queue.js';
+import { testRunQueue, until } from '../support/run-queue.js';
 
 // A run gives its slot back when its call ends (callEnded), while its outcome is still being
 // written: the settling accounting under the interleavings that could break it. Claims and
@@ -403,4 +404,82 @@ test('(d, pre-existing) an execution the poller replaces while still in its call
     for (const open of calls.values()) open();
     await queue.drain(100, new Error('test over'));
   }
+});
+
+test('(f) writes held back while calls wait give their slots back, and go once the last due run has a slot', async () => {
+  // attempt.ts's success path with the worker's wiring: the write is a MicroBatcher item that may
+  // wait while the queue says due calls wait (worker.ts, batching.ts).
+  const written: string[][] = [];
+  const openBatch = gate();
+  const writes = new MicroBatcher<string, boolean>(
+    async (ids) => {
+      written.push(ids);
+      startedBeforeWrites ??= started;
+      await openBatch.promise;
+      return ids.map(() => true);
+    },
+    100,
+    2,
+    { busy: () => queue.callsWaiting(), maxWaitMs: 60_000, maxWaiting: 1000 },
+  );
+  let started = 0;
+  let startedBeforeWrites: number | undefined;
+  const queue = makeQueue({
+    concurrency: 2,
+    writesHeld: () => writes.held,
+    onCallsCaughtUp: () => writes.release(),
+    run: async (run, _signal, _left, callEnded) => {
+      started += 1;
+      await sleep(1); // the call
+      callEnded();
+      await writes.add(run.id, true);
+    },
+  });
+  for (let n = 1; n <= 10; n++) queue.hold(message(id(n)));
+  await until(() => written.length > 0, 'the held writes to go');
+  // Settling runs beyond `concurrency` would keep their slots (test d): 4 calls, then nothing
+  // until a write; held writes do not, so every call began first, and the writes of the calls
+  // over by then went together when the tenth run got its slot (the last two calls' writes after).
+  assert.equal(startedBeforeWrites, 10);
+  assert.ok(written[0]!.length >= 8, `first batch ${written[0]!.length} writes`);
+  assert.equal(queue.callsWaiting(), false);
+  openBatch.open();
+  await until(() => internals(queue).executing === 0, 'the executions to end');
+  assert.equal(written.flat().length, 10);
+  assert.equal(writes.held, 0);
+  assert.deepEqual(internals(queue), { settling: 0, executing: 0, reserved: 0 });
+  await queue.drain(1_000, new Error('test over'));
+});
+
+test('(f) a drain does not wait for held writes: they go once it begins', async () => {
+  const written: string[][] = [];
+  const writes = new MicroBatcher<string, boolean>(
+    async (ids) => {
+      written.push(ids);
+      return ids.map(() => true);
+    },
+    100,
+    2,
+    { busy: () => queue.callsWaiting(), maxWaitMs: 60_000, maxWaiting: 1000 },
+  );
+  const blocker = gate();
+  const queue = makeQueue({
+    concurrency: 1,
+    writesHeld: () => writes.held,
+    onCallsCaughtUp: () => writes.release(),
+    run: async (run, _signal, _left, callEnded) => {
+      if (run.id === id(2)) await blocker.promise; // a long call: run 3 waits for its slot
+      callEnded();
+      await writes.add(run.id, true);
+    },
+  });
+  for (let n = 1; n <= 3; n++) queue.hold(message(id(n)));
+  await until(() => writes.held === 1, 'run 1 to be written later');
+  assert.equal(queue.callsWaiting(), true, 'run 3 waits for a slot');
+  assert.equal(written.length, 0);
+  const drained = queue.drain(5_000, new Error('test over'));
+  await until(() => written.length > 0, 'the held write to go when the drain begins');
+  assert.deepEqual(written[0], [id(1)]);
+  blocker.open();
+  await drained;
 });
