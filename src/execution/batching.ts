@@ -102,6 +102,12 @@ export function createClaimBatcher(
 export const COMPLETION_WAIT_MAX_MS = 1000;
 /** Completions held back at most per worker; past this they go. */
 const COMPLETIONS_WAITING_MAX = 4096;
+/**
+ * The claim a success must have left to wait: when its hold ends it still has ≥ 4 s, for its
+ * turn behind the other held writes (4,096 are 8 rounds of two 256-run statements) and for
+ * retries of a failed write while the claim holds (attempt.ts).
+ */
+const CLAIM_LEFT_TO_WAIT_MS = COMPLETION_WAIT_MAX_MS + 4000;
 /** A response excerpt longer than this is written at once (bounds what held completions keep). */
 const WAITING_EXCERPT_MAX = 1024;
 
@@ -109,14 +115,14 @@ const WAITING_EXCERPT_MAX = 1024;
  * Whether a success's write may wait while this worker's due calls wait for a slot (the
  * completion batcher's WaitPolicy): it changes nothing another run waits for, and it is written
  * well within its claim. Not for `forbid` or `replace` runs (the job's next run waits for this one
- * to end), nor for a claim with less than twice the wait left (the write, and its retries while the
- * claim holds, keep the rest), nor for a large response excerpt.
+ * to end), nor for a claim with less than CLAIM_LEFT_TO_WAIT_MS left, nor for a large response
+ * excerpt.
  */
 export function completionMayWait(run: ClaimedRun, report: AttemptReport, clock: DbClock): boolean {
   return (
     run.concurrency === 'allow' &&
     (report.responseExcerpt?.length ?? 0) <= WAITING_EXCERPT_MAX &&
-    clock.msUntil(run.claimExpiresAt) >= 2 * COMPLETION_WAIT_MAX_MS
+    clock.msUntil(run.claimExpiresAt) >= CLAIM_LEFT_TO_WAIT_MS
   );
 }
 
@@ -131,7 +137,7 @@ export function completionMayWait(run: ClaimedRun, report: AttemptReport, clock:
 export function createCompletionBatcher(
   pool: Connections,
   nodeId: string,
-  callsWaiting?: () => boolean,
+  queue?: { callsWaiting: () => boolean; writesHeldGrew: () => void },
 ): MicroBatcher<Success, boolean> {
   return new MicroBatcher(
     async (items) => {
@@ -143,10 +149,11 @@ export function createCompletionBatcher(
     },
     MAX_BATCH,
     MAX_IN_FLIGHT,
-    callsWaiting && {
-      busy: callsWaiting,
+    queue && {
+      busy: () => queue.callsWaiting(),
       maxWaitMs: COMPLETION_WAIT_MAX_MS,
       maxWaiting: COMPLETIONS_WAITING_MAX,
+      onHold: () => queue.writesHeldGrew(),
     },
   );
 }

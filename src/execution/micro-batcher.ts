@@ -27,6 +27,8 @@ export interface WaitPolicy {
   readonly busy: () => boolean;
   readonly maxWaitMs: number;
   readonly maxWaiting: number;
+  /** Called when more items are held than before (the run queue: their runs' slots are free). */
+  readonly onHold?: () => void;
 }
 
 /**
@@ -90,7 +92,9 @@ export class MicroBatcher<I, O> {
     if (this.scheduled || this.pending.length === 0 || this.inFlight >= this.maxInFlight) return;
     this.holding = this.mayHold();
     if (this.holding) {
+      const grew = this.pending.length > this.heldPending;
       this.heldPending = this.pending.length;
+      if (grew) this.waitPolicy?.onHold?.();
       return;
     }
     this.scheduled = true;

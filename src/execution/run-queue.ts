@@ -58,7 +58,11 @@ export interface RunQueueOptions {
    * `held`): their runs give their slots back however many they are (see busy()). Default: none.
    */
   readonly writesHeld?: () => number;
-  /** Called when due runs no longer wait ({@link RunQueue.callsWaiting} turned false). */
+  /**
+   * Called whenever the queue has been updated and no due run waits ({@link RunQueue.callsWaiting}
+   * is false): held writes may go. Level-triggered (runs join and leave the slot queue between
+   * updates), so it must be cheap when nothing is held.
+   */
   readonly onCallsCaughtUp?: () => void;
   readonly logger: Logger;
   readonly metrics: Metrics;
@@ -267,8 +271,6 @@ export class RunQueue {
   /** Executions whose call has ended and whose outcome is being written (see callEnded()). */
   private settling = 0;
   private full = false;
-  /** callsWaiting() as of the last update(). */
-  private wasWaiting = false;
   private draining = false;
   /**
    * While draining: the time left before calls still running are aborted. Monotonic, like the
@@ -355,11 +357,14 @@ export class RunQueue {
    * Claims for the claim watch: those being executed, and those waiting for their time or a slot
    * unless their START is still to come. A run claimed ahead is checked by its START (leaving the
    * thousands a herd or a second of steady load claims ahead out of every check: at 2,000 runs/s
-   * with the 1 s lead the watch's statement cost ≈50 µs per run).
+   * with the 1 s lead the watch's statement cost ≈50 µs per run). Not those settling: their call
+   * is over, so there is nothing left to abort, and their write is conditional on the claim (a
+   * herd's writes held back while calls wait are thousands).
    */
   *claims(): Iterable<{ runId: string; attempt: number; controller: AbortController }> {
     for (const execution of this.executing.values())
-      if (execution.attempt > 0 && (execution.slotted || !execution.startPending)) yield execution;
+      if (execution.attempt > 0 && !execution.settling && (execution.slotted || !execution.startPending))
+        yield execution;
   }
 
   /**
@@ -435,9 +440,14 @@ export class RunQueue {
     return this.slotted - this.settlingWithoutSlot() + this.reserved;
   }
 
+  /** More writes are held (`writesHeld`): their runs' slots are free now, for runs waiting for one. */
+  writesHeldGrew(): void {
+    this.pump();
+  }
+
   /** Settling runs that have given their slot back: those whose write is held, and `concurrency` more. */
   private settlingWithoutSlot(): number {
-    const held = this.options.writesHeld?.() ?? 0;
+    const held = Math.min(this.options.writesHeld?.() ?? 0, this.settling);
     return held + Math.min(Math.max(0, this.settling - held), this.options.concurrency);
   }
 
@@ -780,9 +790,7 @@ export class RunQueue {
       this.full = full;
       this.options.onBackpressure(full);
     }
-    const waiting = this.callsWaiting();
-    if (this.wasWaiting && !waiting) this.options.onCallsCaughtUp?.();
-    this.wasWaiting = waiting;
+    if (!this.callsWaiting()) this.options.onCallsCaughtUp?.();
     this.options.metrics.runsHeld.set(this.held.size);
     this.options.metrics.runsInFlight.set(this.slotted - this.settling);
     this.options.metrics.runsClaimedAhead.set(this.ahead);

@@ -88,9 +88,10 @@ export class Worker {
       targetPolicy: options.targetPolicy,
     });
     // Successes wait while due calls wait for a slot (see createCompletionBatcher).
-    const completions = createCompletionBatcher(options.pool, options.nodeId, () =>
-      this.queue.callsWaiting(),
-    );
+    const completions = createCompletionBatcher(options.pool, options.nodeId, {
+      callsWaiting: () => this.queue.callsWaiting(),
+      writesHeldGrew: () => this.queue.writesHeldGrew(),
+    });
     const claims = createClaimBatcher(options.pool, this.claimOptions());
     const starts = createStartBatcher(options.pool, options.nodeId);
     const context: AttemptContext = {

@@ -245,7 +245,7 @@ test('items added after a hold ended are not counted as held', async () => {
   assert.deepEqual(batches[1]!.items, [2]);
 });
 
-test('completionMayWait: only an allow run with a short excerpt and twice the wait left on its claim', () => {
+test('completionMayWait: only an allow run with a short excerpt and 4 s of its claim left after the wait', () => {
   const clock = new DbClock();
   const report = (excerpt: string | null): AttemptReport => ({
     outcome: 'succeeded',
@@ -264,6 +264,7 @@ test('completionMayWait: only an allow run with a short excerpt and twice the wa
   assert.equal(completionMayWait(run('forbid'), report('ok'), clock), false, 'its next run waits for it');
   assert.equal(completionMayWait(run('replace'), report('ok'), clock), false);
   assert.equal(completionMayWait(run('allow'), report('x'.repeat(1025)), clock), false, 'kept in memory');
-  const tight = run('allow', 2 * COMPLETION_WAIT_MAX_MS - 100);
+  const tight = run('allow', COMPLETION_WAIT_MAX_MS + 4000 - 100);
+  assert.equal(completionMayWait(run('allow', COMPLETION_WAIT_MAX_MS + 4100), report('ok'), clock), true);
   assert.equal(completionMayWait(tight, report('ok'), clock), false, 'too little of the claim left');
 });

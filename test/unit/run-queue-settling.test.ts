@@ -483,3 +483,27 @@ test('(f) a drain does not wait for held writes: they go once it begins', async 
   blocker.open();
   await drained;
 });
+
+test('(g) the claim watch leaves out settling runs: their call is over, nothing is left to abort', async () => {
+  const settle = gate();
+  const call = gate();
+  const queue = makeQueue({
+    concurrency: 2,
+    run: async (run, _signal, _left, callEnded) => {
+      if (run.id === id(2)) await call.promise;
+      callEnded();
+      await settle.promise;
+    },
+  });
+  queue.hold(message(id(1)));
+  queue.hold(message(id(2)));
+  await until(() => internals(queue).settling === 1, 'run 1 to settle');
+  assert.deepEqual(
+    [...queue.claims()].map((c) => c.runId),
+    [id(2)],
+  );
+  call.open();
+  settle.open();
+  await until(() => internals(queue).executing === 0, 'the executions to end');
+  await queue.drain(100, new Error('test over'));
+});
