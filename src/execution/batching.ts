@@ -96,10 +96,10 @@ export function createClaimBatcher(
 }
 
 /**
- * How long a success's write may be held back while due calls wait for a slot (see
+ * How long a success's write may be held back while this worker's calls are underway (see
  * {@link completionMayWait}): a herd's completions then go after its calls, not between them.
  */
-export const COMPLETION_WAIT_MAX_MS = 1000;
+export const COMPLETION_WAIT_MAX_MS = 2000;
 /** Completions held back at most per worker; past this they go. */
 const COMPLETIONS_WAITING_MAX = 4096;
 /**
@@ -112,7 +112,7 @@ const CLAIM_LEFT_TO_WAIT_MS = COMPLETION_WAIT_MAX_MS + 4000;
 const WAITING_EXCERPT_MAX = 1024;
 
 /**
- * Whether a success's write may wait while this worker's due calls wait for a slot (the
+ * Whether a success's write may wait while this worker's calls are underway (the
  * completion batcher's WaitPolicy): it changes nothing another run waits for, and it is written
  * well within its claim. Not for `forbid` or `replace` runs (the job's next run waits for this one
  * to end), nor for a claim with less than CLAIM_LEFT_TO_WAIT_MS left, nor for a large response
@@ -130,14 +130,18 @@ export function completionMayWait(run: ClaimedRun, report: AttemptReport, clock:
  * Completes successful attempts in batches (see MicroBatcher). A batch that fails is retried item
  * by item, so a completion the database refuses costs no other run its completion (each item's
  * caller retries its own failure while its claim holds: see execution/attempt.ts). Completions
- * added as `mayWait` are held while `callsWaiting()`: from the due instant of a herd until its
- * last call has a slot, the CPU goes to starting calls (a completion costs the node and
- * PostgreSQL ≈0.05 ms), and the held completions then go in full batches.
+ * added as `mayWait` are held while `callsUnderway()`: from the due instant of a herd until its
+ * last call has ended, the CPU goes to the calls and their STARTs (a completion costs the node
+ * and PostgreSQL ≈0.05 ms), and the held completions then go in full batches. (Held only until
+ * the last run had a slot, the burst of writes then delayed the last calls' STARTs: the call
+ * time the queue sampled there grew to 190 ms and the next herd was claimed ahead less than
+ * half.) Under steady load calls are always underway: each write then waits its full
+ * COMPLETION_WAIT_MAX_MS.
  */
 export function createCompletionBatcher(
   pool: Connections,
   nodeId: string,
-  queue?: { callsWaiting: () => boolean; writesHeldGrew: () => void },
+  queue?: { callsUnderway: () => boolean; writesHeldGrew: () => void },
 ): MicroBatcher<Success, boolean> {
   return new MicroBatcher(
     async (items) => {
@@ -150,7 +154,7 @@ export function createCompletionBatcher(
     MAX_BATCH,
     MAX_IN_FLIGHT,
     queue && {
-      busy: () => queue.callsWaiting(),
+      busy: () => queue.callsUnderway(),
       maxWaitMs: COMPLETION_WAIT_MAX_MS,
       maxWaiting: COMPLETIONS_WAITING_MAX,
       onHold: () => queue.writesHeldGrew(),

@@ -16,6 +16,8 @@ interface Pending<I, O> {
   readonly mayWait: boolean;
   /** performance.now() when it was added. */
   readonly since: number;
+  /** Counted in `heldPending` (held back by the wait policy) while pending. */
+  held: boolean;
 }
 
 /**
@@ -42,7 +44,7 @@ export interface WaitPolicy {
  *
  * Items that may wait (a {@link WaitPolicy}) are held back while the policy says the process is
  * busy with more urgent work, and go together once it is not, or once the oldest has waited long
- * enough: the worker's completions wait while due calls wait for a slot (see batching.ts).
+ * enough: the worker's completions wait while its calls are underway (see batching.ts).
  */
 export class MicroBatcher<I, O> {
   private pending: Pending<I, O>[] = [];
@@ -50,12 +52,10 @@ export class MicroBatcher<I, O> {
   private inFlight = 0;
   /** Pending items added without `mayWait`: while there is one, nothing is held back. */
   private urgent = 0;
-  /** True while the pending items are held back by the wait policy. */
-  private holding = false;
-  /** Pending items, from the front, that were held back; and those of them in batches running. */
+  /** Items held back by the wait policy: still pending, and in batches running. */
   private heldPending = 0;
   private heldInFlight = 0;
-  /** Ends the hold when the oldest held item has waited `maxWaitMs`. */
+  /** Ends a hold when the oldest held item has waited `maxWaitMs`. */
   private holdTimer?: NodeJS.Timeout;
 
   constructor(
@@ -67,12 +67,12 @@ export class MicroBatcher<I, O> {
 
   /**
    * Adds an item to the next batch; resolves with its result. An item that `mayWait` is held back
-   * while the wait policy's `busy()` is true (with no policy, or an urgent item pending, it goes
-   * as any other).
+   * while the wait policy's `busy()` is true, for at most its `maxWaitMs` (with no policy, or an
+   * urgent item pending, it goes as any other).
    */
   add(item: I, mayWait = false): Promise<O> {
     return new Promise<O>((resolve, reject) => {
-      this.pending.push({ item, resolve, reject, mayWait, since: performance.now() });
+      this.pending.push({ item, resolve, reject, mayWait, since: performance.now(), held: false });
       if (!mayWait) this.urgent += 1;
       this.schedule();
     });
@@ -85,45 +85,64 @@ export class MicroBatcher<I, O> {
 
   /** The wait policy's `busy()` may have turned false: held items go unless it still says busy. */
   release(): void {
-    if (this.holding) this.schedule();
+    if (this.heldPending > 0) this.schedule();
   }
 
   private schedule(): void {
-    if (this.scheduled || this.pending.length === 0 || this.inFlight >= this.maxInFlight) return;
-    this.holding = this.mayHold();
-    if (this.holding) {
-      const grew = this.pending.length > this.heldPending;
-      this.heldPending = this.pending.length;
-      if (grew) this.waitPolicy?.onHold?.();
-      return;
-    }
+    if (this.scheduled || this.pending.length === 0) return;
+    const going = this.goingNow();
+    if (going < this.pending.length) this.holdFrom(going);
+    if (going === 0 || this.inFlight >= this.maxInFlight) return;
     this.scheduled = true;
     // setImmediate runs after the timers and I/O callbacks of this turn.
     setImmediate(() => this.flush());
   }
 
-  /** Whether every pending item may wait and the policy holds them (arming the timer that ends it). */
-  private mayHold(): boolean {
+  /**
+   * How many pending items (from the oldest) go now: all of them, unless every one may wait, fewer
+   * than `maxWaiting` wait and the policy is busy; then those that have waited `maxWaitMs`.
+   */
+  private goingNow(): number {
     const policy = this.waitPolicy;
-    if (!policy || this.urgent > 0 || this.pending.length >= policy.maxWaiting) return false;
-    const endsIn = this.pending[0]!.since + policy.maxWaitMs - performance.now();
-    if (endsIn <= 0 || !policy.busy()) return false;
+    const all = this.pending.length;
+    if (!policy || this.urgent > 0 || all >= policy.maxWaiting || !policy.busy()) return all;
+    const now = performance.now();
+    let overdue = 0;
+    while (overdue < all && this.pending[overdue]!.since + policy.maxWaitMs <= now) overdue += 1;
+    return overdue;
+  }
+
+  /** Counts the pending items from `index` on as held, and arms the timer that ends their wait. */
+  private holdFrom(index: number): void {
+    let grew = false;
+    // Items are marked newest first, down to the first one marked before: no gaps behind it.
+    for (let i = this.pending.length - 1; i >= index && !this.pending[i]!.held; i--) {
+      this.pending[i]!.held = true;
+      this.heldPending += 1;
+      grew = true;
+    }
     if (!this.holdTimer) {
+      const endsIn = this.pending[index]!.since + this.waitPolicy!.maxWaitMs - performance.now();
       this.holdTimer = setTimeout(() => {
         this.holdTimer = undefined;
         this.release();
       }, endsIn);
       this.holdTimer.unref();
     }
-    return true;
+    if (grew) this.waitPolicy!.onHold?.();
   }
 
   private flush(): void {
     this.scheduled = false;
-    while (this.pending.length > 0 && this.inFlight < this.maxInFlight) {
-      const batch = this.pending.splice(0, this.maxBatch);
-      for (const p of batch) if (!p.mayWait) this.urgent -= 1;
-      const held = Math.min(batch.length, this.heldPending);
+    let going = this.goingNow();
+    while (going > 0 && this.inFlight < this.maxInFlight) {
+      const batch = this.pending.splice(0, Math.min(going, this.maxBatch));
+      going -= batch.length;
+      let held = 0;
+      for (const p of batch) {
+        if (!p.mayWait) this.urgent -= 1;
+        if (p.held) held += 1;
+      }
       this.heldPending -= held;
       this.heldInFlight += held;
       this.inFlight += 1;
@@ -133,6 +152,8 @@ export class MicroBatcher<I, O> {
         this.schedule();
       });
     }
+    // What stays is held (counted, its timer armed) or waits for a running batch to end.
+    this.schedule();
   }
 
   private async runBatch(batch: Pending<I, O>[]): Promise<void> {

@@ -54,12 +54,12 @@ export interface RunQueueOptions {
   /** Called with true when fetching should pause (prefetch full), false when it may resume. */
   readonly onBackpressure: (full: boolean) => void;
   /**
-   * Outcomes whose write is being held back while due calls wait (the completion batcher's
+   * Outcomes whose write is being held back while calls are underway (the completion batcher's
    * `held`): their runs give their slots back however many they are (see busy()). Default: none.
    */
   readonly writesHeld?: () => number;
   /**
-   * Called whenever the queue has been updated and no due run waits ({@link RunQueue.callsWaiting}
+   * Called whenever the queue has been updated and no call is underway ({@link RunQueue.callsUnderway}
    * is false): held writes may go. Level-triggered (runs join and leave the slot queue between
    * updates), so it must be cheap when nothing is held.
    */
@@ -425,11 +425,14 @@ export class RunQueue {
   }
 
   /**
-   * Due runs wait: for the claim budget or for a slot. Not while draining (what is left of the
-   * drain should not wait for writes held back meanwhile).
+   * Calls are underway: due runs wait for the claim budget or a slot, or runs hold slots and
+   * their calls have not ended (START, the call). Not while draining: what is left of the drain
+   * should not wait for writes held back meanwhile.
    */
-  callsWaiting(): boolean {
-    return !this.draining && (this.ready.length > 0 || this.slotWaiters.length > 0);
+  callsUnderway(): boolean {
+    return (
+      !this.draining && (this.ready.length > 0 || this.slotWaiters.length > 0 || this.slotted > this.settling)
+    );
   }
 
   /**
@@ -790,7 +793,7 @@ export class RunQueue {
       this.full = full;
       this.options.onBackpressure(full);
     }
-    if (!this.callsWaiting()) this.options.onCallsCaughtUp?.();
+    if (!this.callsUnderway()) this.options.onCallsCaughtUp?.();
     this.options.metrics.runsHeld.set(this.held.size);
     this.options.metrics.runsInFlight.set(this.slotted - this.settling);
     this.options.metrics.runsClaimedAhead.set(this.ahead);

@@ -87,9 +87,9 @@ export class Worker {
       maxExcerptBytes: options.settings.maxExcerptBytes,
       targetPolicy: options.targetPolicy,
     });
-    // Successes wait while due calls wait for a slot (see createCompletionBatcher).
+    // Successes wait while calls are underway (see createCompletionBatcher).
     const completions = createCompletionBatcher(options.pool, options.nodeId, {
-      callsWaiting: () => this.queue.callsWaiting(),
+      callsUnderway: () => this.queue.callsUnderway(),
       writesHeldGrew: () => this.queue.writesHeldGrew(),
     });
     const claims = createClaimBatcher(options.pool, this.claimOptions());

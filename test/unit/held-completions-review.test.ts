@@ -7,7 +7,7 @@ import type { RunMessage } from '../../src/execution/run-message.js';
 import { setCallTime, testRunQueue, until } from '../support/run-queue.js';
 
 // Review of 9d5d0ea (held completions): the interleavings a reviewer found, each failing on that
-// commit. Writes are a MicroBatcher with the worker's wiring (busy = queue.callsWaiting(),
+// commit. Writes are a MicroBatcher with the worker's wiring (busy = queue.callsUnderway(),
 // writesHeld = held, onHold = writesHeldGrew, onCallsCaughtUp = release); maxWaitMs is long
 // so that a write that goes only because its hold timer fired shows as a timeout here (in the
 // worker the timer is 1 s: the failures below cost up to 1 s, they lose nothing).
@@ -33,7 +33,7 @@ function wired(
     100,
     2,
     {
-      busy: () => queue.callsWaiting(),
+      busy: () => queue.callsUnderway(),
       maxWaitMs: 60_000,
       maxWaiting: 1000,
       onHold: () => queue.writesHeldGrew(),
@@ -50,7 +50,7 @@ function wired(
 test('review 2/4: a write held after a run began waiting for a slot without update() goes once that run has its slot', async () => {
   // Run 1: call over, its write retried later (whileClaimed after a failed batch). Run 2: a long
   // call. Run 3: due later, claimed, waits for the slot: slotFor() pushes it with no update(), so
-  // wasWaiting stays false and the queue never sees callsWaiting() turn true -> false.
+  // wasWaiting stays false and the queue never sees callsUnderway() turn true -> false.
   const written: string[][] = [];
   const retry = gate();
   const long = gate();
@@ -76,12 +76,12 @@ test('review 2/4: a write held after a run began waiting for a slot without upda
   queue.hold(message(id(2)));
   queue.hold(message(id(3), new Date(Date.now() + 50)));
   await sleep(150);
-  assert.equal(queue.callsWaiting(), true, 'run 3 waits for a slot');
+  assert.equal(queue.callsUnderway(), true, 'run 3 waits for a slot');
   retry.open(); // run 1's write, re-added: held (calls wait)
   await until(() => writes.held === 1, 'run 1 write held');
   long.open(); // run 2 ends: run 3 gets the slot, nothing waits any more
   await until(() => run3Started, 'run 3 to start');
-  assert.equal(queue.callsWaiting(), false);
+  assert.equal(queue.callsUnderway(), false);
   await until(() => written.flat().includes(id(1)), 'run 1 write to go once calls caught up', 500);
 });
 
@@ -165,7 +165,12 @@ test('review 2/3: random interleavings keep calls <= concurrency and the batcher
     },
     8,
     2,
-    { busy: () => queue.callsWaiting(), maxWaitMs: 30, maxWaiting: 16, onHold: () => queue.writesHeldGrew() },
+    {
+      busy: () => queue.callsUnderway(),
+      maxWaitMs: 30,
+      maxWaiting: 16,
+      onHold: () => queue.writesHeldGrew(),
+    },
   );
   const b = writes as unknown as { heldPending: number; heldInFlight: number; pending: unknown[] };
   const queue: RunQueue = testRunQueue({
@@ -217,7 +222,7 @@ test('review 3: held writes that complete never let more than `concurrency` call
     100,
     2,
     {
-      busy: () => queue.callsWaiting(),
+      busy: () => queue.callsUnderway(),
       maxWaitMs: 10,
       maxWaiting: 1000,
       onHold: () => queue.writesHeldGrew(),

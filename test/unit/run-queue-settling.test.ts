@@ -420,7 +420,7 @@ test('(f) writes held back while calls wait give their slots back, and go once t
     },
     100,
     2,
-    { busy: () => queue.callsWaiting(), maxWaitMs: 60_000, maxWaiting: 1000 },
+    { busy: () => queue.callsUnderway(), maxWaitMs: 60_000, maxWaiting: 1000 },
   );
   let started = 0;
   let startedBeforeWrites: number | undefined;
@@ -442,7 +442,7 @@ test('(f) writes held back while calls wait give their slots back, and go once t
   // over by then went together when the tenth run got its slot (the last two calls' writes after).
   assert.equal(startedBeforeWrites, 10);
   assert.ok(written[0]!.length >= 8, `first batch ${written[0]!.length} writes`);
-  assert.equal(queue.callsWaiting(), false);
+  assert.equal(queue.callsUnderway(), false);
   openBatch.open();
   await until(() => internals(queue).executing === 0, 'the executions to end');
   assert.equal(written.flat().length, 10);
@@ -460,7 +460,7 @@ test('(f) a drain does not wait for held writes: they go once it begins', async 
     },
     100,
     2,
-    { busy: () => queue.callsWaiting(), maxWaitMs: 60_000, maxWaiting: 1000 },
+    { busy: () => queue.callsUnderway(), maxWaitMs: 60_000, maxWaiting: 1000 },
   );
   const blocker = gate();
   const queue = makeQueue({
@@ -475,7 +475,7 @@ test('(f) a drain does not wait for held writes: they go once it begins', async 
   });
   for (let n = 1; n <= 3; n++) queue.hold(message(id(n)));
   await until(() => writes.held === 1, 'run 1 to be written later');
-  assert.equal(queue.callsWaiting(), true, 'run 3 waits for a slot');
+  assert.equal(queue.callsUnderway(), true, 'run 3 waits for a slot');
   assert.equal(written.length, 0);
   const drained = queue.drain(5_000, new Error('test over'));
   await until(() => written.length > 0, 'the held write to go when the drain begins');
@@ -506,4 +506,42 @@ test('(g) the claim watch leaves out settling runs: their call is over, nothing 
   settle.open();
   await until(() => internals(queue).executing === 0, 'the executions to end');
   await queue.drain(100, new Error('test over'));
+});
+
+test('(f) held writes wait for the calls still in flight, not only for the runs waiting for a slot', async () => {
+  // Going as soon as the last run had a slot, a herd's writes delayed its last calls' STARTs.
+  const written: string[][] = [];
+  const writes = new MicroBatcher<string, boolean>(
+    async (ids) => {
+      written.push(ids);
+      return ids.map(() => true);
+    },
+    100,
+    2,
+    {
+      busy: () => queue.callsUnderway(),
+      maxWaitMs: 60_000,
+      maxWaiting: 1000,
+      onHold: () => queue.writesHeldGrew(),
+    },
+  );
+  const long = gate();
+  const queue = makeQueue({
+    concurrency: 2,
+    writesHeld: () => writes.held,
+    onCallsCaughtUp: () => writes.release(),
+    run: async (run, _signal, _left, callEnded) => {
+      if (run.id === id(2)) await long.promise;
+      callEnded();
+      await writes.add(run.id, true);
+    },
+  });
+  queue.hold(message(id(1)));
+  queue.hold(message(id(2)));
+  await until(() => writes.held === 1, 'run 1 to be written later');
+  await sleep(20);
+  assert.equal(written.length, 0, 'held while run 2 is in its call');
+  long.open();
+  await until(() => written.flat().length === 2, 'both writes once the calls are over');
+  await queue.drain(1_000, new Error('test over'));
 });
