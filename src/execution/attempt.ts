@@ -35,6 +35,8 @@ export interface AttemptContext {
   readonly start: (run: ClaimedRun) => Promise<boolean>;
   /** Records a success if this node still holds the claim (batched); false when stale. */
   readonly complete: (run: ClaimedRun, report: AttemptReport) => Promise<boolean>;
+  /** Whether `complete` may hold this success's write back while calls are underway. Default: no. */
+  readonly writeMayWait?: (run: ClaimedRun, report: AttemptReport) => boolean;
   readonly logger: Logger;
   readonly metrics: Metrics;
 }
@@ -53,7 +55,7 @@ export async function runAttempt(
   run: ClaimedRun,
   cancel: AbortSignal,
   drainLeftMs?: () => number,
-  callEnded?: (called?: boolean) => void,
+  callEnded?: (called?: boolean, writeMayWait?: boolean) => void,
 ): Promise<void> {
   const { pool, nodeId, logger, metrics } = ctx;
   // Bound lazily: most attempts log nothing, and a child logger per run is measurable at 200/s.
@@ -114,7 +116,10 @@ export async function runAttempt(
     // for a slot after the instant its claim recorded).
     const report = { ...(await ctx.executor.execute(run, cancel)), startedAt: new Date(startedAt) };
     // The call is over: its slot may take the next run while this outcome is written.
-    callEnded?.(report.outcome !== 'cancelled');
+    callEnded?.(
+      report.outcome !== 'cancelled',
+      report.outcome === 'succeeded' && (ctx.writeMayWait?.(run, report) ?? false),
+    );
     if (report.durationMs !== null) metrics.httpDuration.observe(report.durationMs / 1000);
 
     // Judged by the call's outcome, not by the signal: a call that completed just before an abort

@@ -101,11 +101,12 @@ export function createClaimBatcher(
  */
 export const COMPLETION_WAIT_MAX_MS = 2000;
 /** Completions held back at most per worker; past this they go. */
-const COMPLETIONS_WAITING_MAX = 4096;
+const COMPLETIONS_WAITING_MAX = 2048;
 /**
  * The claim a success must have left to wait: when its hold ends it still has ≥ 4 s, for its
- * turn behind the other held writes (4,096 are 8 rounds of two 256-run statements) and for
- * retries of a failed write while the claim holds (attempt.ts).
+ * turn behind the other held writes (2,048 are 4 rounds of two 256-run statements, ≈10 ms each
+ * at the ≈35 µs a completed run costs PostgreSQL: written in time down to 512 rows a second) and
+ * for retries of a failed write while the claim holds (attempt.ts).
  */
 const CLAIM_LEFT_TO_WAIT_MS = COMPLETION_WAIT_MAX_MS + 4000;
 /** A response excerpt longer than this is written at once (bounds what held completions keep). */

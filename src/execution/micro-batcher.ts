@@ -52,9 +52,8 @@ export class MicroBatcher<I, O> {
   private inFlight = 0;
   /** Pending items added without `mayWait`: while there is one, nothing is held back. */
   private urgent = 0;
-  /** Items held back by the wait policy: still pending, and in batches running. */
+  /** Pending items held back by the wait policy (their `held` flag). */
   private heldPending = 0;
-  private heldInFlight = 0;
   /** Ends a hold when the oldest held item has waited `maxWaitMs`. */
   private holdTimer?: NodeJS.Timeout;
 
@@ -78,9 +77,13 @@ export class MicroBatcher<I, O> {
     });
   }
 
-  /** Items that were held back by the wait policy and are not written yet. */
+  /**
+   * Items held back by the wait policy now. Once one goes (its wait is over) it is no longer
+   * counted: it waits for the database as any write does (the run queue's slots then slow the
+   * intake when the database is slow, as without a hold).
+   */
   get held(): number {
-    return this.heldPending + this.heldInFlight;
+    return this.heldPending;
   }
 
   /** The wait policy's `busy()` may have turned false: held items go unless it still says busy. */
@@ -100,12 +103,16 @@ export class MicroBatcher<I, O> {
 
   /**
    * How many pending items (from the oldest) go now: all of them, unless every one may wait, fewer
-   * than `maxWaiting` wait and the policy is busy; then those that have waited `maxWaitMs`.
+   * than `maxWaiting` wait, no batch runs and the policy is busy; then those that have waited
+   * `maxWaitMs`. While a batch runs nothing is held: a database slow to write must slow the
+   * callers (the run queue's slots), not let held items pile up behind it, and under steady load
+   * (a batch of the writes that waited their time running) the writes go as without a hold.
    */
   private goingNow(): number {
     const policy = this.waitPolicy;
     const all = this.pending.length;
-    if (!policy || this.urgent > 0 || all >= policy.maxWaiting || !policy.busy()) return all;
+    if (!policy || this.urgent > 0 || this.inFlight > 0 || all >= policy.maxWaiting || !policy.busy())
+      return all;
     const now = performance.now();
     let overdue = 0;
     while (overdue < all && this.pending[overdue]!.since + policy.maxWaitMs <= now) overdue += 1;
@@ -135,20 +142,20 @@ export class MicroBatcher<I, O> {
   private flush(): void {
     this.scheduled = false;
     let going = this.goingNow();
+    // What goes now is no longer held back, also while it waits for a running batch to end.
+    for (let i = 0; i < going; i++) {
+      const p = this.pending[i]!;
+      if (!p.held) continue;
+      p.held = false;
+      this.heldPending -= 1;
+    }
     while (going > 0 && this.inFlight < this.maxInFlight) {
       const batch = this.pending.splice(0, Math.min(going, this.maxBatch));
       going -= batch.length;
-      let held = 0;
-      for (const p of batch) {
-        if (!p.mayWait) this.urgent -= 1;
-        if (p.held) held += 1;
-      }
-      this.heldPending -= held;
-      this.heldInFlight += held;
+      for (const p of batch) if (!p.mayWait) this.urgent -= 1;
       this.inFlight += 1;
       void this.runBatch(batch).finally(() => {
         this.inFlight -= 1;
-        this.heldInFlight -= held;
         this.schedule();
       });
     }

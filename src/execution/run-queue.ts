@@ -36,14 +36,14 @@ export interface RunQueueOptions {
    * Executes a claimed run; `signal` aborts the call. `drainLeftMs` is given while draining: the
    * time left, when called, before the drain aborts what still runs, so a call that could not end
    * by then must not start (attempt.ts hands its claim back instead). `callEnded` is called once
-   * the call has ended (or will not be made) and only its outcome is left to write. Must not
-   * reject.
+   * the call has ended (or will not be made) and only its outcome is left to write, with
+   * `writeMayWait` when that write may be held back (`writesHeld`). Must not reject.
    */
   readonly run: (
     run: ClaimedRun,
     signal: AbortSignal,
     drainLeftMs: (() => number) | undefined,
-    callEnded: (called?: boolean) => void,
+    callEnded: (called?: boolean, writeMayWait?: boolean) => void,
   ) => Promise<void>;
   /**
    * Given, while draining, the held announcements this queue leaves uncalled (due after the drain
@@ -347,8 +347,8 @@ export class RunQueue {
       // A poll whose claims came back after the drain ended: nothing would abort the call any
       // more, and the executor is closed next. Called with the stop reason, it hands them back.
       if (this.drainedWith) execution.controller.abort(this.drainedWith);
-      await this.options.run(run, execution.controller.signal, this.drainLeftMs, (called) =>
-        this.callEnded(execution, called),
+      await this.options.run(run, execution.controller.signal, this.drainLeftMs, (called, writeMayWait) =>
+        this.callEnded(execution, called, writeMayWait),
       );
     });
   }
@@ -499,13 +499,15 @@ export class RunQueue {
    * The execution's call is over: its slot goes to the next claimed run (see busy()). Nothing for
    * an execution without a slot (aborted before it got one: it made no call).
    */
-  private callEnded(execution: Execution, called = true): void {
+  private callEnded(execution: Execution, called = true, writeMayWait = false): void {
     if (!execution.slotted || execution.settling || !this.isTracked(execution)) return;
     execution.settling = true;
     this.settling += 1;
     // Only a call made measures how long calls hold their slots: one not made (handed back, or
     // aborted before it started) took ~0 ms and would raise the budget that made it late.
-    if (called && this.settling <= this.settlingWithoutSlot()) this.sampleSlot(execution);
+    // A write about to be held gives its slot back however many settle: sampled now, or the hold
+    // would count as call time.
+    if (called && (writeMayWait || this.settling <= this.settlingWithoutSlot())) this.sampleSlot(execution);
     else if (called) execution.keptSlot = true;
     this.pump();
   }
@@ -716,7 +718,9 @@ export class RunQueue {
     // again: no call before it by the estimate (the slot is held meanwhile).
     await this.untilDue(run.notBefore.getTime(), execution, signal);
     // Read now: a drain that began while this run waited for its time applies to it.
-    await this.options.run(run, signal, this.drainLeftMs, (called) => this.callEnded(execution, called));
+    await this.options.run(run, signal, this.drainLeftMs, (called, writeMayWait) =>
+      this.callEnded(execution, called, writeMayWait),
+    );
   }
 
   /**

@@ -102,6 +102,7 @@ export class Worker {
       clock: this.clock,
       start: (run) => starts.add({ id: run.id, attempt: run.attempt }),
       complete: (run, report) => completions.add({ run, report }, completionMayWait(run, report, this.clock)),
+      writeMayWait: (run, report) => completionMayWait(run, report, this.clock),
       handOff: (messages) => this.handOff(messages),
       logger,
       metrics: options.metrics,
