@@ -1,4 +1,5 @@
 import { DbClock } from '../../src/execution/db-clock.js';
+import { MicroBatcher, type BatchFunction } from '../../src/execution/micro-batcher.js';
 import { RunQueue, type RunQueueOptions } from '../../src/execution/run-queue.js';
 import { silentLogger } from '../../src/observability/logger.js';
 import { createMetrics } from '../../src/observability/metrics.js';
@@ -44,4 +45,30 @@ export class MovableClock extends DbClock {
  */
 export async function until(done: () => boolean, what: string, timeoutMs = 3_000): Promise<void> {
   await waitFor(what, done, timeoutMs, 2);
+}
+
+/**
+ * A test RunQueue whose runs write through a MicroBatcher wired as the worker wires its
+ * completions (worker.ts, batching.ts): held while calls are underway, `writesHeld` its held
+ * count, `onHold` pumps, `onCallsCaughtUp` releases. `write` plays the database (one call per
+ * statement); the hold is long (60 s) by default, so a write that goes only because its hold ran
+ * out shows as a timeout.
+ */
+export function queueWithHeldWrites<T>(
+  overrides: Partial<RunQueueOptions> & Pick<RunQueueOptions, 'run'>,
+  write: BatchFunction<T, boolean>,
+  policy: { maxWaitMs?: number; maxWaiting?: number } = {},
+): { queue: RunQueue; writes: MicroBatcher<T, boolean> } {
+  const writes: MicroBatcher<T, boolean> = new MicroBatcher<T, boolean>(write, 100, 2, {
+    busy: () => queue.callsUnderway(),
+    maxWaitMs: policy.maxWaitMs ?? 60_000,
+    maxWaiting: policy.maxWaiting ?? 1000,
+    onHold: () => queue.writesHeldGrew(),
+  });
+  const queue: RunQueue = testRunQueue({
+    writesHeld: () => writes.held,
+    onCallsCaughtUp: () => writes.release(),
+    ...overrides,
+  });
+  return { queue, writes };
 }

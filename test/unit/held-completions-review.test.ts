@@ -4,7 +4,7 @@ import { test } from 'node:test';
 import { MicroBatcher, BatchItemError } from '../../src/execution/micro-batcher.js';
 import type { RunQueue, RunQueueOptions } from '../../src/execution/run-queue.js';
 import type { RunMessage } from '../../src/execution/run-message.js';
-import { setCallTime, testRunQueue, until } from '../support/run-queue.js';
+import { queueWithHeldWrites, setCallTime, testRunQueue, until } from '../support/run-queue.js';
 
 // Review of 9d5d0ea (held completions): the interleavings a reviewer found, each failing on that
 // commit. Writes are a MicroBatcher with the worker's wiring (busy = queue.callsUnderway(),
@@ -21,30 +21,15 @@ function gate(): { promise: Promise<void>; open: () => void } {
   const promise = new Promise<void>((resolve) => (open = resolve));
   return { promise, open };
 }
+/** The worker's wiring (queueWithHeldWrites), recording each statement's run ids in `written`. */
 function wired(
   overrides: Partial<RunQueueOptions> & Pick<RunQueueOptions, 'run'>,
   written: string[][],
 ): { queue: RunQueue; writes: MicroBatcher<string, boolean> } {
-  const writes: MicroBatcher<string, boolean> = new MicroBatcher<string, boolean>(
-    async (ids) => {
-      written.push(ids);
-      return ids.map(() => true);
-    },
-    100,
-    2,
-    {
-      busy: () => queue.callsUnderway(),
-      maxWaitMs: 60_000,
-      maxWaiting: 1000,
-      onHold: () => queue.writesHeldGrew(),
-    },
-  );
-  const queue: RunQueue = testRunQueue({
-    writesHeld: () => writes.held,
-    onCallsCaughtUp: () => writes.release(),
-    ...overrides,
+  return queueWithHeldWrites(overrides, async (ids: string[]) => {
+    written.push(ids);
+    return ids.map(() => true);
   });
-  return { queue, writes };
 }
 
 test('review 2/4: a write held after a run began waiting for a slot without update() goes once that run has its slot', async () => {

@@ -1,11 +1,10 @@
 import assert from 'node:assert/strict';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { test } from 'node:test';
-import { MicroBatcher } from '../../src/execution/micro-batcher.js';
 import { RunQueue, type RunQueueOptions } from '../../src/execution/run-queue.js';
 import type { RunMessage } from '../../src/execution/run-message.js';
 import { fakeClaimedRun } from '../support/claimed-run.js';
-import { testRunQueue, until } from '../support/run-queue.js';
+import { queueWithHeldWrites, testRunQueue, until } from '../support/run-queue.js';
 
 // A run gives its slot back when its call ends (callEnded), while its outcome is still being
 // written: the settling accounting under the interleavings that could break it. Claims and
@@ -406,40 +405,35 @@ test('(d, pre-existing) an execution the poller replaces while still in its call
   }
 });
 
-test('(f) writes held back while calls wait give their slots back, and go once the last due run has a slot', async () => {
+test('(f) writes held back while calls are underway give their slots back, and go once the calls are over', async () => {
   // attempt.ts's success path with the worker's wiring: the write is a MicroBatcher item that may
-  // wait while the queue says due calls wait (worker.ts, batching.ts).
+  // wait while the queue says calls are underway (worker.ts, batching.ts).
   const written: string[][] = [];
   const openBatch = gate();
-  const writes = new MicroBatcher<string, boolean>(
-    async (ids) => {
+  let started = 0;
+  let startedBeforeWrites: number | undefined;
+  const { queue, writes } = queueWithHeldWrites(
+    {
+      concurrency: 2,
+      run: async (run, _signal, _left, callEnded) => {
+        started += 1;
+        await sleep(1); // the call
+        callEnded(true, true);
+        await writes.add(run.id, true);
+      },
+    },
+    async (ids: string[]) => {
       written.push(ids);
       startedBeforeWrites ??= started;
       await openBatch.promise;
       return ids.map(() => true);
     },
-    100,
-    2,
-    { busy: () => queue.callsUnderway(), maxWaitMs: 60_000, maxWaiting: 1000 },
   );
-  let started = 0;
-  let startedBeforeWrites: number | undefined;
-  const queue = makeQueue({
-    concurrency: 2,
-    writesHeld: () => writes.held,
-    onCallsCaughtUp: () => writes.release(),
-    run: async (run, _signal, _left, callEnded) => {
-      started += 1;
-      await sleep(1); // the call
-      callEnded();
-      await writes.add(run.id, true);
-    },
-  });
   for (let n = 1; n <= 10; n++) queue.hold(message(id(n)));
   await until(() => written.length > 0, 'the held writes to go');
   // Settling runs beyond `concurrency` would keep their slots (test d): 4 calls, then nothing
-  // until a write; held writes do not, so every call began first, and the writes of the calls
-  // over by then went together when the tenth run got its slot (the last two calls' writes after).
+  // until a write; held writes do not, so every call began first, and the writes went once the
+  // last call was over (that one's own write may follow in a second statement).
   assert.equal(startedBeforeWrites, 10);
   assert.ok(written[0]!.length >= 8, `first batch ${written[0]!.length} writes`);
   assert.equal(queue.callsUnderway(), false);
@@ -453,26 +447,21 @@ test('(f) writes held back while calls wait give their slots back, and go once t
 
 test('(f) a drain does not wait for held writes: they go once it begins', async () => {
   const written: string[][] = [];
-  const writes = new MicroBatcher<string, boolean>(
-    async (ids) => {
+  const blocker = gate();
+  const { queue, writes } = queueWithHeldWrites(
+    {
+      concurrency: 1,
+      run: async (run, _signal, _left, callEnded) => {
+        if (run.id === id(2)) await blocker.promise; // a long call: run 3 waits for its slot
+        callEnded(true, true);
+        await writes.add(run.id, true);
+      },
+    },
+    async (ids: string[]) => {
       written.push(ids);
       return ids.map(() => true);
     },
-    100,
-    2,
-    { busy: () => queue.callsUnderway(), maxWaitMs: 60_000, maxWaiting: 1000 },
   );
-  const blocker = gate();
-  const queue = makeQueue({
-    concurrency: 1,
-    writesHeld: () => writes.held,
-    onCallsCaughtUp: () => writes.release(),
-    run: async (run, _signal, _left, callEnded) => {
-      if (run.id === id(2)) await blocker.promise; // a long call: run 3 waits for its slot
-      callEnded();
-      await writes.add(run.id, true);
-    },
-  });
   for (let n = 1; n <= 3; n++) queue.hold(message(id(n)));
   await until(() => writes.held === 1, 'run 1 to be written later');
   assert.equal(queue.callsUnderway(), true, 'run 3 waits for a slot');
@@ -511,31 +500,21 @@ test('(g) the claim watch leaves out settling runs: their call is over, nothing 
 test('(f) held writes wait for the calls still in flight, not only for the runs waiting for a slot', async () => {
   // Going as soon as the last run had a slot, a herd's writes delayed its last calls' STARTs.
   const written: string[][] = [];
-  const writes = new MicroBatcher<string, boolean>(
-    async (ids) => {
+  const long = gate();
+  const { queue, writes } = queueWithHeldWrites(
+    {
+      concurrency: 2,
+      run: async (run, _signal, _left, callEnded) => {
+        if (run.id === id(2)) await long.promise;
+        callEnded(true, true);
+        await writes.add(run.id, true);
+      },
+    },
+    async (ids: string[]) => {
       written.push(ids);
       return ids.map(() => true);
     },
-    100,
-    2,
-    {
-      busy: () => queue.callsUnderway(),
-      maxWaitMs: 60_000,
-      maxWaiting: 1000,
-      onHold: () => queue.writesHeldGrew(),
-    },
   );
-  const long = gate();
-  const queue = makeQueue({
-    concurrency: 2,
-    writesHeld: () => writes.held,
-    onCallsCaughtUp: () => writes.release(),
-    run: async (run, _signal, _left, callEnded) => {
-      if (run.id === id(2)) await long.promise;
-      callEnded();
-      await writes.add(run.id, true);
-    },
-  });
   queue.hold(message(id(1)));
   queue.hold(message(id(2)));
   await until(() => writes.held === 1, 'run 1 to be written later');
