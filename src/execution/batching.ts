@@ -136,8 +136,9 @@ export function completionMayWait(run: ClaimedRun, report: AttemptReport, clock:
  * and PostgreSQL ≈0.05 ms), and the held completions then go in full batches. (Held only until
  * the last run had a slot, the burst of writes then delayed the last calls' STARTs: the call
  * time the queue sampled there grew to 190 ms and the next herd was claimed ahead less than
- * half.) Under steady load calls are always underway: each write then waits its full
- * COMPLETION_WAIT_MAX_MS.
+ * half.) Under steady load calls are always underway: the writes then go in rounds, those held
+ * until the oldest has waited COMPLETION_WAIT_MAX_MS (or COMPLETIONS_WAITING_MAX are held), and
+ * every other while that statement runs (MicroBatcher holds nothing while a batch runs).
  */
 export function createCompletionBatcher(
   pool: Connections,

@@ -437,7 +437,7 @@ export class RunQueue {
 
   /**
    * Slots taken: calls, and the settling runs beyond `concurrency` of them (writes held back while
-   * calls wait, `writesHeld`, never take one), and reservations.
+   * calls are underway, `writesHeld`, never take one), and reservations.
    */
   private busy(): number {
     return this.slotted - this.settlingWithoutSlot() + this.reserved;
