@@ -201,6 +201,7 @@ function workerConfig(env: Env, databasePoolSize: number): WorkerConfig {
     pollOverdueMs: int(env, 'HELIOS_POLL_OVERDUE_MS', 2000, 0, 3_600_000),
     claimCheckIntervalMs: int(env, 'HELIOS_CLAIM_CHECK_INTERVAL_MS', 1000, 50, 600_000),
     maxExcerptBytes: int(env, 'HELIOS_RESPONSE_EXCERPT_BYTES', 2048, 0, 1_048_576),
+    completionHoldMs: int(env, 'HELIOS_COMPLETION_HOLD_MS', 2000, 0, 10_000),
     dbConnections: int(
       env,
       'HELIOS_WORKER_DB_CONNECTIONS',

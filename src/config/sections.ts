@@ -168,6 +168,11 @@ export interface WorkerConfig {
   /** HELIOS_RESPONSE_EXCERPT_BYTES: bytes of a target's response body kept per attempt; default 2048. */
   readonly maxExcerptBytes: number;
   /**
+   * HELIOS_COMPLETION_HOLD_MS: how long a success's write may be held back while this worker's
+   * calls are underway (execution/batching.ts); 0 writes each at once; default 2000.
+   */
+  readonly completionHoldMs: number;
+  /**
    * HELIOS_WORKER_DB_CONNECTIONS: connections of the node's pool the worker may use at once for its
    * runs (claims, completions, retries); below HELIOS_DATABASE_POOL_SIZE so the API and readiness
    * always find one; default three quarters of the pool (15 of 20; at least 1).

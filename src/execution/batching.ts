@@ -95,35 +95,36 @@ export function createClaimBatcher(
   );
 }
 
-/**
- * How long a success's write may be held back while this worker's calls are underway (see
- * {@link completionMayWait}): a herd's completions then go after its calls, not between them.
- */
-export const COMPLETION_WAIT_MAX_MS = 2000;
 /** Completions held back at most per worker; past this they go. */
 const COMPLETIONS_WAITING_MAX = 2048;
 /**
- * The claim a success must have left to wait: when its hold ends it still has ≥ 4 s, for its
- * turn behind the other held writes (2,048 are 4 rounds of two 256-run statements, ≈10 ms each
- * at the ≈35 µs a completed run costs PostgreSQL: written in time down to 512 rows a second) and
- * for retries of a failed write while the claim holds (attempt.ts).
+ * The claim a success must have left, beyond its hold, to wait: when its hold ends it still has
+ * ≥ 4 s, for its turn behind the other held writes (2,048 are 4 rounds of two 256-run statements,
+ * ≈10 ms each at the ≈35 µs a completed run costs PostgreSQL: written in time down to 512 rows a
+ * second) and for retries of a failed write while the claim holds (attempt.ts).
  */
-const CLAIM_LEFT_TO_WAIT_MS = COMPLETION_WAIT_MAX_MS + 4000;
+export const CLAIM_LEFT_AFTER_HOLD_MS = 4000;
 /** A response excerpt longer than this is written at once (bounds what held completions keep). */
 const WAITING_EXCERPT_MAX = 1024;
 
 /**
- * Whether a success's write may wait while this worker's calls are underway (the
- * completion batcher's WaitPolicy): it changes nothing another run waits for, and it is written
- * well within its claim. Not for `forbid` or `replace` runs (the job's next run waits for this one
- * to end), nor for a claim with less than CLAIM_LEFT_TO_WAIT_MS left, nor for a large response
- * excerpt.
+ * Whether a success's write may wait up to `holdMs` (HELIOS_COMPLETION_HOLD_MS; 0: never) while
+ * this worker's calls are underway (the completion batcher's WaitPolicy): it changes nothing
+ * another run waits for, and it is written well within its claim. Not for `forbid` or `replace`
+ * runs (the job's next run waits for this one to end), nor for a claim with less than the hold +
+ * CLAIM_LEFT_AFTER_HOLD_MS left, nor for a large response excerpt.
  */
-export function completionMayWait(run: ClaimedRun, report: AttemptReport, clock: DbClock): boolean {
+export function completionMayWait(
+  run: ClaimedRun,
+  report: AttemptReport,
+  clock: DbClock,
+  holdMs: number,
+): boolean {
   return (
+    holdMs > 0 &&
     run.concurrency === 'allow' &&
     (report.responseExcerpt?.length ?? 0) <= WAITING_EXCERPT_MAX &&
-    clock.msUntil(run.claimExpiresAt) >= CLAIM_LEFT_TO_WAIT_MS
+    clock.msUntil(run.claimExpiresAt) >= holdMs + CLAIM_LEFT_AFTER_HOLD_MS
   );
 }
 
@@ -137,13 +138,13 @@ export function completionMayWait(run: ClaimedRun, report: AttemptReport, clock:
  * the last run had a slot, the burst of writes then delayed the last calls' STARTs: the call
  * time the queue sampled there grew to 190 ms and the next herd was claimed ahead less than
  * half.) Under steady load calls are always underway: the writes then go in rounds, those held
- * until the oldest has waited COMPLETION_WAIT_MAX_MS (or COMPLETIONS_WAITING_MAX are held), and
+ * until the oldest has waited `holdMs` (or COMPLETIONS_WAITING_MAX are held), and
  * every other while that statement runs (MicroBatcher holds nothing while a batch runs).
  */
 export function createCompletionBatcher(
   pool: Connections,
   nodeId: string,
-  queue?: { callsUnderway: () => boolean; writesHeldGrew: () => void },
+  hold?: { holdMs: number; callsUnderway: () => boolean; writesHeldGrew: () => void },
 ): MicroBatcher<Success, boolean> {
   return new MicroBatcher(
     async (items) => {
@@ -155,11 +156,11 @@ export function createCompletionBatcher(
     },
     MAX_BATCH,
     MAX_IN_FLIGHT,
-    queue && {
-      busy: () => queue.callsUnderway(),
-      maxWaitMs: COMPLETION_WAIT_MAX_MS,
+    hold && {
+      busy: () => hold.callsUnderway(),
+      maxWaitMs: hold.holdMs,
       maxWaiting: COMPLETIONS_WAITING_MAX,
-      onHold: () => queue.writesHeldGrew(),
+      onHold: () => hold.writesHeldGrew(),
     },
   );
 }

@@ -11,6 +11,7 @@ import { claimOverdueRuns } from '../store/overdue.js';
 import { HANDOFF_CHANNEL, handOffRuns } from '../store/handoff.js';
 import type { RunMessage } from '../model.js';
 import type { ClaimedRun } from '../store/runs.js';
+import type { AttemptReport } from '../store/attempts.js';
 import { runAttempt, WorkerStoppingError, type AttemptContext } from './attempt.js';
 import { watchClaims } from './claim-watch.js';
 import {
@@ -88,10 +89,14 @@ export class Worker {
       targetPolicy: options.targetPolicy,
     });
     // Successes wait while calls are underway (see createCompletionBatcher).
+    const holdMs = options.settings.completionHoldMs;
     const completions = createCompletionBatcher(options.pool, options.nodeId, {
+      holdMs,
       callsUnderway: () => this.queue.callsUnderway(),
       writesHeldGrew: () => this.queue.writesHeldGrew(),
     });
+    const writeMayWait = (run: ClaimedRun, report: AttemptReport) =>
+      completionMayWait(run, report, this.clock, holdMs);
     const claims = createClaimBatcher(options.pool, this.claimOptions());
     const starts = createStartBatcher(options.pool, options.nodeId);
     const context: AttemptContext = {
@@ -101,8 +106,8 @@ export class Worker {
       topics: { runsTopic: options.runsTopic, deadLetterTopic: options.deadLetterTopic },
       clock: this.clock,
       start: (run) => starts.add({ id: run.id, attempt: run.attempt }),
-      complete: (run, report) => completions.add({ run, report }, completionMayWait(run, report, this.clock)),
-      writeMayWait: (run, report) => completionMayWait(run, report, this.clock),
+      complete: (run, report) => completions.add({ run, report }, writeMayWait(run, report)),
+      writeMayWait,
       handOff: (messages) => this.handOff(messages),
       logger,
       metrics: options.metrics,

@@ -55,7 +55,13 @@ before(async () => {
     END $$;
     CREATE TRIGGER review_completion_faults BEFORE UPDATE ON runs
       FOR EACH ROW EXECUTE FUNCTION review_completion_faults();`);
-  await fx.start('review-settle-1', { HELIOS_CLAIM_GRACE_MS: '8000', HELIOS_REAPER_INTERVAL_MS: '200' });
+  // Writes held while calls are underway (HELIOS_COMPLETION_HOLD_MS) would undo the forced order:
+  // the slow completions would go with the healthy ones once the last call ended.
+  await fx.start('review-settle-1', {
+    HELIOS_CLAIM_GRACE_MS: '8000',
+    HELIOS_REAPER_INTERVAL_MS: '200',
+    HELIOS_COMPLETION_HOLD_MS: '0',
+  });
 });
 after(() => fx.teardown());
 

@@ -20,6 +20,7 @@ test('the worker and leader sections have documented defaults', () => {
     pollOverdueMs: 2000,
     claimCheckIntervalMs: 1000,
     maxExcerptBytes: 2048,
+    completionHoldMs: 2000,
     dbConnections: 15,
   });
   assert.deepEqual(config.leader, {

@@ -148,6 +148,7 @@ test('a hand-off that cannot be sent does not make a graceful stop fail (it is "
     pollOverdueMs: 2000,
     claimCheckIntervalMs: 60_000,
     maxExcerptBytes: 2048,
+    completionHoldMs: 2000,
     dbConnections: 4,
   };
   const worker = new Worker({

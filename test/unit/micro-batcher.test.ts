@@ -1,7 +1,7 @@
 import assert from 'node:assert/strict';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { test } from 'node:test';
-import { COMPLETION_WAIT_MAX_MS, completionMayWait, oneByOne } from '../../src/execution/batching.js';
+import { CLAIM_LEFT_AFTER_HOLD_MS, completionMayWait, oneByOne } from '../../src/execution/batching.js';
 import { DbClock } from '../../src/execution/db-clock.js';
 import { BatchItemError, MicroBatcher } from '../../src/execution/micro-batcher.js';
 import type { AttemptReport } from '../../src/store/attempts.js';
@@ -279,12 +279,15 @@ test('completionMayWait: only an allow run with a short excerpt and 4 s of its c
     concurrency,
     claimExpiresAt: new Date(Date.now() + claimLeftMs),
   });
-  assert.equal(completionMayWait(run('allow'), report('ok'), clock), true);
-  assert.equal(completionMayWait(run('allow'), report(null), clock), true);
-  assert.equal(completionMayWait(run('forbid'), report('ok'), clock), false, 'its next run waits for it');
-  assert.equal(completionMayWait(run('replace'), report('ok'), clock), false);
-  assert.equal(completionMayWait(run('allow'), report('x'.repeat(1025)), clock), false, 'kept in memory');
-  const tight = run('allow', COMPLETION_WAIT_MAX_MS + 4000 - 100);
-  assert.equal(completionMayWait(run('allow', COMPLETION_WAIT_MAX_MS + 4100), report('ok'), clock), true);
-  assert.equal(completionMayWait(tight, report('ok'), clock), false, 'too little of the claim left');
+  const hold = 2000;
+  const mayWait = (r: ClaimedRun, a: AttemptReport, holdMs = hold) => completionMayWait(r, a, clock, holdMs);
+  assert.equal(mayWait(run('allow'), report('ok')), true);
+  assert.equal(mayWait(run('allow'), report(null)), true);
+  assert.equal(mayWait(run('allow'), report('ok'), 0), false, 'HELIOS_COMPLETION_HOLD_MS=0: never');
+  assert.equal(mayWait(run('forbid'), report('ok')), false, 'its next run waits for it');
+  assert.equal(mayWait(run('replace'), report('ok')), false);
+  assert.equal(mayWait(run('allow'), report('x'.repeat(1025))), false, 'kept in memory');
+  assert.equal(mayWait(run('allow', hold + CLAIM_LEFT_AFTER_HOLD_MS + 100), report('ok')), true);
+  const tight = run('allow', hold + CLAIM_LEFT_AFTER_HOLD_MS - 100);
+  assert.equal(mayWait(tight, report('ok')), false, 'too little of the claim left');
 });
