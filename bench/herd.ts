@@ -71,8 +71,8 @@ export interface HerdRun {
   readonly afterDueCpuPerRun: Record<CpuCategory | 'total', number>;
   /**
    * Due instant → the last run recorded finished in PostgreSQL, and the CPU per run from the due
-   * instant until then: a worker writes successes after its due calls have slots (batching.ts),
-   * so part of a herd's completions come after its last arrival.
+   * instant until then: a worker holds successes' writes while its calls are underway
+   * (batching.ts), so part of a herd's completions come after its last arrival.
    */
   readonly recordedMs: number;
   readonly recordedCpuPerRun: Record<CpuCategory | 'total', number>;

@@ -32,21 +32,25 @@ function wired(
   });
 }
 
-test('review 2/4: a write held after a run began waiting for a slot without update() goes once that run has its slot', async () => {
-  // Run 1: call over, its write retried later (whileClaimed after a failed batch). Run 2: a long
-  // call. Run 3: due later, claimed, waits for the slot: slotFor() pushes it with no update(), so
-  // wasWaiting stays false and the queue never sees callsUnderway() turn true -> false.
+/**
+ * One slot. Run 1's call ends at once and its write fails first (whileClaimed): it is re-added
+ * when the test opens `retry`, and held, because run 3 (due 50 ms later) waits for the slot that
+ * run 2 holds in its call until the test opens `long`. slotFor() queues run 3 without update(),
+ * so an edge-triggered release never saw calls start and stop waiting. Returns once run 1's write
+ * is held.
+ */
+async function runOneHeldWhileRunThreeWaits() {
   const written: string[][] = [];
   const retry = gate();
   const long = gate();
-  let run3Started = false;
+  const state = { run3Started: false };
   const { queue, writes } = wired(
     {
       concurrency: 1,
       claimGraceMs: 10_000,
       run: async (run, _s, _l, callEnded) => {
         if (run.id === id(2)) await long.promise;
-        if (run.id === id(3)) run3Started = true;
+        if (run.id === id(3)) state.run3Started = true;
         callEnded();
         if (run.id === id(1)) await retry.promise;
         if (run.id === id(2)) return; // its outcome is not a held success (a failure's write)
@@ -62,38 +66,21 @@ test('review 2/4: a write held after a run began waiting for a slot without upda
   queue.hold(message(id(3), new Date(Date.now() + 50)));
   await sleep(150);
   assert.equal(queue.callsUnderway(), true, 'run 3 waits for a slot');
-  retry.open(); // run 1's write, re-added: held (calls wait)
+  retry.open(); // run 1's write, re-added: held (calls are underway)
   await until(() => writes.held === 1, 'run 1 write held');
-  long.open(); // run 2 ends: run 3 gets the slot, nothing waits any more
-  await until(() => run3Started, 'run 3 to start');
+  return { queue, written, long, state };
+}
+
+test('review 2/4: a write held while a run waits for a slot (queued without update()) goes once the calls are over', async () => {
+  const { queue, written, long, state } = await runOneHeldWhileRunThreeWaits();
+  long.open(); // run 2 ends: run 3 gets the slot and its call ends, nothing is underway any more
+  await until(() => state.run3Started, 'run 3 to start');
   assert.equal(queue.callsUnderway(), false);
   await until(() => written.flat().includes(id(1)), 'run 1 write to go once calls caught up', 500);
 });
 
-test('review 4: a drain releases held writes at once (also when wasWaiting is stale)', async () => {
-  const written: string[][] = [];
-  const retry = gate();
-  const long = gate();
-  const { queue, writes } = wired(
-    {
-      concurrency: 1,
-      claimGraceMs: 10_000,
-      run: async (run, _s, _l, callEnded) => {
-        if (run.id === id(2)) await long.promise;
-        callEnded();
-        if (run.id === id(1)) await retry.promise;
-        await writes.add(run.id, true);
-      },
-    },
-    written,
-  );
-  setCallTime(queue, 50);
-  queue.hold(message(id(1)));
-  queue.hold(message(id(2)));
-  queue.hold(message(id(3), new Date(Date.now() + 50)));
-  await sleep(150);
-  retry.open();
-  await until(() => writes.held === 1, 'run 1 write held');
+test('review 4: a drain releases held writes at once, whatever the queue saw before', async () => {
+  const { queue, written, long } = await runOneHeldWhileRunThreeWaits();
   const drained = queue.drain(5_000, new Error('test over'));
   try {
     await until(() => written.flat().includes(id(1)), 'held write to go when the drain begins', 500);
