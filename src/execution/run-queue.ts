@@ -800,6 +800,8 @@ export class RunQueue {
     if (!this.callsUnderway()) this.options.onCallsCaughtUp?.();
     this.options.metrics.runsHeld.set(this.held.size);
     this.options.metrics.runsInFlight.set(this.slotted - this.settling);
+    this.options.metrics.runsSettling.set(this.settling);
+    this.options.metrics.completionsHeld.set(Math.min(this.options.writesHeld?.() ?? 0, this.settling));
     this.options.metrics.runsClaimedAhead.set(this.ahead);
   }
 }

@@ -227,6 +227,16 @@ export function createMetrics(nodeId: string) {
       help: 'HTTP calls in flight on this worker: its execution slots in use (not runs whose call ended and whose outcome is being written)',
       registers: [registry],
     }),
+    runsSettling: new Gauge({
+      name: 'helios_worker_settling_runs',
+      help: 'Runs whose HTTP call ended and whose outcome this worker has not written yet (held writes included)',
+      registers: [registry],
+    }),
+    completionsHeld: new Gauge({
+      name: 'helios_worker_held_completions',
+      help: 'Successes whose write this worker holds back while its calls are underway (HELIOS_COMPLETION_HOLD_MS)',
+      registers: [registry],
+    }),
     runsClaimedAhead: new Gauge({
       name: 'helios_worker_claimed_waiting_runs',
       help: 'Runs this worker is claiming or has claimed and not yet called: waiting for their time or for an execution slot',

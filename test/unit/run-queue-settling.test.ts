@@ -3,6 +3,7 @@ import { setTimeout as sleep } from 'node:timers/promises';
 import { test } from 'node:test';
 import { RunQueue, type RunQueueOptions } from '../../src/execution/run-queue.js';
 import type { RunMessage } from '../../src/execution/run-message.js';
+import { createMetrics } from '../../src/observability/metrics.js';
 import { fakeClaimedRun } from '../support/claimed-run.js';
 import { queueWithHeldWrites, testRunQueue, until } from '../support/run-queue.js';
 
@@ -471,6 +472,34 @@ test('(f) a drain does not wait for held writes: they go once it begins', async 
   assert.deepEqual(written[0], [id(1)]);
   blocker.open();
   await drained;
+});
+
+test('(f) the settling and held-completion gauges count a held write until it is written', async () => {
+  const metrics = createMetrics('test');
+  const gauge = async (name: 'runsSettling' | 'completionsHeld') =>
+    (await metrics[name].get()).values[0]?.value;
+  const blocker = gate();
+  const { queue, writes } = queueWithHeldWrites(
+    {
+      concurrency: 1,
+      metrics,
+      run: async (run, _signal, _left, callEnded) => {
+        if (run.id === id(2)) await blocker.promise; // run 3 waits for its slot: calls are underway
+        callEnded(true, true);
+        await writes.add(run.id, true);
+      },
+    },
+    async (ids: string[]) => ids.map(() => true),
+  );
+  for (let n = 1; n <= 3; n++) queue.hold(message(id(n)));
+  await until(() => writes.held === 1, 'run 1 to be written later');
+  assert.equal(await gauge('runsSettling'), 1);
+  assert.equal(await gauge('completionsHeld'), 1);
+  blocker.open();
+  await until(() => internals(queue).executing === 0, 'the executions to end');
+  assert.equal(await gauge('runsSettling'), 0);
+  assert.equal(await gauge('completionsHeld'), 0);
+  await queue.drain(1_000, new Error('test over'));
 });
 
 test('(g) the claim watch leaves out settling runs: their call is over, nothing is left to abort', async () => {
