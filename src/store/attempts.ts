@@ -62,7 +62,10 @@ async function recordAttempt(db: Queryable, runId: string, attempt: number, repo
 /**
  * Marks runs succeeded where node $6 still holds the attempt, and records the attempts, in one
  * statement. Parallel arrays: $1 = run ids, $2 = attempts, $3 = statuses, $4 = durations ms,
- * $5 = response excerpts. Returns the ids that were completed.
+ * $5 = response excerpts, $7 = when each call began. Returns the ids that were completed.
+ * finished_at is when the call ended (its start plus its duration, by the worker's
+ * estimate of this clock), not when this write ran: a worker may hold a success's write back for
+ * up to HELIOS_COMPLETION_HOLD_MS while its other calls are underway (execution/batching.ts).
  */
 const SUCCEED = `
   WITH input AS MATERIALIZED (
@@ -77,7 +80,8 @@ const SUCCEED = `
     FROM unnest($1::uuid[], $2::int[], $3::int[], $4::int[], $5::text[], $7::timestamptz[])
       AS i (id, attempt, status, duration, excerpt, started)
   ), done AS (
-    UPDATE runs r SET state = 'succeeded', finished_at = now(), claim_expires_at = NULL,
+    UPDATE runs r SET state = 'succeeded', claim_expires_at = NULL,
+                      finished_at = least(coalesce(i.started + i.duration * interval '1 millisecond', now()), now()),
                       last_status = i.status, last_error = NULL,
                       -- The run started with its first call (a run claimed ahead may have waited
                       -- for a slot after the instant its claim recorded).
@@ -91,9 +95,9 @@ const SUCCEED = `
     -- the current attempt its report). Joining input again below instead was planned, for the
     -- generic plan's estimate of one row per side, as a nested loop rescanning input for every
     -- completed run: O(batch²), 15 of a 256-run batch's 20 ms.
-    RETURNING r.id, r.attempt, i.status, i.duration, i.excerpt, i.started
+    RETURNING r.id, r.attempt, i.status, i.duration, i.excerpt, i.started, r.finished_at AS ended
   ), recorded AS (
-    UPDATE run_attempts a SET outcome = 'succeeded', finished_at = now(), status_code = d.status,
+    UPDATE run_attempts a SET outcome = 'succeeded', finished_at = d.ended, status_code = d.status,
                               duration_ms = d.duration, response_excerpt = d.excerpt,
                               started_at = least(coalesce(d.started, a.started_at), now())
     FROM done d
