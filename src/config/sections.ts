@@ -168,8 +168,9 @@ export interface WorkerConfig {
   /** HELIOS_RESPONSE_EXCERPT_BYTES: bytes of a target's response body kept per attempt; default 2048. */
   readonly maxExcerptBytes: number;
   /**
-   * HELIOS_COMPLETION_HOLD_MS: how long a success's write may be held back while this worker's
-   * calls are underway (execution/batching.ts); 0 writes each at once; default 2000.
+   * HELIOS_COMPLETION_HOLD_MS: how long a success's write may be held back while this worker has
+   * a backlog of calls (RunQueue.callsUnderway, execution/batching.ts); 0 writes each at once;
+   * default 2000.
    */
   readonly completionHoldMs: number;
   /**

@@ -137,9 +137,10 @@ export function completionMayWait(
  * and PostgreSQL ≈0.05 ms), and the held completions then go in full batches. (Held only until
  * the last run had a slot, the burst of writes then delayed the last calls' STARTs: the call
  * time the queue sampled there grew to 190 ms and the next herd was claimed ahead less than
- * half.) Under steady load calls are always underway: the writes then go in rounds, those held
- * until the oldest has waited `holdMs` (or COMPLETIONS_WAITING_MAX are held), and
- * every other while that statement runs (MicroBatcher holds nothing while a batch runs).
+ * half.) A call that got its slot with nothing waiting (a long call beside a light load) holds
+ * nothing back. Under steady load beyond the slots calls are always underway: the writes then go
+ * in rounds, those held until the oldest has waited `holdMs` (or COMPLETIONS_WAITING_MAX are
+ * held), and every other while that statement runs (MicroBatcher holds nothing while a batch runs).
  */
 export function createCompletionBatcher(
   pool: Connections,

@@ -105,6 +105,11 @@ interface Execution {
   /** Its call ended past `concurrency` settling runs: it keeps its slot until written. */
   keptSlot?: boolean;
   /**
+   * Claimed or given its slot during a backlog (see `RunQueue.backlog`), and its call has not
+   * ended: such as a herd's calls (see {@link RunQueue.callsUnderway}).
+   */
+  backlogCall?: boolean;
+  /**
    * Ends the wait it is in, for its instant or for a slot, when its controller aborts: one abort
    * listener per execution calls it, instead of one added and removed per wait (each pair ≈3 µs
    * of a herd's CPU per run).
@@ -270,6 +275,17 @@ export class RunQueue {
   private readonly paceWindow = { since: performance.now(), granted: 0, waitedAtStart: false };
   /** Executions whose call has ended and whose outcome is being written (see callEnded()). */
   private settling = 0;
+  /** Executions whose `backlogCall` is set. */
+  private backlogCalls = 0;
+  /**
+   * A backlog is on: runs were left waiting (for the claim budget or a slot) at the end of a
+   * pump(), and its calls have not all ended. Every run claimed or given a slot meanwhile is part
+   * of it (`backlogCall`), those claimed from `ready` from their claim on, so the writes held for
+   * a herd do not go while its last claims are on their way or its last calls are underway.
+   * Set and cleared at the end of pump() only: the runs one pump claims together did not wait for
+   * each other.
+   */
+  private backlog = false;
   private full = false;
   private draining = false;
   /**
@@ -425,14 +441,15 @@ export class RunQueue {
   }
 
   /**
-   * Calls are underway: due runs wait for the claim budget or a slot, or runs hold slots and
-   * their calls have not ended (START, the call). Not while draining: what is left of the drain
-   * should not wait for writes held back meanwhile.
+   * Calls are underway: due runs wait for the claim budget or a slot, or runs claimed or given a
+   * slot during that backlog have not ended their calls (START, the call): a herd until its last
+   * call has ended. A call that got its slot with no backlog on (a long call beside a light load)
+   * does not count: writes held back for it would buy no other call its CPU, and would widen the
+   * window in which a crash makes a finished call again. Not while draining: what is left of the
+   * drain should not wait for writes held back meanwhile.
    */
   callsUnderway(): boolean {
-    return (
-      !this.draining && (this.ready.length > 0 || this.slotWaiters.length > 0 || this.slotted > this.settling)
-    );
+    return !this.draining && (this.ready.length > 0 || this.slotWaiters.length > 0 || this.backlogCalls > 0);
   }
 
   /**
@@ -503,6 +520,7 @@ export class RunQueue {
     if (!execution.slotted || execution.settling || !this.isTracked(execution)) return;
     execution.settling = true;
     this.settling += 1;
+    this.endBacklogCall(execution);
     // Only a call made measures how long calls hold their slots: one not made (handed back, or
     // aborted before it started) took ~0 ms and would raise the budget that made it late.
     // A write about to be held gives its slot back however many settle: sampled now, or the hold
@@ -527,7 +545,7 @@ export class RunQueue {
         execution,
         grant: () => {
           execution.stopWaiting = undefined;
-          this.giveSlot(execution);
+          this.giveSlot(execution, true);
           resolve();
         },
       };
@@ -540,11 +558,27 @@ export class RunQueue {
     });
   }
 
-  private giveSlot(execution: Execution): void {
+  /** `waited`: it had to wait for the slot (see {@link Execution.backlogCall}). */
+  private giveSlot(execution: Execution, waited = false): void {
     execution.slotted = true;
     execution.slotAt = performance.now();
     this.ahead -= 1;
     this.slotted += 1;
+    if (waited || this.backlog || this.ready.length > 0 || this.slotWaiters.length > 0) {
+      this.startBacklogCall(execution);
+    }
+  }
+
+  private startBacklogCall(execution: Execution): void {
+    if (execution.backlogCall) return;
+    execution.backlogCall = true;
+    this.backlogCalls += 1;
+  }
+
+  private endBacklogCall(execution: Execution): void {
+    if (!execution.backlogCall) return;
+    execution.backlogCall = false;
+    this.backlogCalls -= 1;
   }
 
   /**
@@ -641,6 +675,8 @@ export class RunQueue {
       this.held.delete(runId);
       this.track(runId, entry.message.attempt, false, (execution) => this.claimAndRun(entry, execution));
     }
+    if (this.ready.length > 0 || this.slotWaiters.length > 0) this.backlog = true;
+    else if (this.backlogCalls === 0) this.backlog = false;
     this.update();
   }
 
@@ -660,6 +696,8 @@ export class RunQueue {
     };
     if (slotted) this.slotted += 1;
     else this.ahead += 1;
+    // Claimed from `ready` during a backlog: part of it from its claim on.
+    if (!slotted && this.backlog) this.startBacklogCall(execution);
     // An entry replaced here (the poller's claim of a run whose execution is still calling or
     // winding down: its claim expired and the run was re-queued) has lost its claim: its call is
     // aborted now rather than at the claim watch's next check, and it keeps its slot (and the
@@ -678,6 +716,7 @@ export class RunQueue {
         if (this.executing.get(runId) === execution) this.executing.delete(runId);
         this.superseded.delete(execution);
         if (execution.keptSlot) this.sampleSlot(execution);
+        this.endBacklogCall(execution);
         if (execution.settling) this.settling -= 1;
         if (execution.slotted) this.slotted -= 1;
         else this.ahead -= 1;

@@ -1,0 +1,476 @@
+import assert from 'node:assert/strict';
+import { setTimeout as sleep } from 'node:timers/promises';
+import { test } from 'node:test';
+import type { MicroBatcher } from '../../src/execution/micro-batcher.js';
+import type { RunQueue, RunQueueOptions } from '../../src/execution/run-queue.js';
+import type { RunMessage } from '../../src/execution/run-message.js';
+import { fakeClaimedRun } from '../support/claimed-run.js';
+import { queueWithHeldWrites, setCallTime, until } from '../support/run-queue.js';
+
+// Review of the "backlog calls" change to RunQueue.callsUnderway(): writes are held only while
+// runs wait (ready, slotWaiters) or calls that got their slot during a backlog are in flight.
+// Writes are a MicroBatcher wired as the worker wires its completions (queueWithHeldWrites); its
+// hold is 60 s, so a write that goes only because its hold ran out shows as a timeout here.
+
+const id = (n: number) => `00000000-0000-4000-8000-${String(n).padStart(12, '0')}`;
+function message(runId: string, attempt = 1, notBefore = new Date()): RunMessage {
+  return { runId, jobId: runId, attempt, scheduledFor: notBefore, notBefore };
+}
+function gate(): { promise: Promise<void>; open: () => void } {
+  let open!: () => void;
+  const promise = new Promise<void>((resolve) => (open = resolve));
+  return { promise, open };
+}
+/** The worker's wiring (queueWithHeldWrites), recording each statement's run ids in `written`. */
+function wired(
+  overrides: Partial<RunQueueOptions> & Pick<RunQueueOptions, 'run'>,
+  written: string[][],
+): { queue: RunQueue; writes: MicroBatcher<string, boolean> } {
+  return queueWithHeldWrites(overrides, async (ids: string[]) => {
+    written.push(ids);
+    return ids.map(() => true);
+  });
+}
+interface ExecutionView {
+  slotted: boolean;
+  settling?: boolean;
+  backlogCall?: boolean;
+}
+/** The queue's own counters, read for invariants only. */
+function internals(queue: RunQueue) {
+  const q = queue as unknown as {
+    backlogCalls: number;
+    backlog: boolean;
+    settling: number;
+    slotted: number;
+    ahead: number;
+    reserved: number;
+    executing: Map<string, ExecutionView>;
+    superseded: Set<ExecutionView>;
+    ready: { length: number };
+    slotWaiters: { length: number };
+  };
+  const all = [...q.executing.values(), ...q.superseded];
+  return {
+    backlogCalls: q.backlogCalls,
+    backlog: q.backlog,
+    flagged: all.filter((e) => e.backlogCall).length,
+    settling: q.settling,
+    slotted: q.slotted,
+    ahead: q.ahead,
+    reserved: q.reserved,
+    executing: q.executing.size,
+    superseded: q.superseded.size,
+    waiting: q.ready.length + q.slotWaiters.length,
+  };
+}
+const idle = {
+  backlogCalls: 0,
+  backlog: false,
+  flagged: 0,
+  settling: 0,
+  slotted: 0,
+  ahead: 0,
+  reserved: 0,
+  executing: 0,
+  superseded: 0,
+  waiting: 0,
+};
+
+// ---- Property 3: a herd holds writes until its last call has ended ----
+
+test('3: a herd run that waited in `ready` holds writes though the backlog calls before it end during its claim', async () => {
+  // 2 slots, 3 runs due at once, no claims ahead: run 3 waits in `ready` for the claim budget.
+  // Runs 1 and 2 end at once; run 3's claim takes a round trip (the claimer batches it), during
+  // which no backlog call is left and nothing waits: update() clears `backlog`, run 3 gets its
+  // slot as a non-backlog call, and runs 1 and 2's writes go while the herd's last call runs.
+  // Test (f) in run-queue-settling only passes because its run 2 sleeps 5 ms.
+  const written: string[][] = [];
+  const long = gate();
+  let run3Called = false;
+  const { queue, writes } = wired(
+    {
+      concurrency: 2,
+      claim: async (request) => {
+        if (request.runId === id(3)) await sleep(10); // a claim's round trip
+        return { kind: 'claimed', run: fakeClaimedRun(request.runId, request.attempt) };
+      },
+      run: async (run, _s, _l, callEnded) => {
+        if (run.id === id(3)) {
+          run3Called = true;
+          await long.promise;
+        }
+        callEnded(true, true);
+        await writes.add(run.id, true);
+      },
+    },
+    written,
+  );
+  for (let n = 1; n <= 3; n++) queue.hold(message(id(n)));
+  try {
+    await until(() => run3Called, "run 3 (the herd's last) in its call");
+    await sleep(20);
+    assert.equal(queue.callsUnderway(), true, 'run 3 waited in ready: its call is a backlog call');
+    assert.equal(written.length, 0, "runs 1 and 2 held while the herd's last call runs");
+  } finally {
+    long.open();
+  }
+  await until(() => written.flat().length === 3, 'all written once run 3 ended');
+  await queue.drain(1_000, new Error('test over'));
+  assert.deepEqual(internals(queue), idle);
+});
+
+test('3: a herd granted from slotWaiters (claimed ahead) holds writes until its last granted call has ended', async () => {
+  // Regression: would fail if only the wait for a slot counted (writes going once the last run
+  // got its slot, the pre-settling behaviour) or if grant() did not mark the run (waited=true).
+  const written: string[][] = [];
+  const gates = new Map([3, 4].map((n) => [id(n), gate()]));
+  const called = new Set<string>();
+  const { queue, writes } = wired(
+    {
+      concurrency: 2,
+      claimGraceMs: 10_000,
+      run: async (run, _s, _l, callEnded) => {
+        called.add(run.id);
+        await gates.get(run.id)?.promise;
+        callEnded(true, true);
+        await writes.add(run.id, true);
+      },
+    },
+    written,
+  );
+  setCallTime(queue, 50);
+  for (let n = 1; n <= 4; n++) queue.hold(message(id(n)));
+  await until(() => called.size === 4, 'all 4 in their calls');
+  await sleep(20);
+  assert.equal(written.length, 0, 'runs 1 and 2 held while runs 3 and 4 (granted from waiters) call');
+  gates.get(id(3))!.open();
+  await sleep(20);
+  assert.equal(written.length, 0, 'still held: run 4 is in its call');
+  assert.equal(internals(queue).backlogCalls, 1);
+  gates.get(id(4))!.open();
+  await until(() => written.flat().length === 4, 'all written once the last call ended', 500);
+  await queue.drain(1_000, new Error('test over'));
+  assert.deepEqual(internals(queue), idle);
+});
+
+// ---- Property 4: a call that got its slot with nothing waiting holds nothing ----
+
+test("4: a call that starts while a backlog's calls are underway is part of it: the writes go once it and they have ended", async () => {
+  // 2 slots; runs 1–3 due at once (run 3 waits in ready), runs 2 and 3 long. Run 2 ends; run 4
+  // arrives while run 3, the herd's last call, is underway: a free slot and nothing waiting, but
+  // the backlog is on, so run 4 is part of it (as a herd's late-claimed last runs are: writes
+  // going while they call slowed them and the call time the queue samples). Once run 3 and run 4
+  // have ended, the backlog is over: the writes go, and a later lone call holds nothing.
+  const written: string[][] = [];
+  const gates = new Map([2, 3, 4, 5].map((n) => [id(n), gate()]));
+  const called = new Set<string>();
+  const { queue, writes } = wired(
+    {
+      concurrency: 2,
+      run: async (run, _s, _l, callEnded) => {
+        called.add(run.id);
+        await gates.get(run.id)?.promise;
+        callEnded(true, true);
+        await writes.add(run.id, true);
+      },
+    },
+    written,
+  );
+  for (let n = 1; n <= 3; n++) queue.hold(message(id(n)));
+  try {
+    await until(() => called.has(id(3)), 'run 3 in its call');
+    gates.get(id(2))!.open();
+    await until(() => internals(queue).slotted - internals(queue).settling === 1, 'only run 3 calling');
+    assert.equal(internals(queue).waiting, 0, 'nothing waits');
+    queue.hold(message(id(4)));
+    await until(() => called.has(id(4)), 'run 4 in its call');
+    gates.get(id(3))!.open(); // the herd's last call ends; run 4, started during the backlog, has not
+    await sleep(20);
+    assert.equal(written.length, 0, 'held while run 4, part of the backlog, is in its call');
+    assert.equal(queue.callsUnderway(), true);
+    gates.get(id(4))!.open();
+    await until(() => written.flat().length === 4, 'the backlog over: all written', 500);
+    assert.equal(queue.callsUnderway(), false);
+    queue.hold(message(id(5))); // a lone call after the backlog: holds nothing
+    await until(() => called.has(id(5)), 'run 5 in its call');
+    assert.equal(queue.callsUnderway(), false);
+  } finally {
+    for (const g of gates.values()) g.open();
+  }
+  await until(() => written.flat().length === 5, 'all written');
+  await queue.drain(1_000, new Error('test over'));
+  assert.deepEqual(internals(queue), idle);
+});
+
+test('4: a long call started with nothing waiting holds nothing, before, during and after a herd', async () => {
+  // Regression: would fail if the long call were marked retroactively when a backlog forms (e.g.
+  // callsUnderway counting slotted > settling while `backlog` is set), or if `backlog` were never
+  // cleared after the herd.
+  const written: string[][] = [];
+  const long = gate();
+  const called = new Set<string>();
+  const { queue, writes } = wired(
+    {
+      concurrency: 2,
+      run: async (run, _s, _l, callEnded) => {
+        called.add(run.id);
+        if (run.id === id(1)) await long.promise;
+        else await sleep(3);
+        callEnded(true, true);
+        await writes.add(run.id, true);
+      },
+    },
+    written,
+  );
+  queue.hold(message(id(1)));
+  await until(() => called.has(id(1)), 'run 1 (long) in its call');
+  assert.equal(queue.callsUnderway(), false);
+  for (let n = 2; n <= 5; n++) queue.hold(message(id(n))); // a herd on the one slot left
+  try {
+    await until(() => written.flat().length === 4, 'the herd written while run 1 still calls', 1_000);
+    assert.equal(queue.callsUnderway(), false);
+    assert.equal(internals(queue).backlogCalls, 0);
+    queue.hold(message(id(6)));
+    await until(() => written.flat().includes(id(6)), 'a later run written at once', 500);
+  } finally {
+    long.open();
+  }
+  await until(() => written.flat().length === 6, 'run 1 written');
+  await queue.drain(1_000, new Error('test over'));
+  assert.deepEqual(internals(queue), idle);
+});
+
+// ---- Property 2: a held write is never held forever ----
+
+test('2: a backlog call that never calls callEnded (it throws) releases the held writes when its execution ends', async () => {
+  // Regression: would fail without endBacklogCall() in track()'s finally (writes held until the
+  // hold timer, 60 s here; backlogCalls stuck at 1).
+  const written: string[][] = [];
+  const fail = gate();
+  const called = new Set<string>();
+  const { queue, writes } = wired(
+    {
+      concurrency: 1,
+      claimGraceMs: 10_000,
+      run: async (run, _s, _l, callEnded) => {
+        called.add(run.id);
+        if (run.id === id(2)) {
+          await fail.promise;
+          throw new Error('settle blew up'); // "must not reject", but if it does
+        }
+        callEnded(true, true);
+        await writes.add(run.id, true);
+      },
+    },
+    written,
+  );
+  setCallTime(queue, 50);
+  queue.hold(message(id(1)));
+  queue.hold(message(id(2)));
+  await until(() => called.has(id(2)), 'run 2 (waited for its slot) in its call');
+  await sleep(10);
+  assert.equal(written.length, 0, 'run 1 held while run 2 calls');
+  fail.open();
+  await until(() => written.flat().includes(id(1)), 'run 1 written once run 2 has ended', 500);
+  await queue.drain(1_000, new Error('test over'));
+  assert.deepEqual(internals(queue), idle);
+});
+
+test('2: a drain releases writes held for backlog calls still in flight', async () => {
+  // Regression: would fail if callsUnderway() stopped ignoring backlog calls while draining.
+  const written: string[][] = [];
+  const long = gate();
+  const called = new Set<string>();
+  const { queue, writes } = wired(
+    {
+      concurrency: 1,
+      claimGraceMs: 10_000,
+      run: async (run, signal, _l, callEnded) => {
+        called.add(run.id);
+        if (run.id === id(2))
+          await Promise.race([long.promise, new Promise((r) => signal.addEventListener('abort', r))]);
+        callEnded(true, true);
+        await writes.add(run.id, true);
+      },
+    },
+    written,
+  );
+  setCallTime(queue, 50);
+  for (let n = 1; n <= 3; n++) queue.hold(message(id(n)));
+  await until(() => called.has(id(2)), 'run 2 in its call, run 3 waiting for a slot');
+  await sleep(10);
+  assert.equal(written.length, 0);
+  const drained = queue.drain(5_000, new Error('test over'));
+  try {
+    await until(() => written.flat().includes(id(1)), 'held write to go when the drain begins', 500);
+  } finally {
+    long.open();
+    await drained;
+  }
+  assert.deepEqual(internals(queue), { ...idle, backlog: internals(queue).backlog });
+  assert.equal(internals(queue).backlogCalls, 0);
+});
+
+test("1/2: a backlog call superseded by the poller's execute() is counted until it ends; the poller's own call holds nothing", async () => {
+  // Regression: would fail if a superseded execution's decrement were lost (isTracked false in
+  // callEnded, or the finally skipped for superseded), or counted twice (negative count).
+  const written: string[][] = [];
+  const stale = gate();
+  const called: string[] = [];
+  const { queue, writes } = wired(
+    {
+      concurrency: 2,
+      claimGraceMs: 10_000,
+      run: async (run, signal, _l, callEnded) => {
+        called.push(`${run.id}#${run.attempt}`);
+        if (run.id === id(3) && run.attempt === 1) {
+          // Aborted (claim lost) but winds down slowly, without calling callEnded.
+          await new Promise((r) => signal.addEventListener('abort', r));
+          await stale.promise;
+          return;
+        }
+        if (run.id === id(3)) await sleep(5);
+        callEnded(true, true);
+        await writes.add(`${run.id}#${run.attempt}`, true);
+      },
+    },
+    written,
+  );
+  setCallTime(queue, 50);
+  // Run 1 long enough that run 3 waits for a slot.
+  queue.hold(message(id(1)));
+  queue.hold(message(id(2)));
+  queue.hold(message(id(3)));
+  await until(() => called.includes(`${id(3)}#1`), 'run 3 (a backlog call) in its call');
+  assert.equal(internals(queue).backlogCalls >= 1, true);
+  const release = queue.reserve(1);
+  queue.execute(fakeClaimedRun(id(3), 2)); // its claim expired and the poller took it again
+  release();
+  await until(() => called.includes(`${id(3)}#2`), "the poller's call");
+  await sleep(20);
+  assert.ok(internals(queue).backlogCalls >= 0);
+  assert.equal(internals(queue).superseded, 1);
+  assert.equal(internals(queue).backlogCalls, internals(queue).flagged, 'count matches the flags');
+  stale.open();
+  await until(() => written.flat().length === 3, 'every write once the superseded call has ended', 500);
+  await queue.drain(1_000, new Error('test over'));
+  assert.deepEqual(internals(queue), idle);
+});
+
+// ---- Properties 1 and 5: counters under random interleavings ----
+
+test('1/5: random interleavings (callEnded missing, twice, late; reholds; supersedes; aborted waits; drain) keep the counts consistent and return them to 0', async () => {
+  let seed = 7;
+  const rnd = () => (seed = (seed * 1103515245 + 12345) % 2 ** 31) / 2 ** 31;
+  let inCall = 0;
+  let maxInCall = 0;
+  const violations: string[] = [];
+  const late: (() => void)[] = [];
+  const concurrency = 3;
+  const wiring: { queue: RunQueue; writes: MicroBatcher<string, boolean> } = queueWithHeldWrites<string>(
+    {
+      concurrency,
+      claimGraceMs: 2_000,
+      writesHeld: (): number => {
+        const s = internals(queue);
+        if (s.backlogCalls < 0) violations.push(`backlogCalls ${s.backlogCalls}`);
+        if (s.backlogCalls !== s.flagged)
+          violations.push(`backlogCalls ${s.backlogCalls} != flagged ${s.flagged}`);
+        if (s.backlogCalls > s.slotted + s.ahead)
+          violations.push(`backlogCalls ${s.backlogCalls} > executions`);
+        if (s.settling > s.slotted) violations.push(`settling ${s.settling} > slotted ${s.slotted}`);
+        if (s.ahead < 0 || s.slotted < 0) violations.push(`ahead ${s.ahead} slotted ${s.slotted}`);
+        return writes.held;
+      },
+      claim: async (request) => {
+        await sleep(Math.floor(rnd() * 3));
+        const r = rnd();
+        if (r < 0.05) return { kind: 'rehold', notBefore: new Date(Date.now() + 3) };
+        if (r < 0.08) return { kind: 'done' };
+        return { kind: 'claimed', run: fakeClaimedRun(request.runId, request.attempt) };
+      },
+      run: async (run, signal, _l, callEnded) => {
+        if (signal.aborted) return callEnded(false);
+        inCall += 1;
+        maxInCall = Math.max(maxInCall, inCall);
+        await Promise.race([
+          sleep(Math.floor(rnd() * 6)),
+          new Promise((r) => signal.addEventListener('abort', r)),
+        ]);
+        inCall -= 1;
+        const r = rnd();
+        if (r < 0.1) return; // never calls callEnded
+        if (r < 0.15) late.push(() => callEnded(true, true));
+        callEnded(true, true);
+        if (r < 0.25) callEnded(true, true); // twice
+        if (r < 0.3) throw new Error('blew up');
+        await writes.add(`${run.id}#${run.attempt}`, rnd() < 0.8);
+      },
+    },
+    async (items) => {
+      await sleep(Math.floor(rnd() * 3));
+      return items.map(() => true);
+    },
+  );
+  const { queue, writes } = wiring;
+  setCallTime(queue, 5);
+  const total = 150;
+  for (let n = 1; n <= total; n++) {
+    queue.hold(message(id(n)));
+    if (rnd() < 0.15) await sleep(Math.floor(rnd() * 4));
+    if (rnd() < 0.05) {
+      // The poller takes a run again (superseding an execution still here, or not).
+      const free = queue.freeSlots();
+      if (free > 0) {
+        const release = queue.reserve(1);
+        queue.execute(fakeClaimedRun(id(1 + Math.floor(rnd() * n)), 2));
+        release();
+      }
+    }
+    if (rnd() < 0.1) for (const f of late.splice(0)) f();
+  }
+  await sleep(100);
+  // The drain aborts whatever is still waiting for its time or a slot.
+  await queue.drain(2_000, new Error('test over'));
+  for (const f of late.splice(0)) f();
+  await until(() => writes.held === 0, 'nothing held');
+  assert.deepEqual(violations.slice(0, 5), []);
+  assert.ok(maxInCall <= concurrency + 1, `calls at once ${maxInCall}`); // +1: a poller's reserved slot
+  const s = internals(queue);
+  assert.deepEqual({ ...s, backlog: false }, idle);
+});
+
+test('5: slot accounting is the same as before: backlog calls take no extra slot and give theirs back when their call ends', async () => {
+  // Regression for property 5: busy()/freeSlots() and settling with backlog calls, 1 slot, a
+  // herd of 3 claimed ahead whose writes are held: each call ends and its slot goes to the next.
+  const written: string[][] = [];
+  const order: string[] = [];
+  let inCall = 0;
+  let maxInCall = 0;
+  const { queue, writes } = wired(
+    {
+      concurrency: 1,
+      claimGraceMs: 10_000,
+      run: async (run, _s, _l, callEnded) => {
+        inCall += 1;
+        maxInCall = Math.max(maxInCall, inCall);
+        order.push(run.id);
+        await sleep(3);
+        inCall -= 1;
+        callEnded(true, true);
+        await writes.add(run.id, true);
+      },
+    },
+    written,
+  );
+  setCallTime(queue, 50);
+  for (let n = 1; n <= 3; n++) queue.hold(message(id(n)));
+  await until(() => order.length === 3, 'all three called without waiting for the held writes', 500);
+  await until(() => written.flat().length === 3, 'all written once the herd has ended', 500);
+  assert.equal(maxInCall, 1);
+  assert.deepEqual(order, [id(1), id(2), id(3)]);
+  assert.equal(queue.freeSlots(), 1);
+  await queue.drain(1_000, new Error('test over'));
+  assert.deepEqual(internals(queue), idle);
+});
