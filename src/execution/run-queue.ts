@@ -282,8 +282,8 @@ export class RunQueue {
    * pump(), and its calls have not all ended. Every run claimed or given a slot meanwhile is part
    * of it (`backlogCall`), those claimed from `ready` from their claim on, so the writes held for
    * a herd do not go while its last claims are on their way or its last calls are underway.
-   * Set and cleared at the end of pump() only: the runs one pump claims together did not wait for
-   * each other.
+   * Set at the end of pump() and when a run is left waiting for a slot, never in the middle of a
+   * pump (the runs one pump claims together did not wait for each other); cleared by update().
    */
   private backlog = false;
   private full = false;
@@ -555,6 +555,8 @@ export class RunQueue {
         resolve();
       };
       this.slotWaiters.push(waiter);
+      // Left waiting for a slot, outside pump(): a backlog (see `backlog`).
+      this.backlog = true;
     });
   }
 
@@ -676,7 +678,6 @@ export class RunQueue {
       this.track(runId, entry.message.attempt, false, (execution) => this.claimAndRun(entry, execution));
     }
     if (this.ready.length > 0 || this.slotWaiters.length > 0) this.backlog = true;
-    else if (this.backlogCalls === 0) this.backlog = false;
     this.update();
   }
 
@@ -829,6 +830,11 @@ export class RunQueue {
   }
 
   private update(): void {
+    // Over once nothing waits and its calls have ended, whatever emptied the queues (forget(), an
+    // aborted wait). Safe in the middle of a pump: track() counts its run before it calls this.
+    if (this.backlogCalls === 0 && this.ready.length === 0 && this.slotWaiters.length === 0) {
+      this.backlog = false;
+    }
     const full = this.held.size >= this.options.prefetch;
     // A draining queue never asks for more: the intake is stopping, and a message it handed us now
     // would be dropped with its offset committed.

@@ -72,3 +72,21 @@ export function queueWithHeldWrites<T>(
   });
   return { queue, writes };
 }
+
+/** A promise with its resolver, to hold a call or a write open until the test opens it. */
+export function gate(): { promise: Promise<void>; open: () => void } {
+  let open!: () => void;
+  const promise = new Promise<void>((resolve) => (open = resolve));
+  return { promise, open };
+}
+
+/** queueWithHeldWrites whose writes record each statement's run ids in `written` and succeed. */
+export function queueRecordingWrites(
+  overrides: Partial<RunQueueOptions> & Pick<RunQueueOptions, 'run'>,
+  written: string[][],
+): { queue: RunQueue; writes: MicroBatcher<string, boolean> } {
+  return queueWithHeldWrites(overrides, async (ids: string[]) => {
+    written.push(ids);
+    return ids.map(() => true);
+  });
+}

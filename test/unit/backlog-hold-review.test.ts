@@ -2,10 +2,10 @@ import assert from 'node:assert/strict';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { test } from 'node:test';
 import type { MicroBatcher } from '../../src/execution/micro-batcher.js';
-import type { RunQueue, RunQueueOptions } from '../../src/execution/run-queue.js';
+import type { RunQueue } from '../../src/execution/run-queue.js';
 import type { RunMessage } from '../../src/execution/run-message.js';
 import { fakeClaimedRun } from '../support/claimed-run.js';
-import { queueWithHeldWrites, setCallTime, until } from '../support/run-queue.js';
+import { gate, queueRecordingWrites, queueWithHeldWrites, setCallTime, until } from '../support/run-queue.js';
 
 // Review of the "backlog calls" change to RunQueue.callsUnderway(): writes are held only while
 // runs wait (ready, slotWaiters) or calls that got their slot during a backlog are in flight.
@@ -15,21 +15,6 @@ import { queueWithHeldWrites, setCallTime, until } from '../support/run-queue.js
 const id = (n: number) => `00000000-0000-4000-8000-${String(n).padStart(12, '0')}`;
 function message(runId: string, attempt = 1, notBefore = new Date()): RunMessage {
   return { runId, jobId: runId, attempt, scheduledFor: notBefore, notBefore };
-}
-function gate(): { promise: Promise<void>; open: () => void } {
-  let open!: () => void;
-  const promise = new Promise<void>((resolve) => (open = resolve));
-  return { promise, open };
-}
-/** The worker's wiring (queueWithHeldWrites), recording each statement's run ids in `written`. */
-function wired(
-  overrides: Partial<RunQueueOptions> & Pick<RunQueueOptions, 'run'>,
-  written: string[][],
-): { queue: RunQueue; writes: MicroBatcher<string, boolean> } {
-  return queueWithHeldWrites(overrides, async (ids: string[]) => {
-    written.push(ids);
-    return ids.map(() => true);
-  });
 }
 interface ExecutionView {
   slotted: boolean;
@@ -88,7 +73,7 @@ test('3: a herd run that waited in `ready` holds writes though the backlog calls
   const written: string[][] = [];
   const long = gate();
   let run3Called = false;
-  const { queue, writes } = wired(
+  const { queue, writes } = queueRecordingWrites(
     {
       concurrency: 2,
       claim: async (request) => {
@@ -126,7 +111,7 @@ test('3: a herd granted from slotWaiters (claimed ahead) holds writes until its 
   const written: string[][] = [];
   const gates = new Map([3, 4].map((n) => [id(n), gate()]));
   const called = new Set<string>();
-  const { queue, writes } = wired(
+  const { queue, writes } = queueRecordingWrites(
     {
       concurrency: 2,
       claimGraceMs: 10_000,
@@ -165,7 +150,7 @@ test("4: a call that starts while a backlog's calls are underway is part of it: 
   const written: string[][] = [];
   const gates = new Map([2, 3, 4, 5].map((n) => [id(n), gate()]));
   const called = new Set<string>();
-  const { queue, writes } = wired(
+  const { queue, writes } = queueRecordingWrites(
     {
       concurrency: 2,
       run: async (run, _s, _l, callEnded) => {
@@ -210,7 +195,7 @@ test('4: a long call started with nothing waiting holds nothing, before, during 
   const written: string[][] = [];
   const long = gate();
   const called = new Set<string>();
-  const { queue, writes } = wired(
+  const { queue, writes } = queueRecordingWrites(
     {
       concurrency: 2,
       run: async (run, _s, _l, callEnded) => {
@@ -249,7 +234,7 @@ test('2: a backlog call that never calls callEnded (it throws) releases the held
   const written: string[][] = [];
   const fail = gate();
   const called = new Set<string>();
-  const { queue, writes } = wired(
+  const { queue, writes } = queueRecordingWrites(
     {
       concurrency: 1,
       claimGraceMs: 10_000,
@@ -282,7 +267,7 @@ test('2: a drain releases writes held for backlog calls still in flight', async 
   const written: string[][] = [];
   const long = gate();
   const called = new Set<string>();
-  const { queue, writes } = wired(
+  const { queue, writes } = queueRecordingWrites(
     {
       concurrency: 1,
       claimGraceMs: 10_000,
@@ -318,7 +303,7 @@ test("1/2: a backlog call superseded by the poller's execute() is counted until 
   const written: string[][] = [];
   const stale = gate();
   const called: string[] = [];
-  const { queue, writes } = wired(
+  const { queue, writes } = queueRecordingWrites(
     {
       concurrency: 2,
       claimGraceMs: 10_000,
@@ -448,7 +433,7 @@ test('5: slot accounting is the same as before: backlog calls take no extra slot
   const order: string[] = [];
   let inCall = 0;
   let maxInCall = 0;
-  const { queue, writes } = wired(
+  const { queue, writes } = queueRecordingWrites(
     {
       concurrency: 1,
       claimGraceMs: 10_000,
@@ -472,5 +457,110 @@ test('5: slot accounting is the same as before: backlog calls take no extra slot
   assert.deepEqual(order, [id(1), id(2), id(3)]);
   assert.equal(queue.freeSlots(), 1);
   await queue.drain(1_000, new Error('test over'));
+  assert.deepEqual(internals(queue), idle);
+});
+
+// ---- Second review: violations found (each fails on b756767) ----
+
+test('R2/3: a herd whose one extra run waited only in slotWaiters holds writes for a run claimed while its granted call is underway', async () => {
+  // 2 slots, 3 runs claimed ahead and due at once: runs 1 and 2 take the slots, run 3 waits in
+  // slotWaiters (pushed outside pump(): `backlog` is not set). Run 1 ends and its pump grants run 3
+  // (a backlog call) and ends with nothing waiting, so `backlog` stays false. Run 2 ends; run 4 is
+  // claimed while run 3, the herd's last call, is underway: a free slot, nothing waiting, `backlog`
+  // false, so run 4 is not marked, and the held writes go when run 3 ends, while run 4 calls.
+  // The same herd with its extra run waiting in `ready` (test "4: a call that starts while a
+  // backlog's calls are underway") holds them until run 4 has ended.
+  const written: string[][] = [];
+  const gates = new Map([1, 2, 3, 4].map((n) => [id(n), gate()]));
+  const called = new Set<string>();
+  const { queue, writes } = queueRecordingWrites(
+    {
+      concurrency: 2,
+      claimGraceMs: 10_000,
+      run: async (run, _s, _l, callEnded) => {
+        called.add(run.id);
+        await gates.get(run.id)?.promise;
+        callEnded(true, true);
+        await writes.add(run.id, true);
+      },
+    },
+    written,
+  );
+  setCallTime(queue, 50);
+  try {
+    for (let n = 1; n <= 3; n++) queue.hold(message(id(n)));
+    await until(
+      () => called.has(id(1)) && called.has(id(2)) && internals(queue).waiting === 1,
+      'run 3 waits for a slot',
+    );
+    gates.get(id(1))!.open();
+    await until(() => called.has(id(3)), 'run 3 granted');
+    gates.get(id(2))!.open();
+    await until(() => internals(queue).settling === 2, 'runs 1 and 2 settling (held)');
+    assert.equal(written.length, 0);
+    queue.hold(message(id(4))); // claimed late, while the herd's last call is underway
+    await until(() => called.has(id(4)), 'run 4 in its call');
+    gates.get(id(3))!.open(); // the herd's last call ends; run 4 has not
+    await sleep(20);
+    assert.equal(queue.callsUnderway(), true, 'run 4, claimed during the backlog, is part of it');
+    assert.equal(written.length, 0, 'held while run 4 is in its call');
+    gates.get(id(4))!.open();
+    await until(() => written.flat().length === 4, 'all written once run 4 has ended', 500);
+  } finally {
+    for (const g of gates.values()) g.open();
+    await queue.drain(1_000, new Error('test over'));
+  }
+  assert.deepEqual(internals(queue), idle);
+});
+
+test('R2/2: a waiting run superseded by a newer, not yet due announcement ends the backlog: a later lone call holds nothing', async () => {
+  // 2 slots, no claims ahead of free slots, claims 1 s before not_before. Run 0: a long call
+  // beside a light load. Run 1 (due in 150 ms) is claimed ahead into the free slot's budget; run 2,
+  // due now, waits in `ready` for it: end of pump, `backlog` = true. Run 2's attempt 2 (a retry
+  // made elsewhere, due in 60 s) replaces it: forget() empties `ready`, then update(), no pump():
+  // `backlog` stays true with nothing waiting and no backlog call. 150 ms later run 1 gets the free
+  // slot with nothing waiting but is marked by the stale flag, and run 0's write, when its call
+  // ends, is held for its full hold (60 s here) while run 1 calls.
+  const written: string[][] = [];
+  const gates = new Map([0, 1].map((n) => [id(n), gate()]));
+  const called = new Set<string>();
+  const { queue, writes } = queueRecordingWrites(
+    {
+      concurrency: 2,
+      claimLeadMs: 1_000,
+      claim: async (request) => ({
+        kind: 'claimed',
+        run: { ...fakeClaimedRun(request.runId, request.attempt), notBefore: request.notBefore },
+      }),
+      run: async (run, _s, _l, callEnded) => {
+        called.add(run.id);
+        await gates.get(run.id)?.promise;
+        callEnded(true, true);
+        await writes.add(run.id, true);
+      },
+    },
+    written,
+  );
+  try {
+    queue.hold(message(id(0)));
+    await until(() => called.has(id(0)), 'run 0 (a lone long call) in its call');
+    queue.hold(message(id(1), 1, new Date(Date.now() + 150)));
+    queue.hold(message(id(2)));
+    assert.equal(internals(queue).waiting, 1, 'run 2 waits in ready for the claim budget');
+    queue.hold(message(id(2), 2, new Date(Date.now() + 60_000)));
+    assert.equal(internals(queue).waiting, 0);
+    assert.equal(internals(queue).backlogCalls, 0);
+    assert.equal(queue.callsUnderway(), false);
+    await until(() => called.has(id(1)), 'run 1 in its call');
+    gates.get(id(0))!.open();
+    await until(() => written.flat().includes(id(0)), "run 0's write goes at once", 500);
+    assert.equal(internals(queue).backlogCalls, 0, 'run 1 got its slot with no backlog on');
+    gates.get(id(1))!.open();
+    await until(() => written.flat().length === 2, 'all written', 500);
+    assert.equal(internals(queue).backlog, false);
+  } finally {
+    for (const g of gates.values()) g.open();
+    await queue.drain(1_000, new Error('test over'));
+  }
   assert.deepEqual(internals(queue), idle);
 });

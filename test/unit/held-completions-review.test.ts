@@ -2,9 +2,9 @@ import assert from 'node:assert/strict';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { test } from 'node:test';
 import { MicroBatcher, BatchItemError } from '../../src/execution/micro-batcher.js';
-import type { RunQueue, RunQueueOptions } from '../../src/execution/run-queue.js';
+import type { RunQueue } from '../../src/execution/run-queue.js';
 import type { RunMessage } from '../../src/execution/run-message.js';
-import { queueWithHeldWrites, setCallTime, testRunQueue, until } from '../support/run-queue.js';
+import { gate, queueRecordingWrites, setCallTime, testRunQueue, until } from '../support/run-queue.js';
 
 // Review of 9d5d0ea (held completions): the interleavings a reviewer found, each failing on that
 // commit. Writes are a MicroBatcher with the worker's wiring (busy = queue.callsUnderway(),
@@ -16,22 +16,6 @@ const id = (n: number) => `00000000-0000-4000-8000-${String(n).padStart(12, '0')
 function message(runId: string, notBefore = new Date()): RunMessage {
   return { runId, jobId: runId, attempt: 1, scheduledFor: notBefore, notBefore };
 }
-function gate(): { promise: Promise<void>; open: () => void } {
-  let open!: () => void;
-  const promise = new Promise<void>((resolve) => (open = resolve));
-  return { promise, open };
-}
-/** The worker's wiring (queueWithHeldWrites), recording each statement's run ids in `written`. */
-function wired(
-  overrides: Partial<RunQueueOptions> & Pick<RunQueueOptions, 'run'>,
-  written: string[][],
-): { queue: RunQueue; writes: MicroBatcher<string, boolean> } {
-  return queueWithHeldWrites(overrides, async (ids: string[]) => {
-    written.push(ids);
-    return ids.map(() => true);
-  });
-}
-
 /**
  * One slot. Run 1's call ends at once and its write fails first (whileClaimed): it is re-added
  * when the test opens `retry`, and held, because run 3 (due 50 ms later) waits for the slot that
@@ -44,7 +28,7 @@ async function runOneHeldWhileRunThreeWaits() {
   const retry = gate();
   const long = gate();
   const state = { run3Started: false };
-  const { queue, writes } = wired(
+  const { queue, writes } = queueRecordingWrites(
     {
       concurrency: 1,
       claimGraceMs: 10_000,
@@ -98,7 +82,7 @@ test('review 3: a slot a held write gives back is granted at once (no pump when 
   const written: string[][] = [];
   const slowWrite = gate();
   let run3Started = false;
-  const { queue, writes } = wired(
+  const { queue, writes } = queueRecordingWrites(
     {
       concurrency: 1,
       run: async (run, _s, _l, callEnded) => {
@@ -348,7 +332,7 @@ test('final review 2: a run that kept its slot and whose write is then held is n
   const samples: Record<string, number> = {};
   let run3Started = false;
   const written: string[][] = [];
-  const { queue, writes } = wired(
+  const { queue, writes } = queueRecordingWrites(
     {
       concurrency: 1,
       claimGraceMs: 10_000,

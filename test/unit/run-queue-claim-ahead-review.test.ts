@@ -13,7 +13,7 @@ import type { AttemptReport } from '../../src/store/attempts.js';
 import type { Connections } from '../../src/store/pool-share.js';
 import type { ClaimedRun } from '../../src/store/runs.js';
 import { fakeClaimedRun } from '../support/claimed-run.js';
-import { setCallTime, testRunQueue, until } from '../support/run-queue.js';
+import { gate, setCallTime, testRunQueue, until } from '../support/run-queue.js';
 
 // Review of 9166bae (claims no longer take an execution slot): interleavings between a claimed
 // run's wait for its slot and aborts, the poller, drains and the claim-ahead budget. Fakes only.
@@ -25,13 +25,6 @@ const id = (n: number) => `00000000-0000-4000-8000-${String(n).padStart(12, '0')
 
 function message(runId: string, attempt = 1, notBefore = new Date()): RunMessage {
   return { runId, jobId: runId, attempt, scheduledFor: notBefore, notBefore };
-}
-
-/** A promise with its resolver, to hold a call or a write open. */
-function gate(): { promise: Promise<void>; open: () => void } {
-  let open!: () => void;
-  const promise = new Promise<void>((resolve) => (open = resolve));
-  return { promise, open };
 }
 
 interface Counters {

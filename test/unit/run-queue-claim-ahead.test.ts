@@ -4,7 +4,7 @@ import { test } from 'node:test';
 import { RunQueue, type RunQueueOptions } from '../../src/execution/run-queue.js';
 import type { RunMessage } from '../../src/execution/run-message.js';
 import { fakeClaimedRun } from '../support/claimed-run.js';
-import { setCallTime, testRunQueue } from '../support/run-queue.js';
+import { gate, setCallTime, testRunQueue } from '../support/run-queue.js';
 
 // Claims run ahead of the execution slots (run-queue.ts): a claimed run takes a slot only when it
 // is due and one is free, and runs are claimed beyond the free slots only as many as the slots
@@ -16,13 +16,6 @@ const id = (n: number) => `00000000-0000-4000-8000-${String(n).padStart(12, '0')
 
 function message(runId: string): RunMessage {
   return { runId, jobId: runId, attempt: 1, scheduledFor: new Date(), notBefore: new Date() };
-}
-
-/** A promise with its resolver, to hold a call open. */
-function gate(): { promise: Promise<void>; open: () => void } {
-  let open!: () => void;
-  const promise = new Promise<void>((resolve) => (open = resolve));
-  return { promise, open };
 }
 
 interface Recorder {

@@ -5,7 +5,13 @@ import { RunQueue, type RunQueueOptions } from '../../src/execution/run-queue.js
 import type { RunMessage } from '../../src/execution/run-message.js';
 import { createMetrics } from '../../src/observability/metrics.js';
 import { fakeClaimedRun } from '../support/claimed-run.js';
-import { queueWithHeldWrites, testRunQueue, until } from '../support/run-queue.js';
+import {
+  gate,
+  queueRecordingWrites,
+  queueWithHeldWrites,
+  testRunQueue,
+  until,
+} from '../support/run-queue.js';
 
 // A run gives its slot back when its call ends (callEnded), while its outcome is still being
 // written: the settling accounting under the interleavings that could break it. Claims and
@@ -15,13 +21,6 @@ const id = (n: number) => `00000000-0000-4000-8000-${String(n).padStart(12, '0')
 
 function message(runId: string, attempt = 1): RunMessage {
   return { runId, jobId: runId, attempt, scheduledFor: new Date(), notBefore: new Date() };
-}
-
-/** A promise with its resolver, to hold a call or a settle write open. */
-function gate(): { promise: Promise<void>; open: () => void } {
-  let open!: () => void;
-  const promise = new Promise<void>((resolve) => (open = resolve));
-  return { promise, open };
 }
 
 /** The queue's own counters, read for invariants only. */
@@ -449,7 +448,7 @@ test('(f) writes held back while calls are underway give their slots back, and g
 test('(f) a drain does not wait for held writes: they go once it begins', async () => {
   const written: string[][] = [];
   const blocker = gate();
-  const { queue, writes } = queueWithHeldWrites(
+  const { queue, writes } = queueRecordingWrites(
     {
       concurrency: 1,
       run: async (run, _signal, _left, callEnded) => {
@@ -458,10 +457,7 @@ test('(f) a drain does not wait for held writes: they go once it begins', async 
         await writes.add(run.id, true);
       },
     },
-    async (ids: string[]) => {
-      written.push(ids);
-      return ids.map(() => true);
-    },
+    written,
   );
   for (let n = 1; n <= 3; n++) queue.hold(message(id(n)));
   await until(() => writes.held === 1, 'run 1 to be written later');
@@ -530,7 +526,7 @@ test('(f) held writes wait for the calls of a backlog still in flight, not only 
   // Going as soon as the last run had a slot, a herd's writes delayed its last calls' STARTs.
   const written: string[][] = [];
   const long = gate();
-  const { queue, writes } = queueWithHeldWrites(
+  const { queue, writes } = queueRecordingWrites(
     {
       concurrency: 2,
       run: async (run, _signal, _left, callEnded) => {
@@ -540,10 +536,7 @@ test('(f) held writes wait for the calls of a backlog still in flight, not only 
         await writes.add(run.id, true);
       },
     },
-    async (ids: string[]) => {
-      written.push(ids);
-      return ids.map(() => true);
-    },
+    written,
   );
   for (let n = 1; n <= 3; n++) queue.hold(message(id(n)));
   await until(() => writes.held === 2, 'runs 1 and 2 to be written later');
@@ -558,7 +551,7 @@ test('(f) held writes wait for the calls of a backlog still in flight, not only 
 test('(f) runs claimed together in one pump did not wait for each other: a long one among them holds no write back', async () => {
   const written: string[][] = [];
   const long = gate();
-  const { queue, writes } = queueWithHeldWrites(
+  const { queue, writes } = queueRecordingWrites(
     {
       concurrency: 2,
       run: async (run, _signal, _left, callEnded) => {
@@ -567,10 +560,7 @@ test('(f) runs claimed together in one pump did not wait for each other: a long 
         await writes.add(run.id, true);
       },
     },
-    async (ids: string[]) => {
-      written.push(ids);
-      return ids.map(() => true);
-    },
+    written,
   );
   // Both wait for the same instant, so one pump claims them, run 2 (the long call) second.
   const at = new Date(Date.now() + 30);
@@ -586,7 +576,7 @@ test('(f) runs claimed together in one pump did not wait for each other: a long 
 test('(f) a call that got its slot with nothing waiting holds no write back: a long call beside a light load', async () => {
   const written: string[][] = [];
   const long = gate();
-  const { queue, writes } = queueWithHeldWrites(
+  const { queue, writes } = queueRecordingWrites(
     {
       concurrency: 2,
       run: async (run, _signal, _left, callEnded) => {
@@ -595,10 +585,7 @@ test('(f) a call that got its slot with nothing waiting holds no write back: a l
         await writes.add(run.id, true);
       },
     },
-    async (ids: string[]) => {
-      written.push(ids);
-      return ids.map(() => true);
-    },
+    written,
   );
   queue.hold(message(id(1)));
   await until(() => internals(queue).executing === 1 && queue.callsUnderway() === false, 'run 1 in its call');
