@@ -234,7 +234,7 @@ export function createMetrics(nodeId: string) {
     }),
     completionsHeld: new Gauge({
       name: 'helios_worker_held_completions',
-      help: 'Successes whose write this worker holds back while its calls are underway (HELIOS_COMPLETION_HOLD_MS)',
+      help: 'Successes whose write this worker holds back while it has a backlog of calls (HELIOS_COMPLETION_HOLD_MS)',
       registers: [registry],
     }),
     runsClaimedAhead: new Gauge({
