@@ -90,3 +90,89 @@ export function queueRecordingWrites(
     return ids.map(() => true);
   });
 }
+
+/**
+ * queueRecordingWrites whose runs play calls held open by the test: a run records its id in
+ * `called`, runs `onCall` if given, waits for its gate if `gated` names it, ends its call and adds
+ * its write. `open(runId)` ends a gated call; `openAll()` ends every one (for a `finally`).
+ */
+export function queueWithGatedCalls(
+  overrides: Partial<RunQueueOptions>,
+  gated: Iterable<string>,
+  onCall?: (runId: string) => Promise<void>,
+): {
+  queue: RunQueue;
+  writes: MicroBatcher<string, boolean>;
+  written: string[][];
+  called: Set<string>;
+  open: (runId: string) => void;
+  openAll: () => void;
+} {
+  const gates = new Map([...gated].map((runId) => [runId, gate()]));
+  const called = new Set<string>();
+  const written: string[][] = [];
+  const { queue, writes } = queueRecordingWrites(
+    {
+      ...overrides,
+      run: async (run, _signal, _left, callEnded) => {
+        called.add(run.id);
+        await onCall?.(run.id);
+        await gates.get(run.id)?.promise;
+        callEnded(true, true);
+        await writes.add(run.id, true);
+      },
+    },
+    written,
+  );
+  const open = (runId: string): void => {
+    const g = gates.get(runId);
+    if (!g) throw new Error(`no gate for run ${runId}`);
+    g.open();
+  };
+  const openAll = (): void => {
+    for (const g of gates.values()) g.open();
+  };
+  return { queue, writes, written, called, open, openAll };
+}
+
+/** A RunQueue's own counters (run-queue.ts), read by tests for invariants only. */
+export function queueCounters(queue: RunQueue): {
+  slotted: number;
+  ahead: number;
+  settling: number;
+  reserved: number;
+  executing: number;
+  superseded: number;
+  ready: number;
+  slotWaiters: number;
+  backlog: boolean;
+  backlogCalls: number;
+  /** Executions whose `backlogCall` is set: equal to backlogCalls. */
+  flagged: number;
+} {
+  const q = queue as unknown as {
+    slotted: number;
+    ahead: number;
+    settling: number;
+    reserved: number;
+    executing: Map<string, { backlogCall?: boolean }>;
+    superseded: Set<{ backlogCall?: boolean }>;
+    ready: { length: number };
+    slotWaiters: { length: number };
+    backlog: boolean;
+    backlogCalls: number;
+  };
+  return {
+    slotted: q.slotted,
+    ahead: q.ahead,
+    settling: q.settling,
+    reserved: q.reserved,
+    executing: q.executing.size,
+    superseded: q.superseded.size,
+    ready: q.ready.length,
+    slotWaiters: q.slotWaiters.length,
+    backlog: q.backlog,
+    backlogCalls: q.backlogCalls,
+    flagged: [...q.executing.values(), ...q.superseded].filter((e) => e.backlogCall).length,
+  };
+}

@@ -5,7 +5,15 @@ import type { MicroBatcher } from '../../src/execution/micro-batcher.js';
 import type { RunQueue } from '../../src/execution/run-queue.js';
 import type { RunMessage } from '../../src/execution/run-message.js';
 import { fakeClaimedRun } from '../support/claimed-run.js';
-import { gate, queueRecordingWrites, queueWithHeldWrites, setCallTime, until } from '../support/run-queue.js';
+import {
+  gate,
+  queueRecordingWrites,
+  queueWithGatedCalls,
+  queueWithHeldWrites,
+  queueCounters,
+  setCallTime,
+  until,
+} from '../support/run-queue.js';
 
 // Review of the "backlog calls" change to RunQueue.callsUnderway(): writes are held only while
 // runs wait (ready, slotWaiters) or calls that got their slot during a backlog are in flight.
@@ -16,38 +24,10 @@ const id = (n: number) => `00000000-0000-4000-8000-${String(n).padStart(12, '0')
 function message(runId: string, attempt = 1, notBefore = new Date()): RunMessage {
   return { runId, jobId: runId, attempt, scheduledFor: notBefore, notBefore };
 }
-interface ExecutionView {
-  slotted: boolean;
-  settling?: boolean;
-  backlogCall?: boolean;
-}
-/** The queue's own counters, read for invariants only. */
+/** The queue's own counters, read for invariants only; `waiting` is in `ready` or for a slot. */
 function internals(queue: RunQueue) {
-  const q = queue as unknown as {
-    backlogCalls: number;
-    backlog: boolean;
-    settling: number;
-    slotted: number;
-    ahead: number;
-    reserved: number;
-    executing: Map<string, ExecutionView>;
-    superseded: Set<ExecutionView>;
-    ready: { length: number };
-    slotWaiters: { length: number };
-  };
-  const all = [...q.executing.values(), ...q.superseded];
-  return {
-    backlogCalls: q.backlogCalls,
-    backlog: q.backlog,
-    flagged: all.filter((e) => e.backlogCall).length,
-    settling: q.settling,
-    slotted: q.slotted,
-    ahead: q.ahead,
-    reserved: q.reserved,
-    executing: q.executing.size,
-    superseded: q.superseded.size,
-    waiting: q.ready.length + q.slotWaiters.length,
-  };
+  const { ready, slotWaiters, ...rest } = queueCounters(queue);
+  return { ...rest, waiting: ready + slotWaiters };
 }
 const idle = {
   backlogCalls: 0,
@@ -70,35 +50,24 @@ test('3: a herd run that waited in `ready` holds writes though the backlog calls
   // which no backlog call is left and nothing waits: update() clears `backlog`, run 3 gets its
   // slot as a non-backlog call, and runs 1 and 2's writes go while the herd's last call runs.
   // Test (f) in run-queue-settling only passes because its run 2 sleeps 5 ms.
-  const written: string[][] = [];
-  const long = gate();
-  let run3Called = false;
-  const { queue, writes } = queueRecordingWrites(
+  const { queue, written, called, openAll } = queueWithGatedCalls(
     {
       concurrency: 2,
       claim: async (request) => {
         if (request.runId === id(3)) await sleep(10); // a claim's round trip
         return { kind: 'claimed', run: fakeClaimedRun(request.runId, request.attempt) };
       },
-      run: async (run, _s, _l, callEnded) => {
-        if (run.id === id(3)) {
-          run3Called = true;
-          await long.promise;
-        }
-        callEnded(true, true);
-        await writes.add(run.id, true);
-      },
     },
-    written,
+    [id(3)],
   );
   for (let n = 1; n <= 3; n++) queue.hold(message(id(n)));
   try {
-    await until(() => run3Called, "run 3 (the herd's last) in its call");
+    await until(() => called.has(id(3)), "run 3 (the herd's last) in its call");
     await sleep(20);
     assert.equal(queue.callsUnderway(), true, 'run 3 waited in ready: its call is a backlog call');
     assert.equal(written.length, 0, "runs 1 and 2 held while the herd's last call runs");
   } finally {
-    long.open();
+    openAll();
   }
   await until(() => written.flat().length === 3, 'all written once run 3 ended');
   await queue.drain(1_000, new Error('test over'));
@@ -108,32 +77,20 @@ test('3: a herd run that waited in `ready` holds writes though the backlog calls
 test('3: a herd granted from slotWaiters (claimed ahead) holds writes until its last granted call has ended', async () => {
   // Regression: would fail if only the wait for a slot counted (writes going once the last run
   // got its slot, the pre-settling behaviour) or if grant() did not mark the run (waited=true).
-  const written: string[][] = [];
-  const gates = new Map([3, 4].map((n) => [id(n), gate()]));
-  const called = new Set<string>();
-  const { queue, writes } = queueRecordingWrites(
-    {
-      concurrency: 2,
-      claimGraceMs: 10_000,
-      run: async (run, _s, _l, callEnded) => {
-        called.add(run.id);
-        await gates.get(run.id)?.promise;
-        callEnded(true, true);
-        await writes.add(run.id, true);
-      },
-    },
-    written,
-  );
+  const { queue, written, called, open } = queueWithGatedCalls({ concurrency: 2, claimGraceMs: 10_000 }, [
+    id(3),
+    id(4),
+  ]);
   setCallTime(queue, 50);
   for (let n = 1; n <= 4; n++) queue.hold(message(id(n)));
   await until(() => called.size === 4, 'all 4 in their calls');
   await sleep(20);
   assert.equal(written.length, 0, 'runs 1 and 2 held while runs 3 and 4 (granted from waiters) call');
-  gates.get(id(3))!.open();
+  open(id(3));
   await sleep(20);
   assert.equal(written.length, 0, 'still held: run 4 is in its call');
   assert.equal(internals(queue).backlogCalls, 1);
-  gates.get(id(4))!.open();
+  open(id(4));
   await until(() => written.flat().length === 4, 'all written once the last call ended', 500);
   await queue.drain(1_000, new Error('test over'));
   assert.deepEqual(internals(queue), idle);
@@ -147,41 +104,30 @@ test("4: a call that starts while a backlog's calls are underway is part of it: 
   // the backlog is on, so run 4 is part of it (as a herd's late-claimed last runs are: writes
   // going while they call slowed them and the call time the queue samples). Once run 3 and run 4
   // have ended, the backlog is over: the writes go, and a later lone call holds nothing.
-  const written: string[][] = [];
-  const gates = new Map([2, 3, 4, 5].map((n) => [id(n), gate()]));
-  const called = new Set<string>();
-  const { queue, writes } = queueRecordingWrites(
-    {
-      concurrency: 2,
-      run: async (run, _s, _l, callEnded) => {
-        called.add(run.id);
-        await gates.get(run.id)?.promise;
-        callEnded(true, true);
-        await writes.add(run.id, true);
-      },
-    },
-    written,
+  const { queue, written, called, open, openAll } = queueWithGatedCalls(
+    { concurrency: 2 },
+    [2, 3, 4, 5].map(id),
   );
   for (let n = 1; n <= 3; n++) queue.hold(message(id(n)));
   try {
     await until(() => called.has(id(3)), 'run 3 in its call');
-    gates.get(id(2))!.open();
+    open(id(2));
     await until(() => internals(queue).slotted - internals(queue).settling === 1, 'only run 3 calling');
     assert.equal(internals(queue).waiting, 0, 'nothing waits');
     queue.hold(message(id(4)));
     await until(() => called.has(id(4)), 'run 4 in its call');
-    gates.get(id(3))!.open(); // the herd's last call ends; run 4, started during the backlog, has not
+    open(id(3)); // the herd's last call ends; run 4, started during the backlog, has not
     await sleep(20);
     assert.equal(written.length, 0, 'held while run 4, part of the backlog, is in its call');
     assert.equal(queue.callsUnderway(), true);
-    gates.get(id(4))!.open();
+    open(id(4));
     await until(() => written.flat().length === 4, 'the backlog over: all written', 500);
     assert.equal(queue.callsUnderway(), false);
     queue.hold(message(id(5))); // a lone call after the backlog: holds nothing
     await until(() => called.has(id(5)), 'run 5 in its call');
     assert.equal(queue.callsUnderway(), false);
   } finally {
-    for (const g of gates.values()) g.open();
+    openAll();
   }
   await until(() => written.flat().length === 5, 'all written');
   await queue.drain(1_000, new Error('test over'));
@@ -192,21 +138,12 @@ test('4: a long call started with nothing waiting holds nothing, before, during 
   // Regression: would fail if the long call were marked retroactively when a backlog forms (e.g.
   // callsUnderway counting slotted > settling while `backlog` is set), or if `backlog` were never
   // cleared after the herd.
-  const written: string[][] = [];
-  const long = gate();
-  const called = new Set<string>();
-  const { queue, writes } = queueRecordingWrites(
-    {
-      concurrency: 2,
-      run: async (run, _s, _l, callEnded) => {
-        called.add(run.id);
-        if (run.id === id(1)) await long.promise;
-        else await sleep(3);
-        callEnded(true, true);
-        await writes.add(run.id, true);
-      },
+  const { queue, written, called, openAll } = queueWithGatedCalls(
+    { concurrency: 2 },
+    [id(1)],
+    async (runId) => {
+      if (runId !== id(1)) await sleep(3);
     },
-    written,
   );
   queue.hold(message(id(1)));
   await until(() => called.has(id(1)), 'run 1 (long) in its call');
@@ -219,7 +156,7 @@ test('4: a long call started with nothing waiting holds nothing, before, during 
     queue.hold(message(id(6)));
     await until(() => written.flat().includes(id(6)), 'a later run written at once', 500);
   } finally {
-    long.open();
+    openAll();
   }
   await until(() => written.flat().length === 6, 'run 1 written');
   await queue.drain(1_000, new Error('test over'));
@@ -470,21 +407,9 @@ test('R2/3: a herd whose one extra run waited only in slotWaiters holds writes f
   // false, so run 4 is not marked, and the held writes go when run 3 ends, while run 4 calls.
   // The same herd with its extra run waiting in `ready` (test "4: a call that starts while a
   // backlog's calls are underway") holds them until run 4 has ended.
-  const written: string[][] = [];
-  const gates = new Map([1, 2, 3, 4].map((n) => [id(n), gate()]));
-  const called = new Set<string>();
-  const { queue, writes } = queueRecordingWrites(
-    {
-      concurrency: 2,
-      claimGraceMs: 10_000,
-      run: async (run, _s, _l, callEnded) => {
-        called.add(run.id);
-        await gates.get(run.id)?.promise;
-        callEnded(true, true);
-        await writes.add(run.id, true);
-      },
-    },
-    written,
+  const { queue, written, called, open, openAll } = queueWithGatedCalls(
+    { concurrency: 2, claimGraceMs: 10_000 },
+    [1, 2, 3, 4].map(id),
   );
   setCallTime(queue, 50);
   try {
@@ -493,21 +418,21 @@ test('R2/3: a herd whose one extra run waited only in slotWaiters holds writes f
       () => called.has(id(1)) && called.has(id(2)) && internals(queue).waiting === 1,
       'run 3 waits for a slot',
     );
-    gates.get(id(1))!.open();
+    open(id(1));
     await until(() => called.has(id(3)), 'run 3 granted');
-    gates.get(id(2))!.open();
+    open(id(2));
     await until(() => internals(queue).settling === 2, 'runs 1 and 2 settling (held)');
     assert.equal(written.length, 0);
     queue.hold(message(id(4))); // claimed late, while the herd's last call is underway
     await until(() => called.has(id(4)), 'run 4 in its call');
-    gates.get(id(3))!.open(); // the herd's last call ends; run 4 has not
+    open(id(3)); // the herd's last call ends; run 4 has not
     await sleep(20);
     assert.equal(queue.callsUnderway(), true, 'run 4, claimed during the backlog, is part of it');
     assert.equal(written.length, 0, 'held while run 4 is in its call');
-    gates.get(id(4))!.open();
+    open(id(4));
     await until(() => written.flat().length === 4, 'all written once run 4 has ended', 500);
   } finally {
-    for (const g of gates.values()) g.open();
+    openAll();
     await queue.drain(1_000, new Error('test over'));
   }
   assert.deepEqual(internals(queue), idle);
@@ -521,10 +446,7 @@ test('R2/2: a waiting run superseded by a newer, not yet due announcement ends t
   // `backlog` stays true with nothing waiting and no backlog call. 150 ms later run 1 gets the free
   // slot with nothing waiting but is marked by the stale flag, and run 0's write, when its call
   // ends, is held for its full hold (60 s here) while run 1 calls.
-  const written: string[][] = [];
-  const gates = new Map([0, 1].map((n) => [id(n), gate()]));
-  const called = new Set<string>();
-  const { queue, writes } = queueRecordingWrites(
+  const { queue, written, called, open, openAll } = queueWithGatedCalls(
     {
       concurrency: 2,
       claimLeadMs: 1_000,
@@ -532,14 +454,8 @@ test('R2/2: a waiting run superseded by a newer, not yet due announcement ends t
         kind: 'claimed',
         run: { ...fakeClaimedRun(request.runId, request.attempt), notBefore: request.notBefore },
       }),
-      run: async (run, _s, _l, callEnded) => {
-        called.add(run.id);
-        await gates.get(run.id)?.promise;
-        callEnded(true, true);
-        await writes.add(run.id, true);
-      },
     },
-    written,
+    [id(0), id(1)],
   );
   try {
     queue.hold(message(id(0)));
@@ -552,14 +468,14 @@ test('R2/2: a waiting run superseded by a newer, not yet due announcement ends t
     assert.equal(internals(queue).backlogCalls, 0);
     assert.equal(queue.callsUnderway(), false);
     await until(() => called.has(id(1)), 'run 1 in its call');
-    gates.get(id(0))!.open();
+    open(id(0));
     await until(() => written.flat().includes(id(0)), "run 0's write goes at once", 500);
     assert.equal(internals(queue).backlogCalls, 0, 'run 1 got its slot with no backlog on');
-    gates.get(id(1))!.open();
+    open(id(1));
     await until(() => written.flat().length === 2, 'all written', 500);
     assert.equal(internals(queue).backlog, false);
   } finally {
-    for (const g of gates.values()) g.open();
+    openAll();
     await queue.drain(1_000, new Error('test over'));
   }
   assert.deepEqual(internals(queue), idle);

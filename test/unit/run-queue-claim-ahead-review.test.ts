@@ -13,7 +13,7 @@ import type { AttemptReport } from '../../src/store/attempts.js';
 import type { Connections } from '../../src/store/pool-share.js';
 import type { ClaimedRun } from '../../src/store/runs.js';
 import { fakeClaimedRun } from '../support/claimed-run.js';
-import { gate, setCallTime, testRunQueue, until } from '../support/run-queue.js';
+import { gate, queueCounters, setCallTime, testRunQueue, until } from '../support/run-queue.js';
 
 // Review of 9166bae (claims no longer take an execution slot): interleavings between a claimed
 // run's wait for its slot and aborts, the poller, drains and the claim-ahead budget. Fakes only.
@@ -27,38 +27,13 @@ function message(runId: string, attempt = 1, notBefore = new Date()): RunMessage
   return { runId, jobId: runId, attempt, scheduledFor: notBefore, notBefore };
 }
 
-interface Counters {
-  slotted: number;
-  ahead: number;
-  settling: number;
-  reserved: number;
-  executing: number;
-  superseded: number;
-  waiters: number;
+/** The counters that return to zero once a queue is idle. */
+function counters(queue: RunQueue) {
+  const { slotted, ahead, settling, reserved, executing, superseded, slotWaiters } = queueCounters(queue);
+  return { slotted, ahead, settling, reserved, executing, superseded, waiters: slotWaiters };
 }
 
-function counters(queue: RunQueue): Counters {
-  const q = queue as unknown as {
-    slotted: number;
-    ahead: number;
-    settling: number;
-    reserved: number;
-    executing: Map<string, unknown>;
-    superseded: Set<unknown>;
-    slotWaiters: { length: number };
-  };
-  return {
-    slotted: q.slotted,
-    ahead: q.ahead,
-    settling: q.settling,
-    reserved: q.reserved,
-    executing: q.executing.size,
-    superseded: q.superseded.size,
-    waiters: q.slotWaiters.length,
-  };
-}
-
-const IDLE: Counters = {
+const IDLE: ReturnType<typeof counters> = {
   slotted: 0,
   ahead: 0,
   settling: 0,

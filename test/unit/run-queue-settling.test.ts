@@ -8,6 +8,7 @@ import { fakeClaimedRun } from '../support/claimed-run.js';
 import {
   gate,
   queueRecordingWrites,
+  queueWithGatedCalls,
   queueWithHeldWrites,
   testRunQueue,
   until,
@@ -524,76 +525,42 @@ test('(g) the claim watch leaves out settling runs: their call is over, nothing 
 
 test('(f) held writes wait for the calls of a backlog still in flight, not only for the runs waiting for a slot', async () => {
   // Going as soon as the last run had a slot, a herd's writes delayed its last calls' STARTs.
-  const written: string[][] = [];
-  const long = gate();
-  const { queue, writes } = queueRecordingWrites(
-    {
-      concurrency: 2,
-      run: async (run, _signal, _left, callEnded) => {
-        if (run.id === id(3)) await long.promise; // the last of the backlog: it waited for run 1's slot
-        if (run.id === id(2)) await sleep(5);
-        callEnded(true, true);
-        await writes.add(run.id, true);
-      },
-    },
-    written,
-  );
+  // Run 3 is the last of the backlog: it waited for run 1's slot.
+  const { queue, writes, written, open } = queueWithGatedCalls({ concurrency: 2 }, [id(3)], async (runId) => {
+    if (runId === id(2)) await sleep(5);
+  });
   for (let n = 1; n <= 3; n++) queue.hold(message(id(n)));
   await until(() => writes.held === 2, 'runs 1 and 2 to be written later');
   await sleep(20);
   assert.equal(written.length, 0, 'held while run 3, which waited for its slot, is in its call');
   assert.equal(queue.callsUnderway(), true);
-  long.open();
+  open(id(3));
   await until(() => written.flat().length === 3, 'the writes once the calls are over');
   await queue.drain(1_000, new Error('test over'));
 });
 
 test('(f) runs claimed together in one pump did not wait for each other: a long one among them holds no write back', async () => {
-  const written: string[][] = [];
-  const long = gate();
-  const { queue, writes } = queueRecordingWrites(
-    {
-      concurrency: 2,
-      run: async (run, _signal, _left, callEnded) => {
-        if (run.id === id(2)) await long.promise;
-        callEnded(true, true);
-        await writes.add(run.id, true);
-      },
-    },
-    written,
-  );
+  const { queue, written, open } = queueWithGatedCalls({ concurrency: 2 }, [id(2)]);
   // Both wait for the same instant, so one pump claims them, run 2 (the long call) second.
   const at = new Date(Date.now() + 30);
   queue.hold({ ...message(id(1)), scheduledFor: at, notBefore: at });
   queue.hold({ ...message(id(2)), scheduledFor: at, notBefore: at });
   await until(() => written.length > 0, 'run 1 written while run 2 is in its call');
   assert.deepEqual(written, [[id(1)]]);
-  long.open();
+  open(id(2));
   await until(() => written.flat().length === 2, 'run 2 written');
   await queue.drain(1_000, new Error('test over'));
 });
 
 test('(f) a call that got its slot with nothing waiting holds no write back: a long call beside a light load', async () => {
-  const written: string[][] = [];
-  const long = gate();
-  const { queue, writes } = queueRecordingWrites(
-    {
-      concurrency: 2,
-      run: async (run, _signal, _left, callEnded) => {
-        if (run.id === id(1)) await long.promise;
-        callEnded(true, true);
-        await writes.add(run.id, true);
-      },
-    },
-    written,
-  );
+  const { queue, writes, written, open } = queueWithGatedCalls({ concurrency: 2 }, [id(1)]);
   queue.hold(message(id(1)));
   await until(() => internals(queue).executing === 1 && queue.callsUnderway() === false, 'run 1 in its call');
   queue.hold(message(id(2)));
   await until(() => written.length > 0, 'run 2 written while run 1 is in its call');
   assert.deepEqual(written, [[id(2)]]);
   assert.equal(writes.held, 0);
-  long.open();
+  open(id(1));
   await until(() => written.flat().length === 2, 'run 1 written');
   await queue.drain(1_000, new Error('test over'));
 });
