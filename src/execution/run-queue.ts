@@ -136,7 +136,8 @@ interface DueWait extends InstantTimer {
 /** A claimed, due run waiting for a slot; `grant` gives it one. */
 interface SlotWaiter {
   readonly execution: Execution;
-  readonly grant: () => void;
+  /** `waitedForCall`: the slot is one a call (or a held write) gave back, not a reservation. */
+  readonly grant: (waitedForCall: boolean) => void;
 }
 
 /** Removes the first `item` from `queue`, if it is there (a scan: for the rare removal from the middle). */
@@ -278,14 +279,16 @@ export class RunQueue {
   /** Executions whose `backlogCall` is set. */
   private backlogCalls = 0;
   /**
-   * A backlog is on: runs were left waiting (for the claim budget or a slot) at the end of a
-   * pump(), and its calls have not all ended. Every run claimed or given a slot meanwhile is part
+   * A backlog is on: runs were left waiting (for the claim budget, or for a slot that a call holds:
+   * see callsFillSlots()) at the end of a pump(), and its calls have not all ended. Every run claimed or given a slot meanwhile is part
    * of it (`backlogCall`), those claimed from `ready` from their claim on, so the writes held for
    * a herd do not go while its last claims are on their way or its last calls are underway.
    * Set at the end of pump() and when a run is left waiting for a slot, never in the middle of a
    * pump (the runs one pump claims together did not wait for each other); cleared by update().
    */
   private backlog = false;
+  /** In the pump of a reservation's release: the slots it gives out were held by no call. */
+  private releasing = false;
   private full = false;
   private draining = false;
   /**
@@ -350,7 +353,12 @@ export class RunQueue {
       if (released) return;
       released = true;
       this.reserved -= n;
-      this.pump();
+      this.releasing = true;
+      try {
+        this.pump();
+      } finally {
+        this.releasing = false;
+      }
       this.checkIdle();
     };
   }
@@ -543,9 +551,9 @@ export class RunQueue {
     return new Promise<void>((resolve) => {
       const waiter: SlotWaiter = {
         execution,
-        grant: () => {
+        grant: (waitedForCall) => {
           execution.stopWaiting = undefined;
-          this.giveSlot(execution, true);
+          this.giveSlot(execution, waitedForCall);
           resolve();
         },
       };
@@ -555,20 +563,34 @@ export class RunQueue {
         resolve();
       };
       this.slotWaiters.push(waiter);
-      // Left waiting for a slot, outside pump(): a backlog (see `backlog`).
-      this.backlog = true;
+      // Left waiting for a slot by calls, outside pump(): a backlog (see `backlog`).
+      if (this.callsFillSlots()) this.backlog = true;
     });
   }
 
-  /** `waited`: it had to wait for the slot (see {@link Execution.backlogCall}). */
-  private giveSlot(execution: Execution, waited = false): void {
+  /**
+   * Every slot is taken by an execution, not by the poller's reservation: a run that waits for a
+   * slot now waits for a call to end. A run that waits only while the poller's query holds the
+   * slots reserved (a few ms) waits for no call, and is no backlog: holding writes back for it
+   * would buy no call its CPU.
+   */
+  private callsFillSlots(): boolean {
+    return this.busy() - this.reserved >= this.options.concurrency;
+  }
+
+  /**
+   * A run given a slot during a backlog (see `backlog`) or while runs wait for the claim budget is
+   * part of it ({@link Execution.backlogCall}). One that waited and got the slot of a call that
+   * ended (`waitedForCall`) starts a backlog, though it began waiting while the poller's query held
+   * a slot reserved: it waited for that call.
+   */
+  private giveSlot(execution: Execution, waitedForCall = false): void {
     execution.slotted = true;
     execution.slotAt = performance.now();
     this.ahead -= 1;
     this.slotted += 1;
-    if (waited || this.backlog || this.ready.length > 0 || this.slotWaiters.length > 0) {
-      this.startBacklogCall(execution);
-    }
+    if (waitedForCall) this.backlog = true;
+    if (this.backlog || this.ready.length > 0) this.startBacklogCall(execution);
   }
 
   private startBacklogCall(execution: Execution): void {
@@ -666,7 +688,7 @@ export class RunQueue {
   /** Gives free slots to claimed runs that are due, then claims ready runs within the budget. */
   private pump(): void {
     while (this.slotWaiters.length > 0 && this.busy() < this.options.concurrency) {
-      this.slotWaiters.shift()!.grant();
+      this.slotWaiters.shift()!.grant(!this.releasing);
       this.paceWindow.granted += 1;
     }
     this.measurePace();
@@ -677,7 +699,7 @@ export class RunQueue {
       this.held.delete(runId);
       this.track(runId, entry.message.attempt, false, (execution) => this.claimAndRun(entry, execution));
     }
-    if (this.ready.length > 0 || this.slotWaiters.length > 0) this.backlog = true;
+    if (this.ready.length > 0 || (this.slotWaiters.length > 0 && this.callsFillSlots())) this.backlog = true;
     this.update();
   }
 

@@ -480,3 +480,224 @@ test('R2/2: a waiting run superseded by a newer, not yet due announcement ends t
   }
   assert.deepEqual(internals(queue), idle);
 });
+
+// ---- The poller's reservation is not a backlog ----
+
+test("a run that waited for a slot only while the poller's query held it reserved is not a backlog call", async () => {
+  // 2 slots. Run 1 is a lone long call. The poller reserves the other slot for its query; run 2
+  // (claimed ahead) falls due meanwhile and waits for it. The query finds nothing and gives the
+  // slot back: run 2 gets it at once. No call waited for another call, so nothing is held: run 1's
+  // write goes when its call ends, though run 2 (long too) is still calling.
+  const { queue, written, called, open, openAll } = queueWithGatedCalls(
+    { concurrency: 2, claimGraceMs: 10_000 },
+    [id(1), id(2)],
+  );
+  setCallTime(queue, 50);
+  try {
+    queue.hold(message(id(1)));
+    await until(() => called.has(id(1)), 'run 1 (a lone long call) in its call');
+    const release = queue.reserve(queue.freeSlots()); // the poller's query begins
+    queue.hold(message(id(2)));
+    await until(() => internals(queue).waiting === 1, 'run 2 waits for the reserved slot');
+    release(); // the query found nothing overdue
+    await until(() => called.has(id(2)), 'run 2 in its call');
+    assert.equal(queue.callsUnderway(), false, 'run 2 waited for no call');
+    open(id(1));
+    await until(() => written.flat().includes(id(1)), "run 1's write goes at once", 500);
+    open(id(2));
+    await until(() => written.flat().length === 2, 'all written', 500);
+  } finally {
+    openAll();
+    await queue.drain(1_000, new Error('test over'));
+  }
+  assert.deepEqual(internals(queue), idle);
+});
+
+test('a run left waiting once the poller filled its reserved slot with a call is part of a backlog', async () => {
+  // As above, but the poller's query claims an overdue run (3) into the reserved slot: run 2 now
+  // waits for calls, and a success's write is held until the backlog's calls have ended.
+  const { queue, written, called, open, openAll } = queueWithGatedCalls(
+    { concurrency: 2, claimGraceMs: 10_000 },
+    [id(1), id(2), id(3)],
+  );
+  setCallTime(queue, 50);
+  try {
+    queue.hold(message(id(1)));
+    await until(() => called.has(id(1)), 'run 1 (a lone long call) in its call');
+    const release = queue.reserve(queue.freeSlots());
+    queue.hold(message(id(2)));
+    await until(() => internals(queue).waiting === 1, 'run 2 waits for the reserved slot');
+    queue.execute(fakeClaimedRun(id(3), 1)); // the poller's claim takes the reserved slot
+    release();
+    await until(() => called.has(id(3)), "the poller's run 3 in its call");
+    assert.equal(internals(queue).waiting, 1, 'run 2 still waits, now for a call to end');
+    assert.equal(queue.callsUnderway(), true);
+    open(id(3));
+    await until(() => called.has(id(2)), "run 2 in run 3's slot");
+    await sleep(20);
+    assert.equal(written.length, 0, "run 3's write held while run 2, which waited for it, calls");
+    open(id(2));
+    await until(() => written.flat().length === 2, 'runs 2 and 3 written once the backlog is over', 500);
+    open(id(1));
+    await until(() => written.flat().length === 3, 'run 1 written', 500);
+  } finally {
+    openAll();
+    await queue.drain(1_000, new Error('test over'));
+  }
+  assert.deepEqual(internals(queue), idle);
+});
+
+/** Invariants at each step: the backlog count matches its flags; no more calls than slots. */
+function checkCounts(queue: RunQueue, concurrency: number): void {
+  const c = queueCounters(queue);
+  assert.equal(c.backlogCalls, c.flagged, 'backlogCalls == flagged');
+  assert.ok(c.backlogCalls >= 0);
+  assert.ok(c.slotted - c.settling <= concurrency + c.reserved, 'calls in flight within slots');
+}
+
+// A third review (helper-22) of the change above: with a slot reserved, a pump never ends with
+// the slots full of calls, so a herd whose calls end during the poller's query started no backlog.
+// A run given the slot of a call that ended waited for that call: it starts one (giveSlot).
+
+test("helper-22 T1: a herd that waits for calls that end during the poller's query is a backlog", async () => {
+  // 2 slots; run 1 a long call; the poller reserves the other slot and its query is slow (DB busy).
+  // Runs 2 and 3 fall due: 3 runs for 2 slots. Run 3 waits for two calls to end (1, then 2): it
+  // would have waited for run 1 even with no reservation. Its writes must be held while it calls.
+  const { queue, written, called, open, openAll } = queueWithGatedCalls(
+    { concurrency: 2, claimGraceMs: 10_000 },
+    [id(1), id(2), id(3)],
+  );
+  setCallTime(queue, 50);
+  let release: (() => void) | undefined;
+  try {
+    queue.hold(message(id(1)));
+    await until(() => called.has(id(1)), 'run 1 calling');
+    release = queue.reserve(queue.freeSlots());
+    assert.equal(internals(queue).reserved, 1);
+    queue.hold(message(id(2)));
+    queue.hold(message(id(3)));
+    await until(() => internals(queue).waiting === 2, 'runs 2 and 3 wait');
+    checkCounts(queue, 2);
+    open(id(1));
+    await until(() => called.has(id(2)), "run 2 in run 1's slot");
+    checkCounts(queue, 2);
+    open(id(2));
+    await until(() => called.has(id(3)), "run 3 in run 2's slot (it waited for calls 1 and 2)");
+    checkCounts(queue, 2);
+    await sleep(20);
+    assert.deepEqual(written, [], 'writes of 1 and 2 held while run 3, which waited for their calls, calls');
+  } finally {
+    openAll();
+    release?.();
+  }
+  await until(() => written.flat().length === 3, 'all written');
+  await queue.drain(1_000, new Error('test over'));
+  assert.deepEqual(internals(queue), idle);
+});
+
+test("helper-22 T2: a run given a call's slot during the poller's query is part of the backlog", async () => {
+  // 2 slots; run 1 long; poller reserves 1; runs 2, 3, 4 fall due (4 runs for 2 slots).
+  // Run 1 ends during the query: run 2 gets its slot (it waited for run 1's call). The query ends
+  // empty: run 3 gets the reserved slot, run 4 still waits -> backlog. Run 3 ends, run 4 (marked)
+  // gets its slot and ends: writes go while run 2, which waited for run 1's call, still calls.
+  const { queue, written, called, open, openAll } = queueWithGatedCalls(
+    { concurrency: 2, claimGraceMs: 10_000 },
+    [1, 2, 3, 4].map(id),
+  );
+  setCallTime(queue, 50);
+  let release: (() => void) | undefined;
+  try {
+    queue.hold(message(id(1)));
+    await until(() => called.has(id(1)), 'run 1 calling');
+    release = queue.reserve(queue.freeSlots());
+    for (const n of [2, 3, 4]) queue.hold(message(id(n)));
+    await until(() => internals(queue).waiting === 3, 'runs 2-4 wait');
+    open(id(1));
+    await until(() => called.has(id(2)), "run 2 in run 1's slot");
+    release();
+    await until(() => called.has(id(3)), 'run 3 in the released slot');
+    assert.equal(internals(queue).backlog, true, 'run 4 left waiting for calls: backlog');
+    open(id(3));
+    await until(() => called.has(id(4)), "run 4 in run 3's slot");
+    open(id(4));
+    await sleep(20); // run 4's call has ended; run 2's has not
+    checkCounts(queue, 2);
+    assert.equal(internals(queue).slotted - internals(queue).settling, 1, 'run 2 still calling');
+    assert.deepEqual(written, [], 'writes held while run 2 (waited for run 1) calls');
+  } finally {
+    openAll();
+    release?.();
+  }
+  await until(() => written.flat().length === 4, 'all written');
+  await queue.drain(1_000, new Error('test over'));
+  assert.deepEqual(internals(queue), idle);
+});
+
+test('helper-22 T3: a herd on 4 slots, 1 reserved, drains during a slow poll: its writes wait for its last calls', async () => {
+  // 4 slots, 3 long calls (1-3), poller reserves 1; runs 4..11 fall due (8 runs, 1 free slot).
+  // Calls end one by one during the query; the last 3 herd runs call after the waiters are empty.
+  const c = 4;
+  const all = Array.from({ length: 11 }, (_, i) => id(i + 1));
+  const { queue, written, called, open, openAll } = queueWithGatedCalls(
+    { concurrency: c, claimGraceMs: 10_000 },
+    all,
+  );
+  setCallTime(queue, 50);
+  let release: (() => void) | undefined;
+  try {
+    for (const n of [1, 2, 3]) queue.hold(message(id(n)));
+    await until(() => called.size === 3, 'runs 1-3 calling');
+    release = queue.reserve(queue.freeSlots());
+    for (let n = 4; n <= 11; n++) queue.hold(message(id(n)));
+    await until(() => internals(queue).waiting === 8, 'the herd waits');
+    // End calls in slot order until nothing waits.
+    let next = 1;
+    while (internals(queue).waiting > 0) {
+      open(id(next));
+      next += 1;
+      await until(() => called.size >= next + 2, 'next herd run calling');
+      checkCounts(queue, c);
+    }
+    // Runs 9, 10, 11 (and 8) are calling; the herd waited for calls throughout.
+    await sleep(20);
+    assert.equal(queue.callsUnderway(), true, "the herd's last calls are underway");
+    assert.deepEqual(written, [], 'writes held while the herd calls');
+  } finally {
+    openAll();
+    release?.();
+  }
+  await until(() => written.flat().length === 11, 'all written');
+  await queue.drain(1_000, new Error('test over'));
+  assert.deepEqual(internals(queue), idle);
+});
+
+test('helper-22 T4: the poller claims a run into part of its reservation; the run given the rest holds nothing', async () => {
+  // 3 slots; run 1 long; poller reserves 2; run 2 waits. Poller claims run 3 into one reserved
+  // slot; release gives run 2 the other. No run waited for a call: nothing held.
+  const { queue, written, called, open, openAll } = queueWithGatedCalls(
+    { concurrency: 3, claimGraceMs: 10_000 },
+    [1, 2, 3].map(id),
+  );
+  setCallTime(queue, 50);
+  try {
+    queue.hold(message(id(1)));
+    await until(() => called.has(id(1)), 'run 1 calling');
+    const release = queue.reserve(queue.freeSlots());
+    assert.equal(internals(queue).reserved, 2);
+    queue.hold(message(id(2)));
+    await until(() => internals(queue).waiting === 1, 'run 2 waits');
+    queue.execute(fakeClaimedRun(id(3), 1));
+    release();
+    await until(() => called.has(id(2)) && called.has(id(3)), 'runs 2 and 3 calling');
+    checkCounts(queue, 3);
+    assert.equal(queue.callsUnderway(), false);
+    assert.equal(internals(queue).backlogCalls, 0);
+    open(id(1));
+    await until(() => written.flat().includes(id(1)), "run 1's write goes at once", 500);
+  } finally {
+    openAll();
+  }
+  await until(() => written.flat().length === 3, 'all written');
+  await queue.drain(1_000, new Error('test over'));
+  assert.deepEqual(internals(queue), idle);
+});
