@@ -83,6 +83,7 @@ test('every metric the alert rules and the dashboard name is one a Helios node e
 
 test('every alert says what happened and what to do, with a severity', () => {
   assert.deepEqual(rules.map((r) => r.alert).sort(), [
+    'HeliosCallsNotRecorded',
     'HeliosDbPoolWaiting',
     'HeliosDeadLettersRising',
     'HeliosFenceRejections',
@@ -229,6 +230,22 @@ const CASES: Case[] = [
     at: '6m',
     alert: 'HeliosDbPoolWaiting',
     fires: [{ node: 'a', pool: 'leader' }],
+  },
+  {
+    name: 'a call ended after its claim was lost',
+    interval: '1m',
+    series: { 'helios_stale_completions_total{node="b"}': '0 0 1 1' },
+    at: '3m',
+    alert: 'HeliosCallsNotRecorded',
+    fires: [{}],
+  },
+  {
+    name: 'no call lost its claim for 15 minutes',
+    interval: '1m',
+    series: { 'helios_stale_completions_total{node="b"}': '2x30' },
+    at: '25m',
+    alert: 'HeliosCallsNotRecorded',
+    fires: [],
   },
 ];
 
