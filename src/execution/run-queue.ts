@@ -484,9 +484,9 @@ export class RunQueue {
    * many as the slots start within half the claim grace: at the recent call time (see RunQueue),
    * and while runs wait for slots, at most at the pace slots were really given to them.
    */
-  private claimBudget(): number {
+  private claimBudget(withoutReservation = false): number {
     const { concurrency, claimGraceMs, prefetch } = this.options;
-    const free = Math.max(0, concurrency - this.busy());
+    const free = Math.max(0, concurrency - this.busy() + (withoutReservation ? this.reserved : 0));
     // A stopping worker claims only for its free slots: a run claimed ahead would be handed back.
     if (this.draining) return free;
     const bySlots = (concurrency * claimGraceMs) / 2 / Math.max(1, this.callMs);
@@ -579,6 +579,15 @@ export class RunQueue {
   }
 
   /**
+   * Runs wait in `ready` for the claim budget, and would without the poller's reservation too: the
+   * calls underway (and the claims ahead they allow) are what holds them back, as callsFillSlots()
+   * for the slots.
+   */
+  private readyWaitsForCalls(): boolean {
+    return this.ready.length > 0 && this.ahead + this.ready.length > this.claimBudget(true);
+  }
+
+  /**
    * A run given a slot during a backlog (see `backlog`) or while runs wait for the claim budget is
    * part of it ({@link Execution.backlogCall}). One that waited and got the slot of a call that
    * ended (`waitedForCall`) starts a backlog, though it began waiting while the poller's query held
@@ -590,7 +599,7 @@ export class RunQueue {
     this.ahead -= 1;
     this.slotted += 1;
     if (waitedForCall) this.backlog = true;
-    if (this.backlog || this.ready.length > 0) this.startBacklogCall(execution);
+    if (this.backlog || this.readyWaitsForCalls()) this.startBacklogCall(execution);
   }
 
   private startBacklogCall(execution: Execution): void {
@@ -699,7 +708,8 @@ export class RunQueue {
       this.held.delete(runId);
       this.track(runId, entry.message.attempt, false, (execution) => this.claimAndRun(entry, execution));
     }
-    if (this.ready.length > 0 || (this.slotWaiters.length > 0 && this.callsFillSlots())) this.backlog = true;
+    if (this.readyWaitsForCalls() || (this.slotWaiters.length > 0 && this.callsFillSlots()))
+      this.backlog = true;
     this.update();
   }
 

@@ -701,3 +701,69 @@ test('helper-22 T4: the poller claims a run into part of its reservation; the ru
   await queue.drain(1_000, new Error('test over'));
   assert.deepEqual(internals(queue), idle);
 });
+
+// A fourth review (helper-23): a run can also wait in `ready`, for the claim budget, which counts
+// the reserved slots as taken; with no claims ahead of the free slots (long calls, or the tests'
+// claimGraceMs 0) waiting there only for the poller's query started a backlog too.
+
+for (const [settings, callMs] of [
+  [{ concurrency: 2 }, undefined],
+  [{ concurrency: 2, claimGraceMs: 5_000 }, 10_000],
+] as const) {
+  test(`helper-23 A: a run that waited in \`ready\` only for the poller's reservation holds nothing (${JSON.stringify(settings)})`, async () => {
+    const { queue, written, called, open, openAll } = queueWithGatedCalls(settings, [id(1), id(2)]);
+    if (callMs) setCallTime(queue, callMs); // calls of 10 s: no claims ahead of the free slots
+    try {
+      queue.hold(message(id(1)));
+      await until(() => called.has(id(1)), 'run 1 (a lone long call) in its call');
+      const release = queue.reserve(queue.freeSlots());
+      queue.hold(message(id(2)));
+      assert.equal(
+        queueCounters(queue).ready,
+        1,
+        'run 2 waits in ready: the reservation took the claim budget',
+      );
+      release(); // the query found nothing
+      await until(() => called.has(id(2)), 'run 2 in its call');
+      assert.equal(queue.callsUnderway(), false, 'run 2 waited for no call');
+      open(id(1));
+      await until(() => written.flat().includes(id(1)), "run 1's write goes at once", 500);
+    } finally {
+      openAll();
+    }
+    await until(() => written.flat().length === 2, 'all written');
+    await queue.drain(1_000, new Error('test over'));
+    assert.deepEqual(internals(queue), idle);
+  });
+}
+
+test("helper-23 G: a run waiting for the reserved slot and one in `ready` behind it, both given the reservation's slots, hold nothing", async () => {
+  // 3 slots, claims ahead for 1 run beyond the free slots (1 s grace, 1.5 s calls). Run 1 calls;
+  // the poller reserves the 2 free slots; run 2 is claimed ahead and waits for a slot, run 3 waits
+  // in `ready`. The query finds nothing: runs 2 and 3 get the two slots, having waited for no call.
+  const { queue, written, called, open, openAll } = queueWithGatedCalls(
+    { concurrency: 3, claimGraceMs: 1_000 },
+    [1, 2, 3].map(id),
+  );
+  setCallTime(queue, 1_500);
+  try {
+    queue.hold(message(id(1)));
+    await until(() => called.has(id(1)), 'run 1 in its call');
+    const release = queue.reserve(queue.freeSlots());
+    queue.hold(message(id(2)));
+    queue.hold(message(id(3)));
+    await until(() => queueCounters(queue).slotWaiters === 1, 'run 2 claimed, waiting for a slot');
+    assert.equal(queueCounters(queue).ready, 1, 'run 3 waits in ready');
+    release();
+    await until(() => called.has(id(2)) && called.has(id(3)), 'runs 2 and 3 in their calls');
+    checkCounts(queue, 3);
+    assert.equal(queue.callsUnderway(), false);
+    open(id(1));
+    await until(() => written.flat().includes(id(1)), "run 1's write goes at once", 500);
+  } finally {
+    openAll();
+  }
+  await until(() => written.flat().length === 3, 'all written');
+  await queue.drain(1_000, new Error('test over'));
+  assert.deepEqual(internals(queue), idle);
+});
