@@ -5,7 +5,9 @@
  * has two calls open at once; `replace` fails a run as replaced only when a newer one started.
  */
 import { explainingFault } from './check-runs.js';
+import { FAULTS_EXPLAINING_REDELIVERY } from './faults.js';
 import {
+  faultNodes,
   groupBy,
   iso,
   type Delivery,
@@ -17,6 +19,29 @@ import {
 const SHOWN = 5;
 /** Slack for comparing instants written by different processes (claim, skip, HTTP arrival). */
 const SLACK_MS = 300;
+
+/** Faults during which a worker may be unable to write what its call did. */
+const WRITE_HOLDING_FAULTS = new Set<string>(FAULTS_EXPLAINING_REDELIVERY);
+
+/**
+ * The latest instant a run's outcome was recorded. `finished_at` is when its call ended; the
+ * outcome is written a round trip later, and `forbid` counts the run active until then. Only a
+ * fault that keeps its worker from writing (on its node or PostgreSQL's: the kinds that explain a
+ * redelivery) can hold the write longer: until the fault is over and the worker's write retry has
+ * come round (settleMs).
+ */
+function recordedBy(obs: Observations, run: RunRow, finishedAt: number): number {
+  const claimant = obs.attempts.find((a) => a.runId === run.id && a.attempt === run.attempt)?.nodeId;
+  let latest = finishedAt;
+  for (const f of obs.faults) {
+    if (!WRITE_HOLDING_FAULTS.has(f.kind)) continue;
+    if (f.start > finishedAt + SLACK_MS || f.end < finishedAt - SLACK_MS) continue;
+    const nodes = faultNodes(f);
+    if (nodes.length > 0 && (claimant === undefined || !nodes.includes(claimant))) continue;
+    latest = Math.max(latest, f.end + obs.settings.settleMs);
+  }
+  return latest;
+}
 
 function report(violations: string[], label: string, items: string[]): void {
   if (items.length === 0) return;
@@ -108,7 +133,7 @@ export function checkPolicies(obs: Observations): Findings {
           (o.state !== 'skipped' || o.attempt > 0) &&
           o.startedAt !== null &&
           o.startedAt <= at + SLACK_MS &&
-          (o.finishedAt === null || o.finishedAt >= run.scheduledFor - SLACK_MS),
+          (o.finishedAt === null || recordedBy(obs, o, o.finishedAt) >= run.scheduledFor - SLACK_MS),
       );
       if (!sibling)
         forbid.push(

@@ -363,6 +363,48 @@ test('the checker reports a retry skipped under forbid', () => {
   );
 });
 
+test("forbid: a run is active until its outcome could be written, which a fault on its worker's writes delays", () => {
+  // Seed 22 (2026-12-04): a call ended 1.3 s into a PostgreSQL restart; its success was written
+  // after the restart, and the next occurrence, due then, was rightly skipped. finished_at says
+  // when the call ended, so only the fault explains the skip: without it, or with the fault on
+  // another node than the run's worker, the same skip is reported.
+  const skippedWhileWriting = (fault?: { kind: string; node?: string }) => {
+    const obs = history();
+    obs.jobs.push(job('f2', 'forbid', '*/2 * * * * *'));
+    const writing = run('f2', 10, 1n, {
+      concurrency: 'forbid',
+      startedAt: sec(10),
+      finishedAt: sec(12) - 700,
+    });
+    const skipped = run('f2', 12, 1n, {
+      concurrency: 'forbid',
+      state: 'skipped',
+      reason: 'concurrency-forbid',
+      attempt: 0,
+      startedAt: null,
+      finishedAt: sec(12) + 45,
+    });
+    obs.runs.push(writing, skipped);
+    obs.attempts.push({
+      runId: writing.id,
+      attempt: 1,
+      nodeId: 'chaos-c',
+      startedAt: sec(10),
+      finishedAt: sec(12) - 700,
+      outcome: 'succeeded',
+    });
+    obs.deliveries.push({ ...delivery(writing), path: '/ok/f2/v0', endedAt: sec(12) - 700 });
+    if (fault) obs.faults.push({ ...fault, start: sec(12) - 1200, end: sec(12) - 300 });
+    return violations(obs);
+  };
+  const reported = /forbid violations:\n.*f2: run f2-12 due .* was skipped at .* with no other run active/;
+  assert.doesNotMatch(skippedWhileWriting({ kind: 'restart-postgres' }), reported);
+  assert.doesNotMatch(skippedWhileWriting({ kind: 'partition-postgres-both', node: 'chaos-c' }), reported);
+  assert.match(skippedWhileWriting(), reported);
+  assert.match(skippedWhileWriting({ kind: 'partition-postgres-both', node: 'chaos-b' }), reported);
+  assert.match(skippedWhileWriting({ kind: 'restart-kafka' }), reported);
+});
+
 test('the checker reports a run written by a stale epoch after a newer epoch wrote', () => {
   const obs = history();
   // Epoch 1 (fenced off at 10.5 s) creates the run of 19 s at 17 s; epoch 2 had written at 11 s.
