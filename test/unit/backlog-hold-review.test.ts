@@ -42,6 +42,20 @@ const idle = {
   waiting: 0,
 };
 
+/** Ends a test: all `runs` written, the queue drained, and its counters back to zero. */
+async function endsIdle(queue: RunQueue, written: string[][], runs: number): Promise<void> {
+  await until(() => written.flat().length === runs, 'all written');
+  await queue.drain(1_000, new Error('test over'));
+  assert.deepEqual(internals(queue), idle);
+}
+
+/** Run 1, a lone long call, gets its slot; then the poller's query reserves the free slots. */
+async function longCallThenPoll(queue: RunQueue, called: Set<string>): Promise<() => void> {
+  queue.hold(message(id(1)));
+  await until(() => called.has(id(1)), 'run 1 (a lone long call) in its call');
+  return queue.reserve(queue.freeSlots());
+}
+
 // ---- Property 3: a herd holds writes until its last call has ended ----
 
 test('3: a herd run that waited in `ready` holds writes though the backlog calls before it end during its claim', async () => {
@@ -129,9 +143,7 @@ test("4: a call that starts while a backlog's calls are underway is part of it: 
   } finally {
     openAll();
   }
-  await until(() => written.flat().length === 5, 'all written');
-  await queue.drain(1_000, new Error('test over'));
-  assert.deepEqual(internals(queue), idle);
+  await endsIdle(queue, written, 5);
 });
 
 test('4: a long call started with nothing waiting holds nothing, before, during and after a herd', async () => {
@@ -522,9 +534,7 @@ test('a run left waiting once the poller filled its reserved slot with a call is
   );
   setCallTime(queue, 50);
   try {
-    queue.hold(message(id(1)));
-    await until(() => called.has(id(1)), 'run 1 (a lone long call) in its call');
-    const release = queue.reserve(queue.freeSlots());
+    const release = await longCallThenPoll(queue, called);
     queue.hold(message(id(2)));
     await until(() => internals(queue).waiting === 1, 'run 2 waits for the reserved slot');
     queue.execute(fakeClaimedRun(id(3), 1)); // the poller's claim takes the reserved slot
@@ -570,9 +580,7 @@ test("helper-22 T1: a herd that waits for calls that end during the poller's que
   setCallTime(queue, 50);
   let release: (() => void) | undefined;
   try {
-    queue.hold(message(id(1)));
-    await until(() => called.has(id(1)), 'run 1 calling');
-    release = queue.reserve(queue.freeSlots());
+    release = await longCallThenPoll(queue, called);
     assert.equal(internals(queue).reserved, 1);
     queue.hold(message(id(2)));
     queue.hold(message(id(3)));
@@ -590,9 +598,7 @@ test("helper-22 T1: a herd that waits for calls that end during the poller's que
     openAll();
     release?.();
   }
-  await until(() => written.flat().length === 3, 'all written');
-  await queue.drain(1_000, new Error('test over'));
-  assert.deepEqual(internals(queue), idle);
+  await endsIdle(queue, written, 3);
 });
 
 test("helper-22 T2: a run given a call's slot during the poller's query is part of the backlog", async () => {
@@ -607,9 +613,7 @@ test("helper-22 T2: a run given a call's slot during the poller's query is part 
   setCallTime(queue, 50);
   let release: (() => void) | undefined;
   try {
-    queue.hold(message(id(1)));
-    await until(() => called.has(id(1)), 'run 1 calling');
-    release = queue.reserve(queue.freeSlots());
+    release = await longCallThenPoll(queue, called);
     for (const n of [2, 3, 4]) queue.hold(message(id(n)));
     await until(() => internals(queue).waiting === 3, 'runs 2-4 wait');
     open(id(1));
@@ -628,9 +632,7 @@ test("helper-22 T2: a run given a call's slot during the poller's query is part 
     openAll();
     release?.();
   }
-  await until(() => written.flat().length === 4, 'all written');
-  await queue.drain(1_000, new Error('test over'));
-  assert.deepEqual(internals(queue), idle);
+  await endsIdle(queue, written, 4);
 });
 
 test('helper-22 T3: a herd on 4 slots, 1 reserved, drains during a slow poll: its writes wait for its last calls', async () => {
@@ -666,9 +668,7 @@ test('helper-22 T3: a herd on 4 slots, 1 reserved, drains during a slow poll: it
     openAll();
     release?.();
   }
-  await until(() => written.flat().length === 11, 'all written');
-  await queue.drain(1_000, new Error('test over'));
-  assert.deepEqual(internals(queue), idle);
+  await endsIdle(queue, written, 11);
 });
 
 test('helper-22 T4: the poller claims a run into part of its reservation; the run given the rest holds nothing', async () => {
@@ -680,9 +680,7 @@ test('helper-22 T4: the poller claims a run into part of its reservation; the ru
   );
   setCallTime(queue, 50);
   try {
-    queue.hold(message(id(1)));
-    await until(() => called.has(id(1)), 'run 1 calling');
-    const release = queue.reserve(queue.freeSlots());
+    const release = await longCallThenPoll(queue, called);
     assert.equal(internals(queue).reserved, 2);
     queue.hold(message(id(2)));
     await until(() => internals(queue).waiting === 1, 'run 2 waits');
@@ -697,9 +695,7 @@ test('helper-22 T4: the poller claims a run into part of its reservation; the ru
   } finally {
     openAll();
   }
-  await until(() => written.flat().length === 3, 'all written');
-  await queue.drain(1_000, new Error('test over'));
-  assert.deepEqual(internals(queue), idle);
+  await endsIdle(queue, written, 3);
 });
 
 // A fourth review (helper-23): a run can also wait in `ready`, for the claim budget, which counts
@@ -747,9 +743,7 @@ test("helper-23 G: a run waiting for the reserved slot and one in `ready` behind
   );
   setCallTime(queue, 1_500);
   try {
-    queue.hold(message(id(1)));
-    await until(() => called.has(id(1)), 'run 1 in its call');
-    const release = queue.reserve(queue.freeSlots());
+    const release = await longCallThenPoll(queue, called);
     queue.hold(message(id(2)));
     queue.hold(message(id(3)));
     await until(() => queueCounters(queue).slotWaiters === 1, 'run 2 claimed, waiting for a slot');
@@ -763,7 +757,5 @@ test("helper-23 G: a run waiting for the reserved slot and one in `ready` behind
   } finally {
     openAll();
   }
-  await until(() => written.flat().length === 3, 'all written');
-  await queue.drain(1_000, new Error('test over'));
-  assert.deepEqual(internals(queue), idle);
+  await endsIdle(queue, written, 3);
 });
