@@ -279,12 +279,14 @@ export class RunQueue {
   /** Executions whose `backlogCall` is set. */
   private backlogCalls = 0;
   /**
-   * A backlog is on: runs were left waiting (for the claim budget, or for a slot that a call holds:
-   * see callsFillSlots()) at the end of a pump(), and its calls have not all ended. Every run claimed or given a slot meanwhile is part
-   * of it (`backlogCall`), those claimed from `ready` from their claim on, so the writes held for
-   * a herd do not go while its last claims are on their way or its last calls are underway.
-   * Set at the end of pump() and when a run is left waiting for a slot, never in the middle of a
-   * pump (the runs one pump claims together did not wait for each other); cleared by update().
+   * A backlog is on: runs were left waiting for calls (for the claim budget, or for a slot that a
+   * call holds, not the poller's reservation: see callsFillSlots()), and its calls have not all
+   * ended. Every run claimed or given a slot meanwhile is part of it (`backlogCall`), those claimed
+   * from `ready` from their claim on, so the writes held for a herd do not go while its last
+   * claims are on their way or its last calls are underway. Set at the end of pump(), when a run
+   * is left waiting for a slot, and when a run that waited gets the slot of a call that ended
+   * (giveSlot); never by the claims in the middle of a pump (the runs one pump claims together did
+   * not wait for each other). Cleared by update().
    */
   private backlog = false;
   /** In the pump of a reservation's release: the slots it gives out were held by no call. */
