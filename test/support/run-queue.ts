@@ -176,3 +176,22 @@ export function queueCounters(queue: RunQueue): {
     flagged: [...q.executing.values(), ...q.superseded].filter((e) => e.backlogCall).length,
   };
 }
+
+/**
+ * Begins a drain and waits (500 ms at most) for `runId`'s held write to go at once; then `endCall`
+ * ends the call still underway, and the drain is awaited.
+ */
+export async function drainSendsHeldWrite(
+  queue: RunQueue,
+  written: string[][],
+  runId: string,
+  endCall: () => void,
+): Promise<void> {
+  const drained = queue.drain(5_000, new Error('test over'));
+  try {
+    await until(() => written.flat().includes(runId), 'held write to go when the drain begins', 500);
+  } finally {
+    endCall();
+    await drained;
+  }
+}

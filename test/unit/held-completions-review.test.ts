@@ -4,7 +4,14 @@ import { test } from 'node:test';
 import { MicroBatcher, BatchItemError } from '../../src/execution/micro-batcher.js';
 import type { RunQueue } from '../../src/execution/run-queue.js';
 import type { RunMessage } from '../../src/execution/run-message.js';
-import { gate, queueRecordingWrites, setCallTime, testRunQueue, until } from '../support/run-queue.js';
+import {
+  drainSendsHeldWrite,
+  gate,
+  queueRecordingWrites,
+  setCallTime,
+  testRunQueue,
+  until,
+} from '../support/run-queue.js';
 
 // Review of 9d5d0ea (held completions): the interleavings a reviewer found, each failing on that
 // commit. Writes are a MicroBatcher with the worker's wiring (busy = queue.callsUnderway(),
@@ -65,13 +72,7 @@ test('review 2/4: a write held while a run waits for a slot (queued without upda
 
 test('review 4: a drain releases held writes at once, whatever the queue saw before', async () => {
   const { queue, written, long } = await runOneHeldWhileRunThreeWaits();
-  const drained = queue.drain(5_000, new Error('test over'));
-  try {
-    await until(() => written.flat().includes(id(1)), 'held write to go when the drain begins', 500);
-  } finally {
-    long.open();
-    await drained;
-  }
+  await drainSendsHeldWrite(queue, written, id(1), long.open);
 });
 
 test('review 3: a slot a held write gives back is granted at once (no pump when writesHeld grows)', async () => {
