@@ -13,6 +13,7 @@
  * pg_stat_activity.
  *
  *   npm run build && npx tsx bench/herd.ts [--jobs 10000] [--runs 3] [--nodes 3] [--profile DIR] [--env HELIOS_X=Y]…
+ *     [--node-arg --single-threaded-gc]…   (arguments for node itself: V8 flags NODE_OPTIONS refuses)
  */
 import { cpus } from 'node:os';
 import { setTimeout as sleep } from 'node:timers/promises';
@@ -179,7 +180,7 @@ function herdArrivals(target: RecordingTarget, due: number, jobs: number) {
  */
 export async function herdOnce(
   jobs: number,
-  options: { profileDir?: string; env?: Record<string, string>; nodes?: number } = {},
+  options: { profileDir?: string; env?: Record<string, string>; nodes?: number; nodeArgs?: string[] } = {},
 ): Promise<HerdRun> {
   const { profileDir } = options;
   const base = profileDir ? profiled(profileDir) : {};
@@ -187,6 +188,7 @@ export async function herdOnce(
     ...base,
     nodes: options.nodes,
     env: { ...base.env, ...options.env },
+    nodeArgs: [...(base.nodeArgs ?? []), ...(options.nodeArgs ?? [])],
   });
   const sampler = new ActivitySampler(cluster.db.pool, cluster.db.name);
   const cpu = new CpuMeter(cluster.cpuGroups());
@@ -294,6 +296,8 @@ export async function herd(
     profileDir?: string;
     env?: Record<string, string>;
     nodes?: number;
+    /** Arguments for node itself (V8 flags NODE_OPTIONS does not allow). */
+    nodeArgs?: string[];
     log?: (line: string) => void;
   },
 ): Promise<HerdResult> {
@@ -342,6 +346,7 @@ async function main(): Promise<void> {
       profile: { type: 'string' },
       env: { type: 'string', multiple: true },
       nodes: { type: 'string', default: '3' },
+      'node-arg': { type: 'string', multiple: true },
     },
   });
   const env = envArgs(values.env);
@@ -353,6 +358,7 @@ async function main(): Promise<void> {
     runs: Number(values.runs),
     profileDir: values.profile,
     env,
+    nodeArgs: values['node-arg'],
     log: (line) => console.log(`  ${line}`),
   });
   console.log(
