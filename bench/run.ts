@@ -16,6 +16,7 @@
 import { writeFileSync } from 'node:fs';
 import { loadavg } from 'node:os';
 import { parseArgs } from 'node:util';
+import { DEFAULT_WORKER_CONCURRENCY } from '../src/config/index.js';
 import { failover, type FailoverResult } from './failover.js';
 import { herd, type HerdResult } from './herd.js';
 import { httpFloor, type FloorResult } from './http-floor.js';
@@ -42,7 +43,7 @@ interface Results {
   herd?: HerdResult;
   lateness?: LatenessResult[];
   floor?: FloorResult[];
-  /** The herd's 10,000 calls without Helios, 64 in flight per client process (the workers' default). */
+  /** The herd's 10,000 calls without Helios, as many in flight per client process as a worker's default. */
   herdFloor?: FloorResult[];
   throughput?: ThroughputResult;
   failover?: FailoverResult;
@@ -88,7 +89,7 @@ function summary(r: Results): string {
   }
   if (r.herdFloor?.length) {
     rows.push([
-      '  floor: the same 10,000 calls without Helios, 64 in flight per process, after one burst of them → last call',
+      `  floor: the same 10,000 calls without Helios, ${DEFAULT_WORKER_CONCURRENCY} in flight per process, after one burst of them → last call`,
       `${seconds(median(r.herdFloor.map((f) => f.max)))}${runs(r.herdFloor.length)}`,
       '',
     ]);
@@ -244,14 +245,14 @@ async function main(): Promise<void> {
       );
       results.floor.push(floor);
     }
-    // The herd's shape: 10,000 calls due at once, at most HELIOS_WORKER_CONCURRENCY (64) in
+    // The herd's shape: 10,000 calls due at once, at most HELIOS_WORKER_CONCURRENCY (its default) in
     // flight per process, as three workers make them; after one burst of the same calls, as the
     // herds are measured warm.
     results.herdFloor = [];
     for (let i = 0; i < herdRuns; i++) {
-      const floor = await httpFloor(10_000, 1, 64);
+      const floor = await httpFloor(10_000, 1, DEFAULT_WORKER_CONCURRENCY);
       log(
-        `10000 calls at once, 64 in flight per process, after one burst of them: last ${ms(floor.max)} ` +
+        `10000 calls at once, ${DEFAULT_WORKER_CONCURRENCY} in flight per process, after one burst of them: last ${ms(floor.max)} ` +
           `after due (p50 ${ms(floor.p50)})`,
       );
       results.herdFloor.push(floor);

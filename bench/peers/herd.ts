@@ -15,12 +15,15 @@
  *
  *   npx tsx bench/peers/herd.ts [--peer pg-boss|graphile-worker] [--runs 3] [--items 10000] [--no-http]
  *                               [--procs 1] [--batch N] [--concurrency N] [--poll MS] [--pool N]
+ *                               [--connections N]   (sockets to the target per process; default
+ *                                                    HELIOS_WORKER_CONCURRENCY's default)
  */
 import { cpus } from 'node:os';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { pathToFileURL } from 'node:url';
 import { parseArgs } from 'node:util';
 import { createTestDatabase, type TestDatabase } from '../../test/support/database.js';
+import { DEFAULT_WORKER_CONCURRENCY } from '../../src/config/index.js';
 import { REPO_ROOT } from '../../test/support/env.js';
 import { spawnFixture, stopAll, type ManagedProcess } from '../../test/support/processes.js';
 import { HERD_SETTLE_MS } from '../lib/herd-rounds.js';
@@ -289,7 +292,7 @@ export async function herdPeer(peer: PeerName, options: Options): Promise<HerdRe
     settings:
       `${peers[peer].describe(settings)}; ${procs} process${procs > 1 ? 'es' : ''}` +
       (http
-        ? '; each handler makes the HTTP call (undici, keep-alive, 64 sockets per process)'
+        ? `; each handler makes the HTTP call (undici, keep-alive, ${settings.connections ?? DEFAULT_WORKER_CONCURRENCY} sockets per process)`
         : '; no HTTP call'),
     runs,
     medianMs: median(runs.map((r) => r.lastMs)),
@@ -311,6 +314,7 @@ async function main(): Promise<void> {
       concurrency: { type: 'string' },
       poll: { type: 'string' },
       pool: { type: 'string' },
+      connections: { type: 'string' },
       'no-http': { type: 'boolean', default: false },
     },
   });
@@ -327,6 +331,7 @@ async function main(): Promise<void> {
       pollMs: num(values.poll, best.pollMs),
       poolSize: num(values.pool, best.poolSize),
       procs: num(values.procs, best.procs),
+      ...(values.connections === undefined ? {} : { connections: Number(values.connections) }),
     };
     const result = await herdPeer(name, {
       items: Number(values.items),
