@@ -6,7 +6,7 @@
  * left is the cost of a burst of calls on this machine.
  *
  * `--window N` lets each client have at most N calls in flight, as a worker with
- * HELIOS_WORKER_CONCURRENCY=N does: `--rate 10000 --seconds 1 --window 128` (the default) is the herd's floor.
+ * HELIOS_WORKER_CONCURRENCY=N does: `--rate 10000 --seconds 1 --window 64` (the default) is the herd's floor.
  *
  * The client processes are fresh for each call of httpFloor(), so they warm up first with the
  * same calls as the measured ones (floorShape()): steady bursts with 3 seconds at the full rate,

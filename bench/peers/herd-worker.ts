@@ -28,8 +28,9 @@ const settings = JSON.parse(process.env.HERD_SETTINGS!) as PeerSettings;
 /**
  * Keep-alive sockets to the target at most, per process: by default the calls one Helios worker
  * makes at once (HELIOS_WORKER_CONCURRENCY's default). Calls beyond it wait in undici's queue for a
- * socket. pg-boss's warm herd did not move with it (3 interleaved pairs: 1.04 / 1.00 / 1.05 s at
- * 128 sockets against 1.02 / 1.17 / 1.08 s at 64).
+ * socket. Neither peer's warm herd moved with 128 sockets instead of 64 (`--connections`, 3
+ * interleaved pairs: pg-boss 1.04 / 1.00 / 1.05 s against 1.02 / 1.17 / 1.08 s; graphile-worker
+ * 1.23 / 1.09 / 1.24 s against 1.10 / 6.71 (a stall in its polling) / 1.04 s).
  */
 const CONNECTIONS = settings.connections ?? DEFAULT_WORKER_CONCURRENCY;
 const target = process.env.HERD_TARGET;

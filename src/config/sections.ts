@@ -133,7 +133,7 @@ export interface RetentionConfig {
 export interface WorkerConfig {
   /**
    * HELIOS_WORKER_CONCURRENCY: HTTP calls in flight at once on this node (execution slots; claims
-   * take none: see execution/run-queue.ts); default 128.
+   * take none: see execution/run-queue.ts); default 64.
    */
   readonly concurrency: number;
   /**

@@ -11,7 +11,7 @@ const BASE = {
 test('the worker and leader sections have documented defaults', () => {
   const config = loadConfig(BASE);
   assert.deepEqual(config.worker, {
-    concurrency: 128,
+    concurrency: 64,
     prefetch: 5000,
     claimGraceMs: 5000,
     skewToleranceMs: 10,

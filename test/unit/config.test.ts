@@ -28,7 +28,7 @@ test('defaults are applied and the result is frozen', () => {
   assert.equal(config.leader.leaseTtlMs, 3000);
   assert.equal(config.api.host, '127.0.0.1');
   assert.equal(config.api.port, 8080);
-  assert.equal(config.worker.concurrency, 128);
+  assert.equal(config.worker.concurrency, 64);
   assert.equal(config.kafka.runsTopic, 'helios.runs');
   assert.equal(config.kafka.deadLetterTopic, 'helios.runs.dlq');
   assert.deepEqual(config.etcd.endpoints, ['http://127.0.0.1:2379']);
