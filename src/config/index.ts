@@ -36,15 +36,15 @@ export { ConfigError, type Env } from './env.js';
 export type * from './sections.js';
 
 const ROLES: readonly Role[] = ['scheduler', 'worker', 'api'];
+const LOG_LEVELS = ['fatal', 'error', 'warn', 'info', 'debug', 'trace', 'silent'];
 
 /**
  * HELIOS_WORKER_CONCURRENCY's default: HTTP calls in flight at once per node. 128 ended a warm herd
  * of 10,000 on three nodes ≈5 % sooner here, but doubles the calls each node may have open at one
- * target (whose own queue counts against the run's timeout), so the default stays 64; see README,
- * Performance.
+ * target (whose own queue counts against the run's timeout), so the default stays 64; see
+ * docs/performance.md.
  */
 export const DEFAULT_WORKER_CONCURRENCY = 64;
-const LOG_LEVELS = ['fatal', 'error', 'warn', 'info', 'debug', 'trace', 'silent'];
 
 /** Validates and freezes the configuration; throws ConfigError naming the first bad variable. */
 export function loadConfig(env: Env = process.env): HeliosConfig {
