@@ -9,7 +9,6 @@
  * for Helios.
  */
 import { Agent } from 'undici';
-import { DEFAULT_WORKER_CONCURRENCY } from '../../src/config/index.js';
 import { peerCall } from '../lib/peer-call.js';
 import { nowMs } from '../lib/stats.js';
 import { peers } from './peers.js';
@@ -27,12 +26,12 @@ const peer = peers[process.env.HERD_PEER as keyof typeof peers];
 const settings = JSON.parse(process.env.HERD_SETTINGS!) as PeerSettings;
 /**
  * Keep-alive sockets to the target at most, per process: by default the calls one Helios worker
- * makes at once (HELIOS_WORKER_CONCURRENCY's default). Calls beyond it wait in undici's queue for a
+ * makes at once (HELIOS_WORKER_CONCURRENCY's default; BEST in herd.ts). Calls beyond it wait in undici's queue for a
  * socket. Neither peer's warm herd moved with 128 sockets instead of 64 (`--connections`, 3
  * interleaved pairs: pg-boss 1.04 / 1.00 / 1.05 s against 1.02 / 1.17 / 1.08 s; graphile-worker
  * 1.23 / 1.09 / 1.24 s against 1.10 / 6.71 (a stall in its polling) / 1.04 s).
  */
-const CONNECTIONS = settings.connections ?? DEFAULT_WORKER_CONCURRENCY;
+const CONNECTIONS = settings.connections;
 const target = process.env.HERD_TARGET;
 /** X-Helios-Scheduled-For of the calls: the items' due instant, sent by herd.ts before the insert. */
 let scheduledFor = new Date().toISOString();

@@ -22,8 +22,8 @@ import { cpus } from 'node:os';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { pathToFileURL } from 'node:url';
 import { parseArgs } from 'node:util';
-import { createTestDatabase, type TestDatabase } from '../../test/support/database.js';
 import { DEFAULT_WORKER_CONCURRENCY } from '../../src/config/index.js';
+import { createTestDatabase, type TestDatabase } from '../../test/support/database.js';
 import { REPO_ROOT } from '../../test/support/env.js';
 import { spawnFixture, stopAll, type ManagedProcess } from '../../test/support/processes.js';
 import { HERD_SETTLE_MS } from '../lib/herd-rounds.js';
@@ -39,8 +39,22 @@ import { peers, type PeerName } from './peers.js';
  * --concurrency, --poll, --procs): see the note in bench/README.md.
  */
 export const BEST: Record<PeerName, PeerSettings & { procs: number }> = {
-  'pg-boss': { batch: 1000, concurrency: 8, pollMs: 500, poolSize: 10, procs: 1 },
-  'graphile-worker': { batch: 500, concurrency: 10, pollMs: 100, poolSize: 10, procs: 1 },
+  'pg-boss': {
+    batch: 1000,
+    concurrency: 8,
+    pollMs: 500,
+    poolSize: 10,
+    procs: 1,
+    connections: DEFAULT_WORKER_CONCURRENCY,
+  },
+  'graphile-worker': {
+    batch: 500,
+    concurrency: 10,
+    pollMs: 100,
+    poolSize: 10,
+    procs: 1,
+    connections: DEFAULT_WORKER_CONCURRENCY,
+  },
 };
 
 /** One herd's figures. */
@@ -292,7 +306,7 @@ export async function herdPeer(peer: PeerName, options: Options): Promise<HerdRe
     settings:
       `${peers[peer].describe(settings)}; ${procs} process${procs > 1 ? 'es' : ''}` +
       (http
-        ? `; each handler makes the HTTP call (undici, keep-alive, ${settings.connections ?? DEFAULT_WORKER_CONCURRENCY} sockets per process)`
+        ? `; each handler makes the HTTP call (undici, keep-alive, ${settings.connections} sockets per process)`
         : '; no HTTP call'),
     runs,
     medianMs: median(runs.map((r) => r.lastMs)),
@@ -331,7 +345,7 @@ async function main(): Promise<void> {
       pollMs: num(values.poll, best.pollMs),
       poolSize: num(values.pool, best.poolSize),
       procs: num(values.procs, best.procs),
-      ...(values.connections === undefined ? {} : { connections: Number(values.connections) }),
+      connections: num(values.connections, best.connections),
     };
     const result = await herdPeer(name, {
       items: Number(values.items),

@@ -36,10 +36,11 @@ export interface PeerSettings {
   /** Connections per process. */
   readonly poolSize: number;
   /**
-   * Keep-alive sockets to the target per process in the HTTP variant (herd-worker.ts); default
-   * HELIOS_WORKER_CONCURRENCY's, the calls one Helios worker makes at once.
+   * Keep-alive sockets to the target per process in the HTTP variant (herd-worker.ts); the best
+   * settings (herd.ts) give HELIOS_WORKER_CONCURRENCY's default, the calls one Helios worker makes
+   * at once.
    */
-  readonly connections?: number;
+  readonly connections: number;
 }
 
 /** Payload of each item: its index, so the handler can record when item n started. */
