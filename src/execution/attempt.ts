@@ -4,7 +4,13 @@ import type { Logger } from '../observability/logger.js';
 import type { Metrics } from '../observability/metrics.js';
 import { ClaimLostError, toError } from '../errors.js';
 import { inTransaction } from '../store/db.js';
-import { failAttempt, releaseClaim, type AttemptReport, type Topics } from '../store/attempts.js';
+import {
+  failAttempt,
+  releaseClaim,
+  type AttemptReport,
+  type FailureResult,
+  type Topics,
+} from '../store/attempts.js';
 import { replaceOlderRuns, type ClaimedRun } from '../store/runs.js';
 import { retryDelayMs } from './backoff.js';
 import type { DbClock } from './db-clock.js';
@@ -35,6 +41,15 @@ export interface AttemptContext {
   readonly start: (run: ClaimedRun) => Promise<boolean>;
   /** Records a success if this node still holds the claim (batched); false when stale. */
   readonly complete: (run: ClaimedRun, report: AttemptReport) => Promise<boolean>;
+  /**
+   * Settles a failed attempt if this node still holds the claim (the worker's is batched): its
+   * retry or dead letter; null when stale. Default: one transaction (failAttempt).
+   */
+  readonly fail?: (
+    run: ClaimedRun,
+    report: AttemptReport,
+    retryDelayMs: number,
+  ) => Promise<FailureResult | null>;
   /** Whether `complete` may hold this success's write back while calls are underway. Default: no. */
   readonly writeMayWait?: (run: ClaimedRun, report: AttemptReport) => boolean;
   readonly logger: Logger;
@@ -149,7 +164,9 @@ export async function runAttempt(
     }
     const delay = retryDelayMs(run.attempt, run);
     const result = await whileClaimed(ctx, run, log, () =>
-      inTransaction(pool, (client) => failAttempt(client, run, { nodeId }, report, delay, ctx.topics)),
+      ctx.fail
+        ? ctx.fail(run, report, delay)
+        : inTransaction(pool, (client) => failAttempt(client, run, { nodeId }, report, delay, ctx.topics)),
     );
     if (!result) return stale(ctx, log(), report.outcome);
     if (result.state === 'dead') {

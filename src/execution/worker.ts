@@ -18,6 +18,7 @@ import {
   completionMayWait,
   createClaimBatcher,
   createCompletionBatcher,
+  createFailureBatcher,
   createStartBatcher,
 } from './batching.js';
 import { DbClock } from './db-clock.js';
@@ -99,14 +100,17 @@ export class Worker {
       completionMayWait(run, report, this.clock, holdMs);
     const claims = createClaimBatcher(options.pool, this.claimOptions());
     const starts = createStartBatcher(options.pool, options.nodeId);
+    const topics = { runsTopic: options.runsTopic, deadLetterTopic: options.deadLetterTopic };
+    const failures = createFailureBatcher(options.pool, options.nodeId, topics);
     const context: AttemptContext = {
       pool: options.pool,
       nodeId: options.nodeId,
       executor: this.executor,
-      topics: { runsTopic: options.runsTopic, deadLetterTopic: options.deadLetterTopic },
+      topics,
       clock: this.clock,
       start: (run) => starts.add({ id: run.id, attempt: run.attempt }),
       complete: (run, report) => completions.add({ run, report }, writeMayWait(run, report)),
+      fail: (run, report, retryDelayMs) => failures.add({ run, report, retryDelayMs }),
       writeMayWait,
       handOff: (messages) => this.handOff(messages),
       logger,

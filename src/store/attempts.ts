@@ -215,6 +215,128 @@ export async function failAttempt(
   return { state: 'queued', notBefore: row.notBefore };
 }
 
+/** An ISO-8601 UTC timestamp with milliseconds, as `Date.prototype.toISOString` writes it (SQL). */
+const isoMs = (column: string) => `to_char(${column} AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.MS"Z"')`;
+
+/**
+ * FAIL, the attempt's record, and the retry's announcement or the dead letter and its announcement
+ * (failAttempt, buryRun, enqueueAttempt), for many failed attempts of node $2 in one statement.
+ * Parallel arrays: $1 = run ids, $3 = attempts, $4 = retry delays ms, $5 = statuses, $6 = errors,
+ * $7 = not retryable, $8 = when each call began, $9 = outcomes, $10 = durations ms,
+ * $11 = response excerpts; $12 = the runs topic, $13 = the dead-letter topic. The announcements
+ * are those the single path writes (the same keys, and timestamps as JSON.stringify writes a Date).
+ * Returns the runs whose claim node $2 still held: their new state, the retry's not_before or the
+ * dead letter's id.
+ */
+const FAIL_MANY = `
+  WITH input AS MATERIALIZED (
+    -- Node and state ride along as columns of a materialised input, as in SUCCEED (one
+    -- primary-key lookup per run, whatever the statistics say).
+    SELECT i.*, $2::text AS node, 'running'::text AS running
+    FROM unnest($1::uuid[], $3::int[], $4::int[], $5::int[], $6::text[], $7::bool[], $8::timestamptz[],
+                $9::text[], $10::int[], $11::text[])
+      AS i (id, attempt, delay, status, error, final, started, outcome, duration, excerpt)
+  ), failed AS (
+    UPDATE runs r SET
+      state = CASE WHEN r.attempt >= r.max_attempts OR i.final THEN 'dead' ELSE 'queued' END,
+      not_before = CASE WHEN r.attempt >= r.max_attempts OR i.final THEN r.not_before
+                        ELSE now() + i.delay * interval '1 millisecond' END,
+      finished_at = CASE WHEN r.attempt >= r.max_attempts OR i.final THEN now() END,
+      claimed_by = NULL, claim_expires_at = NULL, last_status = i.status, last_error = i.error,
+      started_at = CASE WHEN r.attempt = 1 THEN least(coalesce(i.started, r.started_at), now())
+                        ELSE r.started_at END
+    FROM input i
+    WHERE r.id = i.id AND r.claimed_by = i.node AND r.attempt = i.attempt AND r.state = i.running
+    -- The report rides along with the run it settled (see SUCCEED: joining input again below
+    -- was planned as a nested loop over the whole batch per run).
+    -- A dead run's letter gets its id here, so that the letter and its announcement below are
+    -- both made from this CTE alone: joining CTEs (each estimated at one row) was planned as a
+    -- nested loop rescanning one per row of the other, O(batch²) (test/integration/store-plans).
+    RETURNING r.id, r.job_id, r.attempt, r.state, r.scheduled_for, r.not_before, r.timeout_ms,
+              r.concurrency, i.status, i.error, i.started, i.outcome, i.duration, i.excerpt,
+              CASE WHEN r.state = 'dead' THEN gen_random_uuid() END AS letter_id
+  ), recorded AS (
+    UPDATE run_attempts a SET outcome = f.outcome, finished_at = now(), status_code = f.status,
+                              duration_ms = f.duration, error = f.error, response_excerpt = f.excerpt,
+                              started_at = least(coalesce(f.started, a.started_at), now())
+    FROM failed f
+    WHERE a.run_id = f.id AND a.attempt = f.attempt AND a.outcome IS NULL
+  ), retried AS (
+    INSERT INTO outbox (topic, key, payload, publish_after)
+    SELECT $12, f.job_id::text,
+           jsonb_build_object('runId', f.id, 'jobId', f.job_id, 'attempt', f.attempt + 1,
+                              'scheduledFor', ${isoMs('f.scheduled_for')}, 'notBefore', ${isoMs('f.not_before')},
+                              'timeoutMs', f.timeout_ms, 'concurrency', f.concurrency),
+           f.not_before
+    FROM failed f WHERE f.state = 'queued'
+  ), buried AS (
+    -- created_at is now(), as the letter's announcement says (deadAt).
+    INSERT INTO dead_letters (id, run_id, job_id, attempt, error, status_code, created_at)
+    SELECT f.letter_id, f.id, f.job_id, f.attempt, f.error, f.status, now() FROM failed f WHERE f.state = 'dead'
+  ), announced AS (
+    INSERT INTO outbox (topic, key, payload)
+    SELECT $13, f.job_id::text,
+           jsonb_build_object('deadLetterId', f.letter_id, 'runId', f.id, 'jobId', f.job_id,
+                              'attempt', f.attempt, 'scheduledFor', ${isoMs('f.scheduled_for')},
+                              'error', f.error, 'statusCode', f.status, 'deadAt', ${isoMs('now()')})
+    FROM failed f WHERE f.state = 'dead'
+  )
+  SELECT id, attempt, state, not_before AS "notBefore", letter_id AS "deadLetterId" FROM failed`;
+
+/** A failed attempt to settle (see failAttempt). */
+export interface Failure {
+  readonly run: { readonly id: string; readonly attempt: number };
+  readonly report: AttemptReport;
+  /** When the run's next attempt is due, if it has one left: this long from now. */
+  readonly retryDelayMs: number;
+}
+
+/**
+ * Settles failed attempts of node `nodeId` in one statement, as failAttempt settles one: per item,
+ * what became of it, or null when the claim had been lost (nothing written for it). Everything
+ * or nothing is written.
+ */
+export async function failMany(
+  db: Queryable,
+  nodeId: string,
+  items: readonly Failure[],
+  topics: Topics,
+): Promise<(FailureResult | null)[]> {
+  if (items.length === 0) return [];
+  // Sorted like claims, so two batches never wait on each other's rows in opposite orders.
+  const sorted = [...items].sort((a, b) => (a.run.id < b.run.id ? -1 : a.run.id > b.run.id ? 1 : 0));
+  const { rows } = await db.query<{
+    id: string;
+    attempt: number;
+    state: 'queued' | 'dead';
+    notBefore: Date;
+    deadLetterId: string | null;
+  }>({ name: 'helios-fail-many', text: FAIL_MANY }, [
+    sorted.map((i) => i.run.id),
+    nodeId,
+    sorted.map((i) => i.run.attempt),
+    sorted.map((i) => Math.max(0, Math.round(i.retryDelayMs))),
+    sorted.map((i) => i.report.statusCode),
+    sorted.map((i) => clean(i.report.error, 2000)),
+    sorted.map((i) => i.report.retryable === false),
+    sorted.map((i) => i.report.startedAt ?? null),
+    sorted.map((i) => i.report.outcome),
+    sorted.map((i) => (i.report.durationMs === null ? null : Math.round(i.report.durationMs))),
+    sorted.map((i) => clean(i.report.responseExcerpt, 64 * 1024)),
+    topics.runsTopic,
+    topics.deadLetterTopic,
+  ]);
+  // By run and attempt, as completions: a stale attempt of the same run may share the batch.
+  const settled = new Map(rows.map((r) => [`${r.id}/${r.attempt}`, r]));
+  return items.map((i): FailureResult | null => {
+    const row = settled.get(`${i.run.id}/${i.run.attempt}`);
+    if (!row) return null;
+    return row.state === 'dead'
+      ? { state: 'dead', deadLetterId: row.deadLetterId! }
+      : { state: 'queued', notBefore: row.notBefore };
+  });
+}
+
 /**
  * Gives a claimed run back (shutdown aborted its call, or it did not start: too little time left):
  * queued again without using up an attempt (max_attempts grows by one), due when it was due (a run

@@ -1,7 +1,7 @@
 import assert from 'node:assert/strict';
 import { after, before, test } from 'node:test';
 import type pg from 'pg';
-import { completeSucceededMany } from '../../src/store/attempts.js';
+import { completeSucceededMany, failMany } from '../../src/store/attempts.js';
 import { claimRuns } from '../../src/store/runs.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
 
@@ -175,7 +175,7 @@ test('a completion batch looks its runs up by primary key, even with thousands r
   );
 });
 
-test('a completion batch never loops over a scan of all runs, nor over its input, when the statistics saw thousands queued and none claimed', async () => {
+test('completion and failure batches never loop over a scan of all runs, nor over their input, when the statistics saw thousands queued and none claimed', async () => {
   // Autovacuum vacuums and analyses `runs` seconds after a herd's dispatch inserted it: every run queued, no
   // `claimed_by` yet. The planner then takes `claimed_by = $6` to match almost nothing and, with a
   // few thousand rows, scanned the whole table once per completion batch (960 ms for 256 runs).
@@ -225,6 +225,37 @@ test('a completion batch never loops over a scan of all runs, nor over its input
       // estimated at one row a side, rescanned the input for every completed run (O(batch²):
       // 15 of a 256-run batch's 20 ms).
       assert.deepEqual(loopsOverInput(plan), [], mode);
+    }
+    // The failure statement (execution/batching.ts) joins the same way: failing one batch prepares it.
+    const failing = claimed.slice(16 + 256, 16 + 256 + 16);
+    const failure = { ...report, outcome: 'failed' as const, statusCode: 503, error: 'HTTP 503' };
+    const topics = { runsTopic: 'plans.runs', deadLetterTopic: 'plans.dlq' };
+    const settled = await failMany(
+      c,
+      options.nodeId,
+      failing.map((run) => ({ run, report: failure, retryDelayMs: 1000 })),
+      topics,
+    );
+    assert.deepEqual(new Set(settled.map((r) => r?.state)), new Set(['queued']));
+    const next = claimed.slice(16 + 256 + 16, 16 + 256 + 16 + 256);
+    const failParams = [
+      literal(next.map((r) => r.id)),
+      `'${options.nodeId}'`,
+      literal(next.map(() => 1)),
+      literal(next.map(() => 1000)),
+      literal(next.map(() => 503)),
+      literal(next.map(() => 'HTTP 503')),
+      literal(next.map(() => 'false')),
+      literal(next.map(() => 'NULL')),
+      literal(next.map(() => 'failed')),
+      literal(next.map(() => 1)),
+      literal(next.map(() => 'x')),
+      "'plans.runs'",
+      "'plans.dlq'",
+    ].join(', ');
+    for (const { mode, plan } of await plans('helios-fail-many', failParams, c)) {
+      assert.deepEqual(loopsOverRuns(plan), [], `failure, ${mode}`);
+      assert.deepEqual(loopsOverInput(plan), [], `failure, ${mode}`);
     }
   } finally {
     c.release();
