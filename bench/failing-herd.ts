@@ -7,7 +7,10 @@
  * process over that window. Retries are due a minute later, outside it. One herd per run (cold
  * processes: the failure path's cost, not the JIT's warm-up, is what this is for).
  *
- *   npm run build && npx tsx bench/failing-herd.ts [--jobs 10000] [--runs 3] [--refused] [--env K=V]…
+ * `--attempts 1` makes each first attempt the last: every run is buried (a dead letter and its
+ * announcement) instead of retried.
+ *
+ *   npm run build && npx tsx bench/failing-herd.ts [--jobs 10000] [--runs 3] [--refused] [--attempts 3] [--env K=V]…
  */
 import { createServer } from 'node:http';
 import type { AddressInfo } from 'node:net';
@@ -49,6 +52,7 @@ export async function failingHerdOnce(
   jobs: number,
   refused: boolean,
   env: Record<string, string>,
+  attempts = 3,
 ): Promise<FailingHerdRun> {
   const target = await failingTarget(refused);
   const cluster = await BenchCluster.start({ env });
@@ -58,9 +62,9 @@ export async function failingHerdOnce(
     await cluster.db.pool.query(
       `INSERT INTO jobs (name, schedule, target, timeout_ms, max_attempts, backoff_ms, next_run_at)
        SELECT 'down-' || n, to_char($2::timestamptz AT TIME ZONE 'UTC', 'FMSS FMMI FMHH24') || ' * * *',
-              $1, 5000, 3, 60000, $2
+              $1, 5000, $4, 60000, $2
        FROM generate_series(1, $3) AS n`,
-      [{ url: target.url, method: 'POST', body: { bench: true } }, due, jobs],
+      [{ url: target.url, method: 'POST', body: { bench: true } }, due, jobs, attempts],
     );
     await sleep(due.getTime() - Date.now());
     const cpu = new CpuMeter(cluster.cpuGroups());
@@ -95,15 +99,18 @@ async function main(): Promise<void> {
       jobs: { type: 'string', default: '10000' },
       runs: { type: 'string', default: '3' },
       refused: { type: 'boolean', default: false },
+      attempts: { type: 'string', default: '3' },
       env: { type: 'string', multiple: true },
     },
   });
   const jobs = Number(values.jobs);
   const kind = values.refused ? 'refused connections' : '503 at once';
-  console.log(`failing herd: ${jobs} jobs due in one second, target down (${kind}), 3 nodes, ${machine()}`);
+  console.log(
+    `failing herd: ${jobs} jobs due in one second, target down (${kind}), ${values.attempts} attempts each, 3 nodes, ${machine()}`,
+  );
   const times: number[] = [];
   for (let i = 1; i <= Number(values.runs); i++) {
-    const run = await failingHerdOnce(jobs, values.refused, envArgs(values.env));
+    const run = await failingHerdOnce(jobs, values.refused, envArgs(values.env), Number(values.attempts));
     const outcomes = Object.entries(run.outcomes)
       .map(([outcome, n]) => `${outcome} ${n}`)
       .join(', ');

@@ -5,6 +5,7 @@ import {
   completeSucceededMany,
   failAttempt,
   failMany,
+  lockFreeJobs,
   type AttemptReport,
   type Failure,
   type FailureResult,
@@ -175,12 +176,78 @@ export function createCompletionBatcher(
   );
 }
 
+/** Whether this failure buries its run (no attempt left, or a call that can never be made). */
+const buries = (failure: Failure) =>
+  failure.report.retryable === false || failure.run.attempt >= failure.run.maxAttempts;
+
+/** Settles one failure in its own transaction, as before batches (failAttempt). */
+const failAlone = (pool: Connections, nodeId: string, item: Failure, topics: Topics) =>
+  inTransaction(pool, (client) =>
+    failAttempt(client, item.run, { nodeId }, item.report, item.retryDelayMs, topics),
+  );
+
 /**
- * Settles failed attempts in batches (see MicroBatcher): retries and dead letters, each with its
- * announcement. One transaction of five statements per failure was what a herd whose target was
- * down spent its time on (10,000 failures took ten seconds to write, as long as their claims
- * last). Never held back: a retry is due after its back-off, and a `forbid` job's next run waits
- * for it. A batch that fails is retried item by item, each in its own transaction (failAttempt),
+ * Settles a batch of failures: the retries in one statement, which locks nothing but their runs;
+ * the runs they bury in one transaction that first takes the key-share locks their dead letters
+ * need on their jobs, skipping a job another command holds (a pause, an edit, a delete: each holds
+ * its job's row while it waits for the job's runs, so a batch that waited for that row while
+ * holding its other runs closed a deadlock cycle through another worker's claim, and stalled the
+ * failures of every other job in it); and what is left (such a run, a retry the database would
+ * bury after all, a stale attempt) one transaction each, as before batches.
+ */
+async function settleFailures(
+  pool: Connections,
+  nodeId: string,
+  items: readonly Failure[],
+  topics: Topics,
+): Promise<(FailureResult | null | BatchItemError)[]> {
+  const results: (FailureResult | null | BatchItemError | undefined)[] = items.map(() => undefined);
+  const retries = items.flatMap((item, at) => (buries(item) ? [] : [at]));
+  const burials = items.flatMap((item, at) => (buries(item) ? [at] : []));
+  // A part that fails leaves its items to be settled alone below: each part is all or nothing,
+  // and a part already written must not be tried again (its runs would read as claims lost).
+  if (retries.length > 0) {
+    const written = await failMany(
+      pool,
+      nodeId,
+      retries.map((at) => items[at]!),
+      topics,
+      { retriesOnly: true },
+    ).catch(() => []);
+    retries.forEach((at, k) => {
+      if (written[k]) results[at] = written[k];
+    });
+  }
+  if (burials.length > 0) {
+    // The results count once the transaction has committed.
+    const committed = await inTransaction(pool, async (client) => {
+      const locked = await lockFreeJobs(client, [...new Set(burials.map((at) => items[at]!.run.jobId))]);
+      const mine = burials.filter((at) => locked.has(items[at]!.run.jobId));
+      const written = await failMany(
+        client,
+        nodeId,
+        mine.map((at) => items[at]!),
+        topics,
+      );
+      return mine.map((at, k) => [at, written[k] ?? null] as const);
+    }).catch(() => []);
+    for (const [at, result] of committed) results[at] = result;
+  }
+  const left = results.flatMap((result, at) => (result === undefined ? [at] : []));
+  const alone = await oneByOne(
+    left.map((at) => items[at]!),
+    (item) => failAlone(pool, nodeId, item, topics),
+  );
+  left.forEach((at, k) => (results[at] = alone[k]!));
+  return results as (FailureResult | null | BatchItemError)[];
+}
+
+/**
+ * Settles failed attempts in batches (see MicroBatcher and settleFailures): retries and dead
+ * letters, each with its announcement. One transaction of five statements per failure was what a
+ * herd whose target was down spent its time on (10,000 failures took 12 s to write, longer than
+ * their claims last). Never held back: a retry is due after its back-off, and a `forbid` job's
+ * next run waits for it. A batch that fails is retried item by item, each in its own transaction,
  * as completions are.
  */
 export function createFailureBatcher(
@@ -191,13 +258,9 @@ export function createFailureBatcher(
   return new MicroBatcher(
     async (items) => {
       try {
-        return await failMany(pool, nodeId, items, topics);
+        return await settleFailures(pool, nodeId, items, topics);
       } catch {
-        return oneByOne(items, (item) =>
-          inTransaction(pool, (client) =>
-            failAttempt(client, item.run, { nodeId }, item.report, item.retryDelayMs, topics),
-          ),
-        );
+        return oneByOne(items, (item) => failAlone(pool, nodeId, item, topics));
       }
     },
     MAX_BATCH,

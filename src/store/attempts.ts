@@ -215,6 +215,19 @@ export async function failAttempt(
   return { state: 'queued', notBefore: row.notBefore };
 }
 
+/**
+ * Takes a key-share lock on those of jobs $1 that no one holds more strongly (a pause, an edit or
+ * a delete holds its job's row while it waits for the job's runs): a dead letter's foreign key
+ * needs it, and a batch that waited for it while holding its other runs' rows closed a cycle with
+ * such a command. Returns the ids locked.
+ */
+const LOCK_FREE_JOBS = `SELECT id FROM jobs WHERE id = ANY($1::uuid[]) ORDER BY id FOR KEY SHARE SKIP LOCKED`;
+
+export async function lockFreeJobs(client: pg.PoolClient, jobIds: readonly string[]): Promise<Set<string>> {
+  const { rows } = await client.query<{ id: string }>(LOCK_FREE_JOBS, [jobIds]);
+  return new Set(rows.map((r) => r.id));
+}
+
 /** An ISO-8601 UTC timestamp with milliseconds, as `Date.prototype.toISOString` writes it (SQL). */
 const isoMs = (column: string) => `to_char(${column} AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.MS"Z"')`;
 
@@ -225,6 +238,8 @@ const isoMs = (column: string) => `to_char(${column} AT TIME ZONE 'UTC', 'YYYY-M
  * $7 = not retryable, $8 = when each call began, $9 = outcomes, $10 = durations ms,
  * $11 = response excerpts; $12 = the runs topic, $13 = the dead-letter topic. The announcements
  * are those the single path writes (the same keys, and timestamps as JSON.stringify writes a Date).
+ * $14 = retries only: a run this failure would bury is left as it is (not returned), so the
+ * statement takes no lock on any job (a dead letter's foreign key takes one on its job's row).
  * Returns the runs whose claim node $2 still held: their new state, the retry's not_before or the
  * dead letter's id.
  */
@@ -247,6 +262,7 @@ const FAIL_MANY = `
                         ELSE r.started_at END
     FROM input i
     WHERE r.id = i.id AND r.claimed_by = i.node AND r.attempt = i.attempt AND r.state = i.running
+      AND NOT ($14 AND (r.attempt >= r.max_attempts OR i.final))
     -- The report rides along with the run it settled (see SUCCEED: joining input again below
     -- was planned as a nested loop over the whole batch per run).
     -- A dead run's letter gets its id here, so that the letter and its announcement below are
@@ -285,7 +301,12 @@ const FAIL_MANY = `
 
 /** A failed attempt to settle (see failAttempt). */
 export interface Failure {
-  readonly run: { readonly id: string; readonly attempt: number };
+  readonly run: {
+    readonly id: string;
+    readonly attempt: number;
+    readonly jobId: string;
+    readonly maxAttempts: number;
+  };
   readonly report: AttemptReport;
   /** When the run's next attempt is due, if it has one left: this long from now. */
   readonly retryDelayMs: number;
@@ -294,13 +315,15 @@ export interface Failure {
 /**
  * Settles failed attempts of node `nodeId` in one statement, as failAttempt settles one: per item,
  * what became of it, or null when the claim had been lost (nothing written for it). Everything
- * or nothing is written.
+ * or nothing is written. With `retriesOnly`, null also for a run the failure would bury (see
+ * FAIL_MANY): the caller settles those otherwise.
  */
 export async function failMany(
   db: Queryable,
   nodeId: string,
   items: readonly Failure[],
   topics: Topics,
+  options: { retriesOnly?: boolean } = {},
 ): Promise<(FailureResult | null)[]> {
   if (items.length === 0) return [];
   // Sorted like claims, so two batches never wait on each other's rows in opposite orders.
@@ -325,6 +348,7 @@ export async function failMany(
     sorted.map((i) => clean(i.report.responseExcerpt, 64 * 1024)),
     topics.runsTopic,
     topics.deadLetterTopic,
+    options.retriesOnly ?? false,
   ]);
   // By run and attempt, as completions: a stale attempt of the same run may share the batch.
   const settled = new Map(rows.map((r) => [`${r.id}/${r.attempt}`, r]));

@@ -252,6 +252,7 @@ test('completion and failure batches never loop over a scan of all runs, nor ove
       literal(next.map(() => 'x')),
       "'plans.runs'",
       "'plans.dlq'",
+      'true', // retries only, as the worker's batches of retries are
     ].join(', ');
     for (const { mode, plan } of await plans('helios-fail-many', failParams, c)) {
       assert.deepEqual(loopsOverRuns(plan), [], `failure, ${mode}`);
