@@ -10,7 +10,9 @@
  * `--attempts 1` makes each first attempt the last: every run is buried (a dead letter and its
  * announcement) instead of retried.
  *
- *   npm run build && npx tsx bench/failing-herd.ts [--jobs 10000] [--runs 3] [--refused] [--attempts 3] [--env K=V]…
+ * `--profile DIR`: every node writes a V8 CPU profile of that window there, summarised at the end.
+ *
+ *   npm run build && npx tsx bench/failing-herd.ts [--jobs 10000] [--runs 3] [--refused] [--attempts 3] [--profile DIR] [--env K=V]…
  */
 import { createServer } from 'node:http';
 import type { AddressInfo } from 'node:net';
@@ -19,8 +21,14 @@ import { setTimeout as sleep } from 'node:timers/promises';
 import { pathToFileURL } from 'node:url';
 import { parseArgs } from 'node:util';
 import { envArgs } from './lib/args.js';
-import { BenchCluster } from './lib/cluster.js';
-import { CpuMeter, cpuPerRun, describeCpuPerRun, type CpuCategory } from './lib/profile.js';
+import { BenchCluster, profiled } from './lib/cluster.js';
+import {
+  CpuMeter,
+  cpuPerRun,
+  describeCpuPerRun,
+  summariseCpuProfiles,
+  type CpuCategory,
+} from './lib/profile.js';
 import { machine, median } from './lib/stats.js';
 
 export interface FailingHerdRun {
@@ -53,9 +61,11 @@ export async function failingHerdOnce(
   refused: boolean,
   env: Record<string, string>,
   attempts = 3,
+  profileDir?: string,
 ): Promise<FailingHerdRun> {
   const target = await failingTarget(refused);
-  const cluster = await BenchCluster.start({ env });
+  const base = profileDir ? profiled(profileDir) : {};
+  const cluster = await BenchCluster.start({ ...base, env: { ...base.env, ...env } });
   try {
     const due = await cluster.nextWholeSecond(6000);
     // One schedule matching the due second (`S M H * * *`), retries a minute after a failure.
@@ -68,6 +78,7 @@ export async function failingHerdOnce(
     );
     await sleep(due.getTime() - Date.now());
     const cpu = new CpuMeter(cluster.cpuGroups());
+    if (profileDir) for (const node of cluster.nodes) node.signal('SIGUSR2');
     let recordedMs: number | null = null;
     let outcomes: Record<string, number> = {};
     for (;;) {
@@ -86,6 +97,10 @@ export async function failingHerdOnce(
       await sleep(50);
     }
     const sample = await cpu.sample(cpus().length);
+    if (profileDir) {
+      for (const node of cluster.nodes) node.signal('SIGUSR2');
+      await sleep(2000); // the profiles are written
+    }
     return { recordedMs, outcomes, cpuPerRun: cpuPerRun(sample, jobs) };
   } finally {
     await cluster.stop();
@@ -100,6 +115,7 @@ async function main(): Promise<void> {
       runs: { type: 'string', default: '3' },
       refused: { type: 'boolean', default: false },
       attempts: { type: 'string', default: '3' },
+      profile: { type: 'string' },
       env: { type: 'string', multiple: true },
     },
   });
@@ -110,7 +126,13 @@ async function main(): Promise<void> {
   );
   const times: number[] = [];
   for (let i = 1; i <= Number(values.runs); i++) {
-    const run = await failingHerdOnce(jobs, values.refused, envArgs(values.env), Number(values.attempts));
+    const run = await failingHerdOnce(
+      jobs,
+      values.refused,
+      envArgs(values.env),
+      Number(values.attempts),
+      values.profile,
+    );
     const outcomes = Object.entries(run.outcomes)
       .map(([outcome, n]) => `${outcome} ${n}`)
       .join(', ');
@@ -121,6 +143,7 @@ async function main(): Promise<void> {
     if (run.recordedMs !== null) times.push(run.recordedMs);
   }
   if (times.length > 0) console.log(`failing herd: median ${median(times)} ms over ${times.length} runs`);
+  if (values.profile) console.log(summariseCpuProfiles(values.profile));
 }
 
 if (import.meta.url === pathToFileURL(process.argv[1] ?? '').href) {
