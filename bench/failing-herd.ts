@@ -26,6 +26,7 @@ import {
   CpuMeter,
   cpuPerRun,
   describeCpuPerRun,
+  medianCpuPerRun,
   summariseCpuProfiles,
   type CpuCategory,
 } from './lib/profile.js';
@@ -108,6 +109,47 @@ export async function failingHerdOnce(
   }
 }
 
+export interface FailingHerdResult {
+  readonly jobs: number;
+  readonly runs: FailingHerdRun[];
+  /** Median of the runs whose first attempts were all recorded; NaN when none was. */
+  readonly medianMs: number;
+  readonly cpuPerRun: Record<CpuCategory | 'total', number>;
+}
+
+/** `runs` failing herds of `jobs` (503 at once, 3 attempts), each on a fresh cluster. */
+export async function failingHerd(
+  jobs: number,
+  runs: number,
+  log?: (line: string) => void,
+): Promise<FailingHerdResult> {
+  const results: FailingHerdRun[] = [];
+  for (let i = 1; i <= runs; i++) {
+    const run = await failingHerdOnce(jobs, false, {});
+    results.push(run);
+    log?.(`run ${i}: ${describeRun(run)}`);
+  }
+  const times = results.flatMap((r) => (r.recordedMs === null ? [] : [r.recordedMs]));
+  return {
+    jobs,
+    runs: results,
+    medianMs: times.length > 0 ? median(times) : NaN,
+    cpuPerRun: medianCpuPerRun(results.map((r) => r.cpuPerRun)),
+  };
+}
+
+/** One run's line: when the last first attempt was recorded, and what they were. */
+export function describeRun(run: FailingHerdRun): string {
+  const outcomes = Object.entries(run.outcomes)
+    .map(([outcome, n]) => `${outcome} ${n}`)
+    .join(', ');
+  const recorded =
+    run.recordedMs === null
+      ? `not all recorded within ${LIMIT_MS / 1000} s`
+      : `last first attempt recorded ${run.recordedMs} ms after due`;
+  return `${recorded}; first attempts: ${outcomes}`;
+}
+
 async function main(): Promise<void> {
   const { values } = parseArgs({
     options: {
@@ -133,12 +175,7 @@ async function main(): Promise<void> {
       Number(values.attempts),
       values.profile,
     );
-    const outcomes = Object.entries(run.outcomes)
-      .map(([outcome, n]) => `${outcome} ${n}`)
-      .join(', ');
-    console.log(
-      `  run ${i}: ${run.recordedMs === null ? `not all recorded within ${LIMIT_MS / 1000} s` : `last first attempt recorded ${run.recordedMs} ms after due`}; first attempts: ${outcomes}`,
-    );
+    console.log(`  run ${i}: ${describeRun(run)}`);
     console.log(`    CPU per run (due → last recorded): ${describeCpuPerRun(run.cpuPerRun)}`);
     if (run.recordedMs !== null) times.push(run.recordedMs);
   }

@@ -17,6 +17,7 @@ import { writeFileSync } from 'node:fs';
 import { loadavg } from 'node:os';
 import { parseArgs } from 'node:util';
 import { DEFAULT_WORKER_CONCURRENCY } from '../src/config/index.js';
+import { failingHerd, type FailingHerdResult } from './failing-herd.js';
 import { failover, type FailoverResult } from './failover.js';
 import { herd, type HerdResult } from './herd.js';
 import { httpFloor, type FloorResult } from './http-floor.js';
@@ -29,7 +30,17 @@ import type { PeerName } from './peers/peers.js';
 import { describeSample, soak, type SoakResult } from './soak.js';
 import { throughput, type ThroughputResult } from './throughput.js';
 
-const PARTS = ['peers', 'herd', 'lateness', 'floor', 'throughput', 'failover', 'memory', 'soak'] as const;
+const PARTS = [
+  'peers',
+  'herd',
+  'failing',
+  'lateness',
+  'floor',
+  'throughput',
+  'failover',
+  'memory',
+  'soak',
+] as const;
 type Part = (typeof PARTS)[number];
 /** Run without --only. The soak takes 15 minutes on its own: only when asked for. */
 const DEFAULT_PARTS = PARTS.filter((p) => p !== 'soak');
@@ -41,6 +52,8 @@ interface Results {
   /** Each peer twice: each handler making the HTTP call (http: true), and without it. */
   peers?: PeerHerdResult[];
   herd?: HerdResult;
+  /** A herd whose target answers 503: due → every first attempt recorded. */
+  failing?: FailingHerdResult;
   lateness?: LatenessResult[];
   floor?: FloorResult[];
   /** The herd's 10,000 calls without Helios, as many in flight per client process as a worker's default. */
@@ -149,6 +162,15 @@ function summary(r: Results): string {
       '≥ 5,000 runs/s',
     ]);
   }
+  if (r.failing) {
+    const outcomes = r.failing.runs.map((run) => run.outcomes.failed ?? 0);
+    rows.push([
+      `herd, target down (503): ${r.failing.jobs.toLocaleString('en')} due → every first attempt recorded`,
+      `${seconds(r.failing.medianMs)} (${r.failing.runs.map((run) => seconds(run.recordedMs ?? NaN)).join(', ')}); ` +
+        `first attempts recorded failed: ${outcomes.join(' / ')}; CPU per run ${cpuCell(r.failing.cpuPerRun)}`,
+      '—',
+    ]);
+  }
   if (r.failover) {
     rows.push([
       `failover: kill -9 leader → first dispatch (${r.failover.tries.length} tries)`,
@@ -225,6 +247,11 @@ async function main(): Promise<void> {
         'on each fresh cluster)',
     );
     results.herd = await herd(10_000, { runs: herdRuns, log });
+  }
+  if (parts.has('failing')) {
+    console.log('\nherd whose target is down: 10,000 jobs due in one second, every call answered 503');
+    results.failing = await failingHerd(10_000, herdRuns, log);
+    log(`median ${seconds(results.failing.medianMs)}`);
   }
   if (parts.has('lateness')) {
     console.log('\nlateness at steady load, 3 nodes (arrival at the target − X-Helios-Scheduled-For)');
