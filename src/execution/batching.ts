@@ -193,7 +193,8 @@ const failAlone = (pool: Connections, nodeId: string, item: Failure, topics: Top
  * its job's row while it waits for the job's runs, so a batch that waited for that row while
  * holding its other runs closed a deadlock cycle through another worker's claim, and stalled the
  * failures of every other job in it); and what is left (such a run, a retry the database would
- * bury after all, a stale attempt) one transaction each, as before batches.
+ * bury after all, a stale attempt) one transaction each, as before batches. Never rejects: an
+ * item that fails alone too gets its own BatchItemError.
  */
 async function settleFailures(
   pool: Connections,
@@ -247,25 +248,15 @@ async function settleFailures(
  * letters, each with its announcement. One transaction of five statements per failure was what a
  * herd whose target was down spent its time on (10,000 failures took 12 s to write, longer than
  * their claims last). Never held back: a retry is due after its back-off, and a `forbid` job's
- * next run waits for it. A batch that fails is retried item by item, each in its own transaction,
- * as completions are.
+ * next run waits for it. A part of a batch that fails is retried item by item, each in its own
+ * transaction (settleFailures never rejects: each part answers for itself).
  */
 export function createFailureBatcher(
   pool: Connections,
   nodeId: string,
   topics: Topics,
 ): MicroBatcher<Failure, FailureResult | null> {
-  return new MicroBatcher(
-    async (items) => {
-      try {
-        return await settleFailures(pool, nodeId, items, topics);
-      } catch {
-        return oneByOne(items, (item) => failAlone(pool, nodeId, item, topics));
-      }
-    },
-    MAX_BATCH,
-    MAX_IN_FLIGHT,
-  );
+  return new MicroBatcher((items) => settleFailures(pool, nodeId, items, topics), MAX_BATCH, MAX_IN_FLIGHT);
 }
 
 /** A run claimed ahead of its time whose call is about to begin. */

@@ -2,7 +2,7 @@ import type pg from 'pg';
 import type { RunMessage } from '../model.js';
 import type { Queryable } from './db.js';
 import { buryRun } from './dead-letters.js';
-import { enqueueAttempt, REQUEUED_RUN_COLUMNS, type RequeuedRun } from './runs.js';
+import { enqueueAttempt, inLockOrder, REQUEUED_RUN_COLUMNS, type RequeuedRun } from './runs.js';
 
 /** How an attempt ended, as recorded in run_attempts.outcome. */
 export type AttemptOutcome = 'succeeded' | 'failed' | 'timeout' | 'expired' | 'replaced' | 'cancelled';
@@ -121,8 +121,7 @@ export async function completeSucceededMany(
   items: readonly Success[],
 ): Promise<boolean[]> {
   if (items.length === 0) return [];
-  // Sorted like claims, so two batches never wait on each other's rows in opposite orders.
-  const sorted = [...items].sort((a, b) => (a.run.id < b.run.id ? -1 : a.run.id > b.run.id ? 1 : 0));
+  const sorted = inLockOrder(items, (i) => i.run.id);
   // Named: parsed and planned once per connection (see claimRuns).
   const { rows } = await db.query<{ id: string; attempt: number }>(
     { name: 'helios-complete-succeeded', text: SUCCEED },
@@ -326,8 +325,7 @@ export async function failMany(
   options: { retriesOnly?: boolean } = {},
 ): Promise<(FailureResult | null)[]> {
   if (items.length === 0) return [];
-  // Sorted like claims, so two batches never wait on each other's rows in opposite orders.
-  const sorted = [...items].sort((a, b) => (a.run.id < b.run.id ? -1 : a.run.id > b.run.id ? 1 : 0));
+  const sorted = inLockOrder(items, (i) => i.run.id);
   const { rows } = await db.query<{
     id: string;
     attempt: number;

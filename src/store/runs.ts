@@ -76,6 +76,19 @@ const CLAIM = `
   )
   SELECT ${CLAIMED_COLUMNS} FROM claimed`;
 
+/**
+ * `items` in the order of their run ids, the order every batch statement on `runs` (claims,
+ * STARTs, completions, failures) takes its rows in: concurrent batches then lock rows in the same
+ * order, which avoids most deadlocks between them.
+ */
+export function inLockOrder<T>(items: readonly T[], runId: (item: T) => string): T[] {
+  return [...items].sort((a, b) => {
+    const x = runId(a);
+    const y = runId(b);
+    return x < y ? -1 : x > y ? 1 : 0;
+  });
+}
+
 /** Options every claim needs. */
 export interface ClaimOptions {
   readonly nodeId: string;
@@ -112,8 +125,7 @@ export async function claimRuns(
   options: ClaimOptions,
 ): Promise<(ClaimedRun | null)[]> {
   if (requests.length === 0) return [];
-  // Sorted ids make concurrent batches lock rows in the same order, which avoids most deadlocks.
-  const sorted = [...requests].sort((a, b) => (a.runId < b.runId ? -1 : a.runId > b.runId ? 1 : 0));
+  const sorted = inLockOrder(requests, (r) => r.runId);
   // Named, so each connection parses and plans it once: planning this statement cost about as
   // much as running it for the dozen runs of a typical batch.
   const { rows } = await db.query<ClaimedRun>({ name: 'helios-claim-runs', text: CLAIM }, [
@@ -173,8 +185,7 @@ export async function startRuns(
   runs: readonly { readonly id: string; readonly attempt: number }[],
 ): Promise<boolean[]> {
   if (runs.length === 0) return [];
-  // Sorted like claims and completions, so concurrent batches lock rows in the same order.
-  const sorted = [...runs].sort((a, b) => (a.id < b.id ? -1 : a.id > b.id ? 1 : 0));
+  const sorted = inLockOrder(runs, (r) => r.id);
   const { rows } = await db.query<{ id: string; attempt: number }>(
     { name: 'helios-start-runs', text: START },
     [sorted.map((r) => r.id), sorted.map((r) => r.attempt), nodeId],
