@@ -445,15 +445,22 @@ export interface ExpiredRun {
   readonly expiries: number;
 }
 
-/** Running runs past their claim deadline, oldest first, locked. $1 = limit. */
+/**
+ * Running runs past their claim deadline, oldest first, locked, with a key-share lock on each one's
+ * job. $1 = limit. A run whose job a command holds (a pause, an edit or a delete: findJob ... FOR
+ * UPDATE, for up to its lock patience) is left to a later pass, like a run another transaction
+ * holds: burying it writes a dead letter, whose foreign key waits for that job's row, and the pass
+ * would wait with every other run it took still locked.
+ */
 const SELECT_EXPIRED = `
-  SELECT id, attempt, claimed_by AS "claimedBy", backoff_ms AS "backoffMs",
-         backoff_multiplier AS "backoffMultiplier", expiries
-  FROM runs
-  WHERE state = 'running' AND claim_expires_at < now()
-  ORDER BY claim_expires_at
+  SELECT r.id, r.attempt, r.claimed_by AS "claimedBy", r.backoff_ms AS "backoffMs",
+         r.backoff_multiplier AS "backoffMultiplier", r.expiries
+  FROM runs r JOIN jobs j ON j.id = r.job_id
+  WHERE r.state = 'running' AND r.claim_expires_at < now()
+  ORDER BY r.claim_expires_at
   LIMIT $1
-  FOR UPDATE SKIP LOCKED`;
+  FOR UPDATE OF r SKIP LOCKED
+  FOR KEY SHARE OF j SKIP LOCKED`;
 
 export async function selectExpiredRuns(db: Queryable, limit: number): Promise<ExpiredRun[]> {
   const { rows } = await db.query<ExpiredRun>(SELECT_EXPIRED, [limit]);

@@ -3,7 +3,7 @@ import { after, before, describe, test } from 'node:test';
 import pg from 'pg';
 import { createKafka, RunPublisher } from '../../src/broker/index.js';
 import type { Leadership } from '../../src/coordination/election.js';
-import { Reaper } from '../../src/execution/reaper.js';
+import { FORGIVEN_EXPIRIES, Reaper } from '../../src/execution/reaper.js';
 import { silentLogger } from '../../src/observability/logger.js';
 import { createMetrics } from '../../src/observability/metrics.js';
 import {
@@ -346,6 +346,59 @@ describe('claims and completions (PostgreSQL)', () => {
     const after = await fx.db.pool.query(`SELECT state, max_attempts FROM runs WHERE id = $1`, [runId]);
     assert.deepEqual(after.rows[0], { state: 'queued', max_attempts: 2 });
     assert.ok(await claimRun(fx.db.pool, runId, claim('w'), 2), 'the replayed attempt can be claimed');
+  });
+
+  test("a job a command holds does not stall the reaper: other jobs' runs are recovered, its own after the command", async () => {
+    // J's run has used up its forgiven expiries and its last attempt: the reaper buries it, and a
+    // dead letter's foreign key takes a share lock on J's row. K's run is an ordinary retry.
+    const held = await jobWithRun({ maxAttempts: 1 });
+    const other = await jobWithRun({ maxAttempts: 3 });
+    for (const { runId } of [held, other]) {
+      assert.ok(await claimRun(fx.db.pool, runId, claim('worker-a'), 1));
+    }
+    await fx.db.pool.query(
+      `UPDATE runs SET claim_expires_at = now() - interval '1 second',
+                       expiries = CASE WHEN id = $1 THEN $3 ELSE 0 END
+       WHERE id IN ($1, $2)`,
+      [held.runId, other.runId, FORGIVEN_EXPIRIES],
+    );
+    const reaper = new Reaper({
+      pool: fx.db.pool,
+      leadership: fakeLeadership(1n),
+      topics,
+      intervalMs: 1000,
+      logger: silentLogger,
+      metrics: createMetrics('test'),
+      onFenced: () => assert.fail('fenced'),
+    });
+
+    // A pause, an edit or a delete of J holds its row (findJob ... FOR UPDATE) for as long as it
+    // takes: up to its lock patience (30 s) when it waits for runs other statements hold.
+    const command = await fx.db.pool.connect();
+    try {
+      await command.query('BEGIN');
+      await command.query('SELECT id FROM jobs WHERE id = $1 FOR UPDATE', [held.jobId]);
+      const pass = reaper.reapBatch();
+      const stalled = await Promise.race([
+        pass.then(() => false),
+        new Promise<boolean>((r) => setTimeout(r, 3000, true)),
+      ]);
+      assert.equal(stalled, false, 'the pass waited for the job the command holds');
+      assert.equal((await run(other.runId)).state, 'queued', "the other job's run is recovered");
+      assert.deepEqual(await run(held.runId), {
+        state: 'running',
+        attempt: 1,
+        claimedBy: 'worker-a',
+        reason: null,
+      });
+    } finally {
+      await command.query('ROLLBACK');
+      command.release();
+    }
+    await reaper.reapBatch();
+    assert.equal((await run(held.runId)).state, 'dead', 'buried once the command ended');
+    // The retry left queued would be claimed by the nodes of the tests below (their polling).
+    await fx.db.pool.query('DELETE FROM jobs WHERE id IN ($1, $2)', [held.jobId, other.jobId]);
   });
 });
 
