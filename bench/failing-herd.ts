@@ -38,6 +38,8 @@ export interface FailingHerdRun {
   /** First attempts by outcome when the last was recorded (or at the time limit). */
   readonly outcomes: Record<string, number>;
   readonly cpuPerRun: Record<CpuCategory | 'total', number>;
+  /** Log lines the nodes wrote from the due instant until the last was recorded. */
+  readonly logLines: number;
 }
 
 /** How long after the due instant a run gives up waiting for the outcomes. */
@@ -78,6 +80,7 @@ export async function failingHerdOnce(
       [{ url: target.url, method: 'POST', body: { bench: true } }, due, jobs, attempts],
     );
     await sleep(due.getTime() - Date.now());
+    const linesBefore = cluster.nodes.reduce((n, node) => n + node.logs.length, 0);
     const cpu = new CpuMeter(cluster.cpuGroups());
     if (profileDir) for (const node of cluster.nodes) node.signal('SIGUSR2');
     let recordedMs: number | null = null;
@@ -98,11 +101,12 @@ export async function failingHerdOnce(
       await sleep(50);
     }
     const sample = await cpu.sample(cpus().length);
+    const logLines = cluster.nodes.reduce((n, node) => n + node.logs.length, 0) - linesBefore;
     if (profileDir) {
       for (const node of cluster.nodes) node.signal('SIGUSR2');
       await sleep(2000); // the profiles are written
     }
-    return { recordedMs, outcomes, cpuPerRun: cpuPerRun(sample, jobs) };
+    return { recordedMs, outcomes, cpuPerRun: cpuPerRun(sample, jobs), logLines };
   } finally {
     await cluster.stop();
     await target.close();
@@ -147,7 +151,7 @@ export function describeRun(run: FailingHerdRun): string {
     run.recordedMs === null
       ? `not all recorded within ${LIMIT_MS / 1000} s`
       : `last first attempt recorded ${run.recordedMs} ms after due`;
-  return `${recorded}; first attempts: ${outcomes}`;
+  return `${recorded}; first attempts: ${outcomes}; ${run.logLines} node log lines`;
 }
 
 async function main(): Promise<void> {

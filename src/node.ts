@@ -5,6 +5,7 @@ import type { Etcd3 } from 'etcd3';
 import { apiUrlOf, type HeliosConfig } from './config/index.js';
 import { LifecycleError, toError, withTimeout } from './errors.js';
 import { createLogger, type Logger } from './observability/logger.js';
+import { RunLines } from './observability/run-lines.js';
 import { createMetrics, type Metrics } from './observability/metrics.js';
 import { createPool, ping, type Database } from './store/db.js';
 import { PoolShare, poolStats } from './store/pool-share.js';
@@ -61,6 +62,8 @@ export class HeliosNode {
   readonly config: HeliosConfig;
   readonly logger: Logger;
   readonly metrics: Metrics;
+  /** Lines about single runs, shared by the worker and the reaper (HELIOS_LOG_RUN_LINES_PER_SECOND). */
+  private readonly runLines: RunLines;
   private state: State = 'idle';
   private starting?: Promise<void>;
   private stopping?: Promise<void>;
@@ -88,6 +91,7 @@ export class HeliosNode {
         sensitiveHeaders: options.config.targets.sensitiveHeaders,
       });
     this.metrics = createMetrics(options.config.node.id);
+    this.runLines = new RunLines(this.logger, options.config.node.logRunLinesPerSecond);
   }
 
   /** The URL of this node's HTTP server once started (null without the api role's server). */
@@ -124,6 +128,8 @@ export class HeliosNode {
   private async startParts(): Promise<void> {
     const { config, logger } = this;
     logger.info({ roles: [...config.node.roles] }, 'starting node');
+    // Registered first, so it runs last: what the parts' last lines left out is said.
+    this.onStop('run log lines', () => this.runLines.flush());
 
     const pool = (this.pool = createPool({
       connectionString: config.database.url,
@@ -265,6 +271,7 @@ export class HeliosNode {
             .filter((n) => n.id !== config.node.id && n.roles.includes('worker'))
             .map((n) => n.id),
         logger,
+        runLines: this.runLines,
         metrics: this.metrics,
       });
       await worker.start();
@@ -425,6 +432,7 @@ export class HeliosNode {
       topics: { runsTopic: config.kafka.runsTopic, deadLetterTopic: config.kafka.deadLetterTopic },
       intervalMs: config.leader.reaperIntervalMs,
       logger: logger.child({ part: 'reaper' }),
+      runLines: this.runLines,
       metrics,
       onFenced: stepDown,
     });

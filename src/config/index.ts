@@ -78,6 +78,7 @@ function nodeConfig(env: Env): NodeConfig {
     id,
     roles: parseRoles(env),
     logLevel,
+    logRunLinesPerSecond: int(env, 'HELIOS_LOG_RUN_LINES_PER_SECOND', 100, 0, 1_000_000),
     shutdownTimeoutMs: int(env, 'HELIOS_SHUTDOWN_TIMEOUT_MS', 10_000, 0, 600_000),
   });
 }

@@ -27,6 +27,12 @@ export interface NodeConfig {
   readonly roles: ReadonlySet<Role>;
   /** HELIOS_LOG_LEVEL: pino level; default info. */
   readonly logLevel: string;
+  /**
+   * HELIOS_LOG_RUN_LINES_PER_SECOND: at most this many lines about single runs (a failed attempt,
+   * a run recovered, a claim lost) a second; the rest are counted in one line a second. Default
+   * 100; 0 = no limit.
+   */
+  readonly logRunLinesPerSecond: number;
   /** HELIOS_SHUTDOWN_TIMEOUT_MS: how long shutdown waits for in-flight runs; default 10000. */
   readonly shutdownTimeoutMs: number;
 }

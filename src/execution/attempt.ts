@@ -1,6 +1,7 @@
 import { setTimeout as sleep } from 'node:timers/promises';
 import type { Connections } from '../store/pool-share.js';
 import type { Logger } from '../observability/logger.js';
+import { NO_RUN_LINE_LIMIT, type RunLines, type RunLog } from '../observability/run-lines.js';
 import type { Metrics } from '../observability/metrics.js';
 import { ClaimLostError, toError } from '../errors.js';
 import { inTransaction } from '../store/db.js';
@@ -53,6 +54,8 @@ export interface AttemptContext {
   /** Whether `complete` may hold this success's write back while calls are underway. Default: no. */
   readonly writeMayWait?: (run: ClaimedRun, report: AttemptReport) => boolean;
   readonly logger: Logger;
+  /** The node's budget of lines about single runs. Default: no limit. */
+  readonly runLines?: RunLines;
   readonly metrics: Metrics;
 }
 
@@ -73,9 +76,14 @@ export async function runAttempt(
   callEnded?: (called?: boolean, writeMayWait?: boolean) => void,
 ): Promise<void> {
   const { pool, nodeId, logger, metrics } = ctx;
-  // Bound lazily: most attempts log nothing, and a child logger per run is measurable at 200/s.
-  let child: Logger | undefined;
-  const log = () => (child ??= logger.child({ run: run.id, job: run.jobId, attempt: run.attempt }));
+  // Made lazily: most attempts log nothing.
+  let runLog: RunLog | undefined;
+  const log = () =>
+    (runLog ??= (ctx.runLines ?? NO_RUN_LINE_LIMIT).forRun(logger, () => ({
+      run: run.id,
+      job: run.jobId,
+      attempt: run.attempt,
+    })));
   // Hands the claim back without using up an attempt, retried while it holds (whileClaimed).
   const release = (report: AttemptReport) =>
     whileClaimed(ctx, run, log, () =>
@@ -121,7 +129,12 @@ export async function runAttempt(
       // the run to the reaper, whose forgiven expiries are bounded (past them an attempt is charged).
       const released = await release(report).catch(() => null);
       if (released && notMade.outcome === 'stopping') ctx.handOff?.([released]);
-      log().warn({ released: Boolean(released) }, notMade.error);
+      log().warn(
+        { released: Boolean(released), reason: notMade.error },
+        notMade.outcome === 'stopping'
+          ? 'call not made: the worker stops before its timeout would end; claim handed back'
+          : 'call not made: the claim was acknowledged too late for its timeout; claim handed back',
+      );
       return;
     }
     const startedAt = ctx.clock.now();
@@ -200,7 +213,7 @@ export async function runAttempt(
  * and then handed back uncalled (whyNotStart) keeps started_at: it is due by then (an aborted run
  * is not marked), so no later pause would withdraw it anyway (only later occurrences are withdrawn).
  */
-async function startOrWithdrawn(ctx: AttemptContext, run: ClaimedRun, log: () => Logger): Promise<boolean> {
+async function startOrWithdrawn(ctx: AttemptContext, run: ClaimedRun, log: () => RunLog): Promise<boolean> {
   for (
     let tries = 1, pauseMs = SETTLE_RETRY_MS;
     ;
@@ -276,7 +289,7 @@ const SETTLE_RETRY_MAX_MS = 1000;
 async function whileClaimed<T>(
   ctx: AttemptContext,
   run: ClaimedRun,
-  log: () => Logger,
+  log: () => RunLog,
   write: () => Promise<T>,
 ): Promise<T> {
   for (
@@ -300,7 +313,7 @@ async function whileClaimed<T>(
   }
 }
 
-function stale(ctx: AttemptContext, log: Logger, outcome: string): void {
+function stale(ctx: AttemptContext, log: RunLog, outcome: string): void {
   ctx.metrics.staleCompletions.inc();
   log.warn({ outcome }, 'completion discarded: the claim had been lost');
 }

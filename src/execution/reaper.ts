@@ -5,6 +5,7 @@ import { NotLeaderError, type StaleFencingTokenError } from '../errors.js';
 import { runLeaderLoop } from '../coordination/leader-loop.js';
 import type { Logger } from '../observability/logger.js';
 import type { Metrics } from '../observability/metrics.js';
+import { NO_RUN_LINE_LIMIT, type RunLines } from '../observability/run-lines.js';
 import {
   failAttempt,
   forgiveExpiredClaim,
@@ -31,6 +32,8 @@ export interface ReaperOptions {
   /** Runs per fenced transaction; default 100. */
   readonly batchSize?: number;
   readonly logger: Logger;
+  /** The node's budget of lines about single runs. Default: no limit. */
+  readonly runLines?: RunLines;
   readonly metrics: Metrics;
   /** Called when the fence rejected a write: a newer leader exists. */
   readonly onFenced: (err: StaleFencingTokenError) => void;
@@ -110,7 +113,8 @@ export class Reaper {
     for (const outcome of results.outcomes) {
       metrics.runsReaped.inc({ to: outcome.charged ? outcome.to : 'queued-uncharged' });
       if (outcome.to === 'dead') metrics.deadLetters.inc();
-      logger.warn(outcome, 'claim expired; run recovered');
+      const msg = 'claim expired; run recovered';
+      if ((this.options.runLines ?? NO_RUN_LINE_LIMIT).allow('warn', msg)) logger.warn(outcome, msg);
     }
     return { reaped: results.outcomes.length, full: results.selected === batchSize };
   }

@@ -2,6 +2,7 @@ import type { Connections } from '../store/pool-share.js';
 import type { BrokerClient } from '../broker/index.js';
 import { LifecycleError, toError, withTimeout } from '../errors.js';
 import type { Logger } from '../observability/logger.js';
+import type { RunLines } from '../observability/run-lines.js';
 import type { Metrics } from '../observability/metrics.js';
 import type { TargetPolicy } from '../security/target-policy.js';
 import type { WorkerConfig } from '../config/index.js';
@@ -50,6 +51,8 @@ export interface WorkerOptions {
    */
   readonly handOffPeers?: () => Promise<readonly string[]>;
   readonly logger: Logger;
+  /** The node's budget of lines about single runs. Default: no limit. */
+  readonly runLines?: RunLines;
   readonly metrics: Metrics;
 }
 
@@ -114,6 +117,7 @@ export class Worker {
       writeMayWait,
       handOff: (messages) => this.handOff(messages),
       logger,
+      runLines: options.runLines,
       metrics: options.metrics,
     };
     const claimer = new RunClaimer({
