@@ -51,6 +51,11 @@ export interface AttemptContext {
     report: AttemptReport,
     retryDelayMs: number,
   ) => Promise<FailureResult | null>;
+  /**
+   * Gives the claim back without using up an attempt (the worker's is batched): the next attempt's
+   * announcement, or null when the claim had been lost. Default: one transaction (releaseClaim).
+   */
+  readonly release?: (run: ClaimedRun, report: AttemptReport) => Promise<RunMessage | null>;
   /** Whether `complete` may hold this success's write back while calls are underway. Default: no. */
   readonly writeMayWait?: (run: ClaimedRun, report: AttemptReport) => boolean;
   readonly logger: Logger;
@@ -87,7 +92,9 @@ export async function runAttempt(
   // Hands the claim back without using up an attempt, retried while it holds (whileClaimed).
   const release = (report: AttemptReport) =>
     whileClaimed(ctx, run, log, () =>
-      inTransaction(pool, (client) => releaseClaim(client, run, nodeId, report, ctx.topics.runsTopic)),
+      ctx.release
+        ? ctx.release(run, report)
+        : inTransaction(pool, (client) => releaseClaim(client, run, nodeId, report, ctx.topics.runsTopic)),
     );
   try {
     // First, before anything acts for this run: a withdrawn run must not replace another (below).
@@ -97,7 +104,9 @@ export async function runAttempt(
       callEnded?.(false);
       return;
     }
-    if (run.concurrency === 'replace') {
+    // Not for a run that makes no call (aborted: the claim was lost, or the worker stops and hands
+    // it back): whoever calls it replaces the older runs then.
+    if (run.concurrency === 'replace' && !cancel.aborted) {
       const { replaced, running } = await replaceOlderRuns(pool, run.jobId);
       if (replaced.length > 0) metrics.runsReplaced.inc(replaced.length);
       // Called only if this attempt is the one left running. Otherwise a newer occurrence runs:
@@ -114,7 +123,7 @@ export async function runAttempt(
       }
     }
     // Judged after START and the replacement, which take round trips: the call begins right after.
-    const notMade = whyNotStart(ctx, run, drainLeftMs);
+    const notMade = whyNotStart(ctx, run, cancel, drainLeftMs);
     if (notMade) {
       callEnded?.(false);
       metrics.runsExecuted.inc({ outcome: notMade.outcome });
@@ -255,8 +264,14 @@ async function startOrWithdrawn(ctx: AttemptContext, run: ClaimedRun, log: () =>
 function whyNotStart(
   ctx: AttemptContext,
   run: ClaimedRun,
+  cancel: AbortSignal,
   drainLeftMs: (() => number) | undefined,
 ): { outcome: 'claim-too-late' | 'stopping'; error: string } | undefined {
+  // The drain aborted it before its call: its call could not end before the drain's deadline
+  // (run-queue.ts, drain()), though its time may not have come yet.
+  if (cancel.reason instanceof WorkerStoppingError) {
+    return { outcome: 'stopping', error: 'worker stopping before this call could end; call not made' };
+  }
   // A claim whose answer arrived late (a network that dropped then retransmitted it, a pause)
   // may expire before the call could end, or have expired and been taken back by the reaper.
   const claimLeftMs = ctx.clock.msUntil(run.claimExpiresAt);

@@ -6,6 +6,7 @@ import {
   failAttempt,
   failMany,
   lockFreeJobs,
+  releaseClaim,
   type AttemptReport,
   type Failure,
   type FailureResult,
@@ -21,6 +22,8 @@ import {
   type ClaimOptions,
   type ClaimRequest,
 } from '../store/runs.js';
+import { releaseClaims, type Release } from '../store/releases.js';
+import type { RunMessage } from '../model.js';
 import { BatchItemError, MicroBatcher } from './micro-batcher.js';
 import type { DbClock } from './db-clock.js';
 
@@ -277,6 +280,33 @@ export function createStartBatcher(pool: Connections, nodeId: string): MicroBatc
         return await startRuns(pool, nodeId, runs);
       } catch {
         return oneByOne(runs, async (run) => (await startRuns(pool, nodeId, [run]))[0]!);
+      }
+    },
+    MAX_BATCH,
+    MAX_IN_FLIGHT,
+  );
+}
+
+/**
+ * Gives claims back in batches (see MicroBatcher): a stopping worker's runs claimed ahead that it
+ * will not call, and calls its drain aborted. One transaction of four statements per run was
+ * what a worker stopped just before a herd spent its drain on (1,200 of 3,300 runs handed back in
+ * 4.7 s; the rest stayed claimed until their claims expired, 35 s late). A batch that fails is
+ * retried item by item, each in its own transaction (releaseClaim).
+ */
+export function createReleaseBatcher(
+  pool: Connections,
+  nodeId: string,
+  runsTopic: string,
+): MicroBatcher<Release, RunMessage | null> {
+  return new MicroBatcher(
+    async (items) => {
+      try {
+        return await releaseClaims(pool, nodeId, items, runsTopic);
+      } catch {
+        return oneByOne(items, (item) =>
+          inTransaction(pool, (client) => releaseClaim(client, item.run, nodeId, item.report, runsTopic)),
+        );
       }
     },
     MAX_BATCH,

@@ -115,6 +115,11 @@ interface Execution {
    * of a herd's CPU per run).
    */
   stopWaiting?: () => void;
+  /**
+   * Claimed ahead, or being claimed: the earliest its call could end, its not_before plus its
+   * timeout (database clock, ms; the announcement's until the claim returns). See drain().
+   */
+  callEndsBy?: number;
 }
 
 /** Held runs waiting for the same instant: one timer for all of them (a herd: thousands, one timer). */
@@ -422,6 +427,16 @@ export class RunQueue {
       }
     }
     if (left.length > 0) this.options.handOff?.(left);
+    // The same for runs claimed ahead (or being claimed) that have no slot yet: aborted now, they
+    // hand their claims back together (batched) and the other workers get them before they are
+    // due, instead of each being handed back alone when it falls due and gets a slot. A worker
+    // stopped just before a herd held 3,300 such runs; handed back one by one as they fell due,
+    // 2,000 were still claimed when its drain ended, and ran only once their claims expired.
+    for (const execution of this.executing.values()) {
+      if (!execution.slotted && (execution.callEndsBy ?? -Infinity) >= deadline) {
+        execution.controller.abort(reason);
+      }
+    }
     this.update();
     const idle = new Promise<void>((resolve) => (this.onIdle = resolve));
     this.checkIdle();
@@ -767,6 +782,7 @@ export class RunQueue {
   }
 
   private async claimAndRun(entry: Held, execution: Execution): Promise<void> {
+    execution.callEndsBy = entry.message.notBefore.getTime() + (entry.message.timeoutMs ?? 0);
     const outcome = await this.options.claim(entry.message, entry);
     if (outcome.kind === 'rehold') {
       // Held again once this execution is gone (see track), without the lead.
@@ -779,6 +795,7 @@ export class RunQueue {
     if (outcome.kind !== 'claimed') return;
     const run = outcome.run;
     execution.attempt = run.attempt;
+    execution.callEndsBy = run.notBefore.getTime() + run.timeoutMs;
     execution.startPending = run.startPending;
     const signal = execution.controller.signal;
     // Claimed ahead: the call starts when the run is due, not when the claim came back.

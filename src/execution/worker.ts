@@ -20,6 +20,7 @@ import {
   createClaimBatcher,
   createCompletionBatcher,
   createFailureBatcher,
+  createReleaseBatcher,
   createStartBatcher,
 } from './batching.js';
 import { DbClock } from './db-clock.js';
@@ -82,6 +83,8 @@ export class Worker {
   private readonly logger: Logger;
   /** Hand-offs being sent while stopping; stop() waits for them (bounded). */
   private readonly handOffs = new Set<Promise<void>>();
+  /** Announcements handOff() collects until the event loop's next turn. */
+  private readonly handOffWaiting: RunMessage[] = [];
   private unsubscribe?: () => void;
   private starting?: Promise<void>;
   private stopping?: Promise<void>;
@@ -105,6 +108,7 @@ export class Worker {
     const starts = createStartBatcher(options.pool, options.nodeId);
     const topics = { runsTopic: options.runsTopic, deadLetterTopic: options.deadLetterTopic };
     const failures = createFailureBatcher(options.pool, options.nodeId, topics);
+    const releases = createReleaseBatcher(options.pool, options.nodeId, topics.runsTopic);
     const context: AttemptContext = {
       pool: options.pool,
       nodeId: options.nodeId,
@@ -114,6 +118,7 @@ export class Worker {
       start: (run) => starts.add({ id: run.id, attempt: run.attempt }),
       complete: (run, report) => completions.add({ run, report }, writeMayWait(run, report)),
       fail: (run, report, retryDelayMs) => failures.add({ run, report, retryDelayMs }),
+      release: (run, report) => releases.add({ run, report }),
       writeMayWait,
       handOff: (messages) => this.handOff(messages),
       logger,
@@ -253,6 +258,7 @@ export class Worker {
         );
         await step('stopping the Kafka consumer', () => intakeStopped);
         await Promise.all(this.loops);
+        this.sendHandOff();
         // Bounded, and not a failure of the stop: a hand-off is a hint, and the other workers'
         // polling fallback claims the runs of one that did not go out (they are still queued).
         await withTimeout(Promise.all(this.handOffs), HANDOFF_TIMEOUT_MS, 'handing runs over').catch(
@@ -270,8 +276,20 @@ export class Worker {
     return this.stopping;
   }
 
-  /** Sends held or handed-back announcements to the other workers (store/handoff.ts); never rejects. */
+  /**
+   * Sends held or handed-back announcements to the other workers (store/handoff.ts), those of one
+   * turn of the event loop together: a stopping worker hands back the runs of a batch of releases
+   * at once, and one list of the peers and one statement serve them all, not one each.
+   */
   private handOff(messages: RunMessage[]): void {
+    if (this.handOffWaiting.length === 0) setImmediate(() => this.sendHandOff());
+    this.handOffWaiting.push(...messages);
+  }
+
+  /** Sends what handOff() collected; never rejects. */
+  private sendHandOff(): void {
+    const messages = this.handOffWaiting.splice(0);
+    if (messages.length === 0) return;
     const logger = this.logger;
     const peers = (this.options.handOffPeers?.() ?? Promise.resolve([])).catch((err: unknown) => {
       logger.warn({ err: toError(err) }, 'cannot list the other workers; handing runs over to all');

@@ -32,7 +32,7 @@ export interface AttemptReport {
 export type Settler = { readonly nodeId: string } | { readonly reaper: true };
 
 // PostgreSQL text cannot hold NUL; a response body or error message may.
-const clean = (text: string | null, max: number) =>
+export const clean = (text: string | null, max: number) =>
   text === null ? null : text.replaceAll('\u0000', '').slice(0, max);
 
 /**
@@ -228,7 +228,8 @@ export async function lockFreeJobs(client: pg.PoolClient, jobIds: readonly strin
 }
 
 /** An ISO-8601 UTC timestamp with milliseconds, as `Date.prototype.toISOString` writes it (SQL). */
-const isoMs = (column: string) => `to_char(${column} AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.MS"Z"')`;
+export const isoMs = (column: string) =>
+  `to_char(${column} AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.MS"Z"')`;
 
 /**
  * FAIL, the attempt's record, and the retry's announcement or the dead letter and its announcement

@@ -338,6 +338,19 @@ export interface RequeuedRun {
 export const REQUEUED_RUN_COLUMNS = `id, job_id AS "jobId", attempt, scheduled_for AS "scheduledFor",
   not_before AS "notBefore", timeout_ms AS "timeoutMs", concurrency`;
 
+/** The announcement of a queued run's next attempt, as workers parse it. */
+export function nextAttemptMessage(run: RequeuedRun): RunMessage {
+  return {
+    runId: run.id,
+    jobId: run.jobId,
+    attempt: run.attempt + 1,
+    scheduledFor: run.scheduledFor,
+    notBefore: run.notBefore,
+    timeoutMs: run.timeoutMs,
+    concurrency: run.concurrency,
+  };
+}
+
 /**
  * Inserts the outbox row announcing the next attempt of a queued run, due at its not_before.
  * Returns the announcement, as workers parse it.
@@ -347,15 +360,7 @@ export async function enqueueAttempt(
   run: RequeuedRun,
   runsTopic: string,
 ): Promise<RunMessage> {
-  const message: RunMessage = {
-    runId: run.id,
-    jobId: run.jobId,
-    attempt: run.attempt + 1,
-    scheduledFor: run.scheduledFor,
-    notBefore: run.notBefore,
-    timeoutMs: run.timeoutMs,
-    concurrency: run.concurrency,
-  };
+  const message = nextAttemptMessage(run);
   // Dates serialise as ISO-8601 UTC in the JSON payload.
   await db.query(ENQUEUE_ATTEMPT, [runsTopic, run.jobId, message, run.notBefore]);
   return message;

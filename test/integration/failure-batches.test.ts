@@ -1,6 +1,13 @@
 import assert from 'node:assert/strict';
 import { after, before, test } from 'node:test';
-import { failAttempt, failMany, type AttemptReport, type Failure } from '../../src/store/attempts.js';
+import {
+  failAttempt,
+  failMany,
+  releaseClaim,
+  type AttemptReport,
+  type Failure,
+} from '../../src/store/attempts.js';
+import { releaseClaims } from '../../src/store/releases.js';
 import { inTransaction } from '../../src/store/db.js';
 import { claimRun, type ClaimedRun } from '../../src/store/runs.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
@@ -29,8 +36,10 @@ const report = (overrides: Partial<AttemptReport> = {}): AttemptReport => ({
   ...overrides,
 });
 
-/** A run of a new job (never dispatched), due a second ago, claimed by `node`. */
-async function claimedRun(options: { maxAttempts?: number; node?: string } = {}): Promise<ClaimedRun> {
+/** A run of a new job (never dispatched), due a second ago (or in `dueInS`), claimed by `node`. */
+async function claimedRun(
+  options: { maxAttempts?: number; node?: string; dueInS?: number } = {},
+): Promise<ClaimedRun> {
   const { rows } = await db.pool.query<{ id: string }>(
     `WITH job AS (
        INSERT INTO jobs (name, schedule, target, timeout_ms, max_attempts, backoff_ms)
@@ -38,15 +47,15 @@ async function claimedRun(options: { maxAttempts?: number; node?: string } = {})
        RETURNING *)
      INSERT INTO runs (job_id, scheduled_for, state, max_attempts, target, timeout_ms, backoff_ms,
                        backoff_multiplier, concurrency, not_before)
-     SELECT id, date_trunc('second', now()) - interval '1 second', 'queued', max_attempts, target,
-            timeout_ms, backoff_ms, backoff_multiplier, concurrency, now() - interval '1 second'
+     SELECT id, date_trunc('second', now()) + $2 * interval '1 second', 'queued', max_attempts, target,
+            timeout_ms, backoff_ms, backoff_multiplier, concurrency, now() + $2 * interval '1 second'
      FROM job RETURNING id`,
-    [options.maxAttempts ?? 3],
+    [options.maxAttempts ?? 3, options.dueInS ?? -1],
   );
   const run = await claimRun(
     db.pool,
     rows[0]!.id,
-    { nodeId: options.node ?? NODE, graceMs: 5000, skewToleranceMs: 0 },
+    { nodeId: options.node ?? NODE, graceMs: 5000, skewToleranceMs: 0, leadMs: 5000 },
     1,
   );
   assert.ok(run, 'claimed');
@@ -56,7 +65,8 @@ async function claimedRun(options: { maxAttempts?: number; node?: string } = {})
 /** What a settled failure left: the run, its attempt record and its announcements. */
 async function written(run: ClaimedRun) {
   const { rows: runs } = await db.pool.query(
-    `SELECT state, attempt, claimed_by, claim_expires_at, last_status, last_error, finished_at IS NOT NULL AS finished,
+    `SELECT state, attempt, max_attempts, claimed_by, claim_expires_at, last_status, last_error,
+            finished_at IS NOT NULL AS finished,
             round(extract(epoch FROM not_before - now()))::int AS due_in_s
      FROM runs WHERE id = $1`,
     [run.id],
@@ -214,4 +224,84 @@ test('a batch settles only the attempts this node still holds, each with its own
     both.outbox.map((o) => o.payload.attempt),
     [2, 3],
   );
+});
+
+/** What a worker reports for a claim it gives back: stopping before the call, or its call aborted. */
+const handedBack = (overrides: Partial<AttemptReport> = {}): AttemptReport => ({
+  outcome: 'cancelled',
+  statusCode: null,
+  durationMs: null,
+  error: 'worker stopping before this call could end; call not made',
+  responseExcerpt: null,
+  ...overrides,
+});
+
+test('a batch of released claims writes what one transaction per release writes: queued again, no attempt used, announced', async () => {
+  // Claimed ahead (due in 3 s: due then still, not at once) and due already (due at once).
+  for (const [dueInS, report] of [
+    [3, handedBack()],
+    [-1, handedBack({ durationMs: 7.6, error: 'worker is stopping', startedAt: new Date(Date.now() - 20) })],
+  ] as const) {
+    const single = await claimedRun({ dueInS });
+    const batched = await claimedRun({ dueInS });
+    const one = await inTransaction(db.pool, (c) => releaseClaim(c, single, NODE, report, topics.runsTopic));
+    const [many] = await releaseClaims(db.pool, NODE, [{ run: batched, report }], topics.runsTopic);
+    assert.ok(one && many);
+    const a = await written(single);
+    const b = await written(batched);
+    assert.deepEqual(generic(b, batched), generic(a, single));
+    // The same announcement but for the run's own ids and instant (each run was made at its own now()).
+    const own = { runId: '<run>', jobId: '<job>', notBefore: '<notBefore>' };
+    assert.deepEqual({ ...many, ...own }, { ...one, ...own });
+    // And what that is: queued for attempt 2 with one more attempt allowed, due when it was due.
+    assert.deepEqual(
+      [b.runs[0].state, b.runs[0].attempt, b.runs[0].max_attempts, b.runs[0].claimed_by],
+      ['queued', 1, 4, null],
+    );
+    assert.equal(b.runs[0].due_in_s, Math.max(0, dueInS));
+    assert.equal(b.attempts[0].outcome, 'cancelled');
+    assert.equal(b.outbox.length, 1);
+    assert.equal(b.outbox[0]!.payload.attempt, 2);
+    assertIsoTimestamps(b.outbox[0]!.payload, ['scheduledFor', 'notBefore']);
+    assert.equal(many.notBefore.toISOString(), b.outbox[0]!.payload.notBefore);
+    assert.equal(many.attempt, 2);
+  }
+});
+
+test('a batch releases only the claims this node still holds, each attempt with its own report', async () => {
+  const mine = await claimedRun();
+  const others = await claimedRun({ node: 'other-node' });
+  // Attempt 2 of a run is ours; a release of its attempt 1 in the same batch is stale.
+  const again = await claimedRun();
+  await releaseClaims(db.pool, NODE, [{ run: again, report: handedBack() }], topics.runsTopic);
+  const second = await claimRun(db.pool, again.id, { nodeId: NODE, graceMs: 5000, skewToleranceMs: 0 }, 2);
+  assert.equal(second?.attempt, 2);
+  const results = await releaseClaims(
+    db.pool,
+    NODE,
+    [
+      { run: others, report: handedBack({ error: 'not ours' }) },
+      { run: again, report: handedBack({ error: 'stale attempt 1' }) },
+      { run: mine, report: handedBack({ error: 'mine' }) },
+      { run: second!, report: handedBack({ error: 'attempt 2 aborted' }) },
+    ],
+    topics.runsTopic,
+  );
+  assert.deepEqual(
+    results.map((r) => r && [r.runId === mine.id ? 'mine' : 'again', r.attempt]),
+    [null, null, ['mine', 2], ['again', 3]],
+  );
+  const theirs = await written(others);
+  assert.deepEqual([theirs.runs[0].state, theirs.runs[0].claimed_by], ['running', 'other-node']);
+  assert.equal(theirs.attempts[0].outcome, null);
+  assert.equal(theirs.outbox.length, 0);
+  const twice = await written(again);
+  assert.deepEqual(
+    twice.attempts.map((a: { attempt: number; error: string }) => [a.attempt, a.error]),
+    [
+      [1, 'worker stopping before this call could end; call not made'],
+      [2, 'attempt 2 aborted'],
+    ],
+  );
+  assert.equal(twice.runs[0].max_attempts, 5, 'two releases, two attempts more');
 });

@@ -2,6 +2,7 @@ import assert from 'node:assert/strict';
 import { after, before, test } from 'node:test';
 import type pg from 'pg';
 import { completeSucceededMany, failMany } from '../../src/store/attempts.js';
+import { releaseClaims } from '../../src/store/releases.js';
 import { claimRuns } from '../../src/store/runs.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
 
@@ -257,6 +258,33 @@ test('completion and failure batches never loop over a scan of all runs, nor ove
     for (const { mode, plan } of await plans('helios-fail-many', failParams, c)) {
       assert.deepEqual(loopsOverRuns(plan), [], `failure, ${mode}`);
       assert.deepEqual(loopsOverInput(plan), [], `failure, ${mode}`);
+    }
+    // And the release statement (a stopping worker's hand-backs): releasing one batch prepares it.
+    const handedBack = { ...report, outcome: 'cancelled' as const, statusCode: null, error: 'stopping' };
+    const releasing = next.slice(0, 16);
+    const released = await releaseClaims(
+      c,
+      options.nodeId,
+      releasing.map((run) => ({ run, report: handedBack })),
+      topics.runsTopic,
+    );
+    assert.equal(released.filter((r) => r !== null).length, 16);
+    const toRelease = claimed.slice(16 + 256 + 16 + 256, 16 + 256 + 16 + 256 + 256);
+    const releaseParams = [
+      literal(toRelease.map((r) => r.id)),
+      `'${options.nodeId}'`,
+      literal(toRelease.map(() => 1)),
+      literal(toRelease.map(() => 'cancelled')),
+      literal(toRelease.map(() => 'NULL')),
+      literal(toRelease.map(() => 'stopping')),
+      literal(toRelease.map(() => 'NULL')),
+      literal(toRelease.map(() => 'NULL')),
+      literal(toRelease.map(() => 'NULL')),
+      "'plans.runs'",
+    ].join(', ');
+    for (const { mode, plan } of await plans('helios-release-many', releaseParams, c)) {
+      assert.deepEqual(loopsOverRuns(plan), [], `release, ${mode}`);
+      assert.deepEqual(loopsOverInput(plan), [], `release, ${mode}`);
     }
   } finally {
     c.release();

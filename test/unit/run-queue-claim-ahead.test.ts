@@ -127,17 +127,29 @@ test('a claimed run whose claim is lost while it waits for a slot makes no call,
   await queue.drain(1_000, new Error('test over'));
 });
 
-test('a drain hands claimed runs still waiting for a slot to run() aborted, past the deadline, without a call', async () => {
-  const { queue, seen } = makeQueue({ concurrency: 1 });
-  for (let n = 1; n <= 3; n++) queue.hold(message(id(n)));
-  await sleep(20);
-  const stop = new Error('stopping');
-  await queue.drain(50, stop); // run 1's call never ends by itself
-  assert.deepEqual(seen.called, [id(1)]);
-  assert.deepEqual(seen.notCalled.map((n) => n.runId).sort(), [id(2), id(3)]);
-  for (const n of seen.notCalled) {
-    assert.equal(n.reason, stop);
-    assert.ok(n.drainLeftMs !== undefined && n.drainLeftMs <= 0, 'attempt.ts hands the claim back');
+test('a drain hands claimed runs waiting for a slot to run() aborted, without a call: at its start when their calls could not end before its deadline, else at the deadline', async () => {
+  for (const [timeoutMs, atStart] of [
+    [5_000, true],
+    [10, false],
+  ] as const) {
+    const { queue, seen } = makeQueue({
+      concurrency: 1,
+      claim: async (request) => ({
+        kind: 'claimed',
+        run: { ...fakeClaimedRun(request.runId, request.attempt), timeoutMs },
+      }),
+    });
+    for (let n = 1; n <= 3; n++) queue.hold(message(id(n)));
+    await sleep(20);
+    const stop = new Error('stopping');
+    await queue.drain(100, stop); // run 1's call never ends by itself
+    assert.deepEqual(seen.called, [id(1)]);
+    assert.deepEqual(seen.notCalled.map((n) => n.runId).sort(), [id(2), id(3)]);
+    for (const n of seen.notCalled) {
+      assert.equal(n.reason, stop);
+      const left = n.drainLeftMs!;
+      assert.ok(atStart ? left > 50 : left <= 0, `timeout ${timeoutMs}: ${left} ms of the drain left`);
+    }
   }
 });
 

@@ -1,0 +1,87 @@
+import type { RunMessage } from '../model.js';
+import { clean, isoMs, type AttemptReport } from './attempts.js';
+import type { Queryable } from './db.js';
+import { inLockOrder, nextAttemptMessage, type RequeuedRun } from './runs.js';
+
+/**
+ * RELEASE, the attempt's record and the next attempt's announcement (releaseClaim in attempts.ts),
+ * for many claims node $2 gives back, in one statement: each run queued again without using up an
+ * attempt (max_attempts grows by one), due when it was due or at once. Parallel arrays: $1 = run
+ * ids, $3 = attempts, $4 = outcomes, $5 = statuses, $6 = errors, $7 = when each call began,
+ * $8 = durations ms, $9 = response excerpts; $10 = the runs topic. The announcements are those
+ * the single path writes (timestamps as JSON.stringify writes a Date). Returns the runs whose
+ * claim node $2 still held, as RequeuedRun.
+ */
+const RELEASE_MANY = `
+  WITH input AS MATERIALIZED (
+    -- Node and state ride along as columns of a materialised input, as in SUCCEED (attempts.ts:
+    -- one primary-key lookup per run, whatever the statistics say).
+    SELECT i.*, $2::text AS node, 'running'::text AS running
+    FROM unnest($1::uuid[], $3::int[], $4::text[], $5::int[], $6::text[], $7::timestamptz[], $8::int[],
+                $9::text[])
+      AS i (id, attempt, outcome, status, error, started, duration, excerpt)
+  ), released AS (
+    UPDATE runs r SET state = 'queued', not_before = greatest(r.not_before, now()),
+                      claimed_by = NULL, claim_expires_at = NULL, max_attempts = r.max_attempts + 1
+    FROM input i
+    WHERE r.id = i.id AND r.claimed_by = i.node AND r.attempt = i.attempt AND r.state = i.running
+    -- The report rides along with its run (see SUCCEED: no second join of input below).
+    RETURNING r.id, r.job_id, r.attempt, r.scheduled_for, r.not_before, r.timeout_ms, r.concurrency,
+              i.outcome, i.status, i.error, i.started, i.duration, i.excerpt
+  ), recorded AS (
+    UPDATE run_attempts a SET outcome = d.outcome, finished_at = now(), status_code = d.status,
+                              duration_ms = d.duration, error = d.error, response_excerpt = d.excerpt,
+                              started_at = least(coalesce(d.started, a.started_at), now())
+    FROM released d
+    WHERE a.run_id = d.id AND a.attempt = d.attempt AND a.outcome IS NULL
+  ), announced AS (
+    INSERT INTO outbox (topic, key, payload, publish_after)
+    SELECT $10, d.job_id::text,
+           jsonb_build_object('runId', d.id, 'jobId', d.job_id, 'attempt', d.attempt + 1,
+                              'scheduledFor', ${isoMs('d.scheduled_for')}, 'notBefore', ${isoMs('d.not_before')},
+                              'timeoutMs', d.timeout_ms, 'concurrency', d.concurrency),
+           d.not_before
+    FROM released d
+  )
+  SELECT id, job_id AS "jobId", attempt, scheduled_for AS "scheduledFor", not_before AS "notBefore",
+         timeout_ms AS "timeoutMs", concurrency
+  FROM released`;
+
+/** A claim to give back uncalled or with its call aborted (see releaseClaim). */
+export interface Release {
+  readonly run: { readonly id: string; readonly attempt: number };
+  readonly report: AttemptReport;
+}
+
+/**
+ * Gives back claims of node `nodeId` in one statement, as releaseClaim gives back one: per item,
+ * the next attempt's announcement, or null when the claim had been lost (nothing written for it).
+ * Everything or nothing is written.
+ */
+export async function releaseClaims(
+  db: Queryable,
+  nodeId: string,
+  items: readonly Release[],
+  runsTopic: string,
+): Promise<(RunMessage | null)[]> {
+  if (items.length === 0) return [];
+  const sorted = inLockOrder(items, (i) => i.run.id);
+  const { rows } = await db.query<RequeuedRun>({ name: 'helios-release-many', text: RELEASE_MANY }, [
+    sorted.map((i) => i.run.id),
+    nodeId,
+    sorted.map((i) => i.run.attempt),
+    sorted.map((i) => i.report.outcome),
+    sorted.map((i) => i.report.statusCode),
+    sorted.map((i) => clean(i.report.error, 2000)),
+    sorted.map((i) => i.report.startedAt ?? null),
+    sorted.map((i) => (i.report.durationMs === null ? null : Math.round(i.report.durationMs))),
+    sorted.map((i) => clean(i.report.responseExcerpt, 64 * 1024)),
+    runsTopic,
+  ]);
+  // By run and attempt, as completions: a stale attempt of the same run may share the batch.
+  const released = new Map(rows.map((r) => [`${r.id}/${r.attempt}`, r]));
+  return items.map((i): RunMessage | null => {
+    const row = released.get(`${i.run.id}/${i.run.attempt}`);
+    return row ? nextAttemptMessage(row) : null;
+  });
+}
