@@ -18,6 +18,7 @@ import { loadavg } from 'node:os';
 import { parseArgs } from 'node:util';
 import { DEFAULT_WORKER_CONCURRENCY } from '../src/config/index.js';
 import { failingHerd, type FailingHerdResult } from './failing-herd.js';
+import { stopInHerd, type StopInHerdResult } from './stop-in-herd.js';
 import { failover, type FailoverResult } from './failover.js';
 import { herd, type HerdResult } from './herd.js';
 import { httpFloor, type FloorResult } from './http-floor.js';
@@ -34,6 +35,7 @@ const PARTS = [
   'peers',
   'herd',
   'failing',
+  'stop',
   'lateness',
   'floor',
   'throughput',
@@ -54,6 +56,8 @@ interface Results {
   herd?: HerdResult;
   /** A herd whose target answers 503: due → every first attempt recorded. */
   failing?: FailingHerdResult;
+  /** A worker stopped 300 ms before a herd (a rolling restart): due → last call arrived. */
+  stop?: StopInHerdResult;
   lateness?: LatenessResult[];
   floor?: FloorResult[];
   /** The herd's 10,000 calls without Helios, as many in flight per client process as a worker's default. */
@@ -171,6 +175,16 @@ function summary(r: Results): string {
       '—',
     ]);
   }
+  if (r.stop) {
+    const handed = r.stop.runs.map((run) => run.handedBack.runs);
+    const duplicates = r.stop.runs.reduce((n, run) => n + run.duplicates, 0);
+    rows.push([
+      `herd with a worker stopped 300 ms before due (a rolling restart): ${r.stop.jobs.toLocaleString('en')} due → last call arrived`,
+      `${seconds(r.stop.medianMs)} (${r.stop.runs.map((run) => seconds(run.lastMs)).join(', ')}); ` +
+        `handed back ${handed.join(' / ')}; duplicates ${duplicates}`,
+      '—',
+    ]);
+  }
   if (r.failover) {
     rows.push([
       `failover: kill -9 leader → first dispatch (${r.failover.tries.length} tries)`,
@@ -252,6 +266,11 @@ async function main(): Promise<void> {
     console.log('\nherd whose target is down: 10,000 jobs due in one second, every call answered 503');
     results.failing = await failingHerd(10_000, herdRuns, log);
     log(`median ${seconds(results.failing.medianMs)}`);
+  }
+  if (parts.has('stop')) {
+    console.log('\nherd with a worker stopped 300 ms before due: 10,000 jobs, 30 s timeouts');
+    results.stop = await stopInHerd(10_000, herdRuns, log);
+    log(`median ${seconds(results.stop.medianMs)}`);
   }
   if (parts.has('lateness')) {
     console.log('\nlateness at steady load, 3 nodes (arrival at the target − X-Helios-Scheduled-For)');

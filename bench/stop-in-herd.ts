@@ -121,6 +121,29 @@ export async function stopInHerdOnce(
   }
 }
 
+export interface StopInHerdResult {
+  readonly jobs: number;
+  readonly runs: StopInHerdRun[];
+  /** Median of the runs' last calls (NaN when none called every run within the limit). */
+  readonly medianMs: number;
+}
+
+/** `runs` herds on fresh clusters, one worker stopped 300 ms before each (jobs' timeout 30 s). */
+export async function stopInHerd(
+  jobs: number,
+  runs: number,
+  log?: (line: string) => void,
+): Promise<StopInHerdResult> {
+  const results: StopInHerdRun[] = [];
+  for (let i = 1; i <= runs; i++) {
+    const run = await stopInHerdOnce(jobs, 300, 30_000, {});
+    results.push(run);
+    log?.(`run ${i}: ${describeRun(run)}`);
+  }
+  const times = results.flatMap((r) => (Number.isNaN(r.lastMs) ? [] : [r.lastMs]));
+  return { jobs, runs: results, medianMs: times.length > 0 ? median(times) : NaN };
+}
+
 export function describeRun(run: StopInHerdRun): string {
   const { handedBack: h, handedBackCalls: c } = run;
   return (
