@@ -22,6 +22,9 @@ import { retryDelayMs } from './backoff.js';
  */
 export const FORGIVEN_EXPIRIES = 2;
 
+/** The sleep after a pass that left an expired claim to a later one (another transaction held it). */
+const HELD_RETRY_MS = 100;
+
 /** Options of {@link Reaper}. */
 export interface ReaperOptions {
   readonly pool: Database;
@@ -66,7 +69,13 @@ export class Reaper {
         const { reaped, full } = await this.reapBatch();
         if (full) return;
         const untilExpiry = reaped > 0 ? 0 : await msUntilNextExpiry(pool);
-        const sleepMs = untilExpiry === null ? intervalMs : Math.min(intervalMs, Math.max(untilExpiry, 10));
+        // A claim already expired that this pass did not take is held by another transaction (a
+        // worker's batch, or a command holding its job for up to its lock patience): look again soon,
+        // not every 10 ms.
+        const sleepMs =
+          untilExpiry === null
+            ? intervalMs
+            : Math.min(intervalMs, untilExpiry <= 0 ? HELD_RETRY_MS : Math.max(untilExpiry, 10));
         await pause(sleepMs, leadership.signal);
       },
       wait: pause,

@@ -451,17 +451,19 @@ export interface ExpiredRun {
  * job. $1 = limit. A run whose job a command holds (a pause, an edit or a delete: findJob ... FOR
  * UPDATE, for up to its lock patience) is left to a later pass, like a run another transaction
  * holds: burying it writes a dead letter, whose foreign key waits for that job's row, and the pass
- * would wait with every other run it took still locked.
+ * would wait with every other run it took still locked. The job is tried in a filter, before the
+ * run is locked: as a second locking clause of a join it locked (and kept locked) every expired run
+ * of a held job on every pass, and the join was planned as a sort of all expired runs.
  */
 const SELECT_EXPIRED = `
   SELECT r.id, r.attempt, r.claimed_by AS "claimedBy", r.backoff_ms AS "backoffMs",
          r.backoff_multiplier AS "backoffMultiplier", r.expiries
-  FROM runs r JOIN jobs j ON j.id = r.job_id
+  FROM runs r
   WHERE r.state = 'running' AND r.claim_expires_at < now()
+    AND EXISTS (SELECT FROM jobs j WHERE j.id = r.job_id FOR KEY SHARE SKIP LOCKED)
   ORDER BY r.claim_expires_at
   LIMIT $1
-  FOR UPDATE OF r SKIP LOCKED
-  FOR KEY SHARE OF j SKIP LOCKED`;
+  FOR UPDATE OF r SKIP LOCKED`;
 
 export async function selectExpiredRuns(db: Queryable, limit: number): Promise<ExpiredRun[]> {
   const { rows } = await db.query<ExpiredRun>(SELECT_EXPIRED, [limit]);
