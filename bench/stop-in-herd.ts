@@ -8,7 +8,9 @@
  * that took, how late the handed-back runs were called, and duplicates (must be 0).
  * `--stop-before -1` stops no node: the same herd, for comparison.
  *
- *   npm run build && npx tsx bench/stop-in-herd.ts [--jobs 10000] [--runs 1] [--stop-before 300] [--timeout-ms 30000] [--env K=V]…
+ * `--signal SIGKILL`: the worker crashes instead (an OOM kill): its claimed runs wait for the reaper.
+ *
+ *   npm run build && npx tsx bench/stop-in-herd.ts [--jobs 10000] [--runs 1] [--stop-before 300] [--timeout-ms 30000] [--signal SIGTERM] [--env K=V]…
  */
 import { cpus } from 'node:os';
 import { setTimeout as sleep } from 'node:timers/promises';
@@ -48,6 +50,7 @@ export async function stopInHerdOnce(
   stopBeforeMs: number,
   timeoutMs: number,
   env: Record<string, string>,
+  signal: NodeJS.Signals = 'SIGTERM',
 ): Promise<StopInHerdRun> {
   const cluster = await BenchCluster.start({ env });
   try {
@@ -71,7 +74,7 @@ export async function stopInHerdOnce(
     if (stopping) {
       await sleep(due.getTime() - stopBeforeMs - Date.now());
       const signalled = Date.now();
-      stopping.signal('SIGTERM');
+      stopping.signal(signal);
       void stopping.exited.then(() => (stopMs = Date.now() - signalled));
     }
     await sleep(due.getTime() - Date.now());
@@ -149,7 +152,7 @@ export function describeRun(run: StopInHerdRun): string {
   return (
     `last call ${Math.round(run.lastMs)} ms after due (${run.arrived} calls, ${run.duplicates} duplicates); ` +
     `handed back ${h.runs} runs, ${h.firstMs}–${h.lastMs} ms after due, their calls began p50 ${c.p50Ms} / last ` +
-    `${c.lastMs} ms after due; the stopping node exited ${run.stopMs} ms after SIGTERM; ` +
+    `${c.lastMs} ms after due; the stopping node exited ${run.stopMs} ms after its signal; ` +
     `${run.lateCalls} calls more than 10 s late; attempts ${JSON.stringify(run.attempts)}`
   );
 }
@@ -161,6 +164,7 @@ async function main(): Promise<void> {
       runs: { type: 'string', default: '1' },
       'stop-before': { type: 'string', default: '300' },
       'timeout-ms': { type: 'string', default: '30000' },
+      signal: { type: 'string', default: 'SIGTERM' },
       env: { type: 'string', multiple: true },
     },
   });
@@ -168,12 +172,18 @@ async function main(): Promise<void> {
   const stopBefore = Number(values['stop-before']);
   console.log(
     `Stop in a herd: ${jobs} jobs due in one second, 3 nodes, ` +
-      (stopBefore >= 0 ? `one worker stopped ${stopBefore} ms before due` : 'no node stopped') +
+      (stopBefore >= 0 ? `one worker sent ${values.signal} ${stopBefore} ms before due` : 'no node stopped') +
       `, job timeout ${values['timeout-ms']} ms; ${machine()}`,
   );
   const times: number[] = [];
   for (let i = 1; i <= Number(values.runs); i++) {
-    const run = await stopInHerdOnce(jobs, stopBefore, Number(values['timeout-ms']), envArgs(values.env));
+    const run = await stopInHerdOnce(
+      jobs,
+      stopBefore,
+      Number(values['timeout-ms']),
+      envArgs(values.env),
+      values.signal as NodeJS.Signals,
+    );
     console.log(`  run ${i}: ${describeRun(run)}`);
     console.log(`    CPU per run (due → last arrival): ${describeCpuPerRun(run.cpuPerRun)}`);
     if (!Number.isNaN(run.lastMs)) times.push(run.lastMs);
