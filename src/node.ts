@@ -431,6 +431,8 @@ export class HeliosNode {
       leadership,
       topics: { runsTopic: config.kafka.runsTopic, deadLetterTopic: config.kafka.deadLetterTopic },
       intervalMs: config.leader.reaperIntervalMs,
+      // The workers' claim grace: a run claimed ahead is called within it of its due time or not at all.
+      unstartedAfterMs: config.worker.claimGraceMs,
       logger: logger.child({ part: 'reaper' }),
       runLines: this.runLines,
       metrics,

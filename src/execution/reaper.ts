@@ -34,6 +34,12 @@ export interface ReaperOptions {
   readonly intervalMs: number;
   /** Runs per fenced transaction; default 100. */
   readonly batchSize?: number;
+  /**
+   * A run claimed ahead whose call has not begun this long after it fell due is taken back too
+   * (store/attempts.ts, claimOver): the workers' claim grace (HELIOS_CLAIM_GRACE_MS). Default:
+   * only claims past their deadline.
+   */
+  readonly unstartedAfterMs?: number;
   readonly logger: Logger;
   /** The node's budget of lines about single runs. Default: no limit. */
   readonly runLines?: RunLines;
@@ -68,7 +74,7 @@ export class Reaper {
       pass: async () => {
         const { reaped, full } = await this.reapBatch();
         if (full) return;
-        const untilExpiry = reaped > 0 ? 0 : await msUntilNextExpiry(pool);
+        const untilExpiry = reaped > 0 ? 0 : await msUntilNextExpiry(pool, this.expiry());
         // A claim already expired that this pass did not take is held by another transaction (a
         // worker's batch, or a command holding its job for up to its lock patience): look again soon,
         // not every 10 ms.
@@ -86,13 +92,17 @@ export class Reaper {
     });
   }
 
+  private expiry() {
+    return { unstartedAfterMs: this.options.unstartedAfterMs };
+  }
+
   /** One fenced transaction over at most `batchSize` expired claims. */
   async reapBatch(): Promise<{ reaped: number; full: boolean }> {
     const { pool, leadership, topics, metrics, logger } = this.options;
     const batchSize = this.options.batchSize ?? 100;
     if (!leadership.isValid()) throw new NotLeaderError('leadership ended before reaping');
     const results = await inFencedTransaction(pool, leadership, async (client) => {
-      const expired = await selectExpiredRuns(client, batchSize);
+      const expired = await selectExpiredRuns(client, batchSize, this.expiry());
       const outcomes: { id: string; claimedBy: string | null; to: 'queued' | 'dead'; charged: boolean }[] =
         [];
       for (const run of expired) {
@@ -100,10 +110,14 @@ export class Reaper {
           outcome: 'expired' as const,
           statusCode: null,
           durationMs: null,
-          error: `claim of ${run.claimedBy ?? 'unknown node'} expired before the attempt completed`,
+          error: run.unstarted
+            ? `claimed ahead by ${run.claimedBy ?? 'unknown node'}, its call not begun ${this.options.unstartedAfterMs} ms after it fell due`
+            : `claim of ${run.claimedBy ?? 'unknown node'} expired before the attempt completed`,
           responseExcerpt: null,
         };
-        if (await forgiveExpiredClaim(client, run, report, FORGIVEN_EXPIRIES, topics.runsTopic)) {
+        if (
+          await forgiveExpiredClaim(client, run, report, FORGIVEN_EXPIRIES, topics.runsTopic, this.expiry())
+        ) {
           outcomes.push({ id: run.id, claimedBy: run.claimedBy, to: 'queued', charged: false });
           continue;
         }

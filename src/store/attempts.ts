@@ -405,14 +405,32 @@ async function requeueUncharged(
 }
 
 /**
+ * A claim is over (SQL, a condition on `runs`): past its deadline; or a run claimed ahead of its
+ * time whose call has not begun (started_at NULL: START, runs.ts, comes right before the call) `$n`
+ * ms after it fell due. A worker calls a run claimed ahead only within its claim grace of the due
+ * time (attempt.ts hands a later one back, claim-too-late), so such a claim belongs to a worker
+ * that died, froze or lost PostgreSQL before the call, and no call was made for it: a herd's runs
+ * claimed ahead by a worker killed just before it were otherwise late by their timeout and grace
+ * (35 s by default, an hour for the longest timeouts). A START racing this waits for the row and
+ * finds the claim gone, or commits first and the run is no longer unstarted. NULL `$n`: only the
+ * deadline.
+ */
+const claimOver = (unstartedAfter: string) => `
+  (claim_expires_at < now()
+   OR (${unstartedAfter}::int IS NOT NULL AND started_at IS NULL
+       AND not_before < now() - ${unstartedAfter}::int * interval '1 millisecond'))`;
+
+/**
  * Re-queues a run whose claim expired without using up an attempt (max_attempts grows by one, as
  * for a claim handed back at shutdown), counting the expiry. $1 = run id, $2 = attempt,
- * $3 = error text, $4 = expiries already forgiven at most (the bound).
+ * $3 = error text, $4 = expiries already forgiven at most (the bound; none for a run whose call
+ * never began), $5 = see claimOver.
  */
 const FORGIVE_EXPIRED = `
   UPDATE runs SET state = 'queued', not_before = now(), claimed_by = NULL, claim_expires_at = NULL,
                   max_attempts = max_attempts + 1, expiries = expiries + 1, last_error = $3
-  WHERE id = $1 AND attempt = $2 AND state = 'running' AND claim_expires_at < now() AND expiries < $4
+  WHERE id = $1 AND attempt = $2 AND state = 'running' AND ${claimOver('$5')}
+    AND (expiries < $4 OR started_at IS NULL)
   RETURNING ${REQUEUED_RUN_COLUMNS}`;
 
 /**
@@ -421,8 +439,10 @@ const FORGIVE_EXPIRED = `
  * reaper cannot tell whether the call even started (the claim's acknowledgement lost, a worker
  * killed while waiting for an early-claimed run's time): charging an attempt then made a
  * `maxAttempts: 1` run dead with no delivery at all. Past the bound, expiries are charged like
- * failures (failAttempt), so a job whose calls keep killing workers still ends dead.
+ * failures (failAttempt), so a job whose calls keep killing workers still ends dead. A claimed-ahead
+ * run whose call never began (see claimOver) is always forgiven: no call was made.
  * Returns false when the run was not forgiven (bound reached or no longer expired).
+ * `unstartedAfterMs`: see {@link ExpiryOptions}.
  */
 export async function forgiveExpiredClaim(
   client: pg.PoolClient,
@@ -430,8 +450,9 @@ export async function forgiveExpiredClaim(
   report: AttemptReport,
   bound: number,
   runsTopic: string,
+  options: ExpiryOptions = {},
 ): Promise<boolean> {
-  const params = [run.id, run.attempt, clean(report.error, 2000), bound];
+  const params = [run.id, run.attempt, clean(report.error, 2000), bound, options.unstartedAfterMs ?? null];
   return (await requeueUncharged(client, FORGIVE_EXPIRED, params, run, report, runsTopic)) !== null;
 }
 
@@ -444,38 +465,82 @@ export interface ExpiredRun {
   readonly backoffMultiplier: number;
   /** Earlier expiries of this run that were forgiven (see forgiveExpiredClaim). */
   readonly expiries: number;
+  /** Claimed ahead and its call never began (see claimOver). */
+  readonly unstarted: boolean;
 }
 
+/** When the reaper takes a claim back. */
+export interface ExpiryOptions {
+  /**
+   * Also a run claimed ahead whose call has not begun this long after its due time (see claimOver):
+   * the workers' claim grace (HELIOS_CLAIM_GRACE_MS). Default: only claims past their deadline.
+   */
+  readonly unstartedAfterMs?: number;
+}
+
+/** What the reaper reads of a run (SQL, `runs r`). */
+const EXPIRED_COLUMNS = `r.id, r.attempt, r.claimed_by AS "claimedBy", r.backoff_ms AS "backoffMs",
+  r.backoff_multiplier AS "backoffMultiplier", r.expiries, r.started_at IS NULL AS unstarted`;
+
 /**
- * Running runs past their claim deadline, oldest first, locked, with a key-share lock on each one's
- * job. $1 = limit. A run whose job a command holds (a pause, an edit or a delete: findJob ... FOR
- * UPDATE, for up to its lock patience) is left to a later pass, like a run another transaction
- * holds: burying it writes a dead letter, whose foreign key waits for that job's row, and the pass
- * would wait with every other run it took still locked. The job is tried in a filter, before the
- * run is locked: as a second locking clause of a join it locked (and kept locked) every expired run
- * of a held job on every pass, and the join was planned as a sort of all expired runs.
+ * A key-share lock on run r's job, SKIP LOCKED (SQL, a condition). A run whose job a command holds
+ * (a pause, an edit or a delete: findJob ... FOR UPDATE, for up to its lock patience) is left to a
+ * later pass, like a run another transaction holds: burying it writes a dead letter, whose foreign
+ * key waits for that job's row, and the pass would wait with every other run it took still
+ * locked. Tried in a filter, before the run is locked: as a second locking clause of a join it
+ * locked (and kept locked) every expired run of a held job on every pass, and the join was
+ * planned as a sort of all expired runs.
+ */
+const JOB_FREE = `EXISTS (SELECT FROM jobs j WHERE j.id = r.job_id FOR KEY SHARE SKIP LOCKED)`;
+
+/**
+ * Running runs whose claims are over (claimOver), locked, with their jobs key-share locked
+ * (JOB_FREE), at most $1: first those past their deadline, oldest first (an ordered scan of
+ * runs_running_idx); then, if that left room, runs claimed ahead whose call has not begun $2 ms
+ * after they fell due, found by scanning the running runs (a second's claims ahead: a few
+ * thousand in a herd), earliest due first. NULL $2: only the first.
  */
 const SELECT_EXPIRED = `
-  SELECT r.id, r.attempt, r.claimed_by AS "claimedBy", r.backoff_ms AS "backoffMs",
-         r.backoff_multiplier AS "backoffMultiplier", r.expiries
-  FROM runs r
-  WHERE r.state = 'running' AND r.claim_expires_at < now()
-    AND EXISTS (SELECT FROM jobs j WHERE j.id = r.job_id FOR KEY SHARE SKIP LOCKED)
-  ORDER BY r.claim_expires_at
-  LIMIT $1
-  FOR UPDATE OF r SKIP LOCKED`;
+  WITH past_deadline AS (
+    SELECT ${EXPIRED_COLUMNS}
+    FROM runs r
+    WHERE r.state = 'running' AND r.claim_expires_at < now() AND ${JOB_FREE}
+    ORDER BY r.claim_expires_at
+    LIMIT $1
+    FOR UPDATE OF r SKIP LOCKED
+  ), never_started AS (
+    SELECT ${EXPIRED_COLUMNS}
+    FROM runs r
+    WHERE $2::int IS NOT NULL AND (SELECT count(*) FROM past_deadline) < $1
+      AND r.state = 'running' AND r.started_at IS NULL AND r.claim_expires_at >= now()
+      AND r.not_before < now() - $2::int * interval '1 millisecond' AND ${JOB_FREE}
+    ORDER BY r.not_before
+    LIMIT $1 - (SELECT count(*) FROM past_deadline)
+    FOR UPDATE OF r SKIP LOCKED
+  )
+  SELECT * FROM past_deadline UNION ALL SELECT * FROM never_started`;
 
-export async function selectExpiredRuns(db: Queryable, limit: number): Promise<ExpiredRun[]> {
-  const { rows } = await db.query<ExpiredRun>(SELECT_EXPIRED, [limit]);
+export async function selectExpiredRuns(
+  db: Queryable,
+  limit: number,
+  options: ExpiryOptions = {},
+): Promise<ExpiredRun[]> {
+  const { rows } = await db.query<ExpiredRun>(SELECT_EXPIRED, [limit, options.unstartedAfterMs ?? null]);
   return rows;
 }
 
-/** Milliseconds until the earliest claim expires (database clock); null if nothing runs. */
+/**
+ * Milliseconds until the earliest claim is over (see claimOver; database clock); null if nothing
+ * runs. $1 = see claimOver.
+ */
 const NEXT_EXPIRY = `
-  SELECT (extract(epoch FROM min(claim_expires_at) - now()) * 1000)::float8 AS "inMs"
+  SELECT (extract(epoch FROM least(
+            min(claim_expires_at),
+            min(not_before) FILTER (WHERE started_at IS NULL) + $1::int * interval '1 millisecond'
+          ) - now()) * 1000)::float8 AS "inMs"
   FROM runs WHERE state = 'running'`;
 
-export async function msUntilNextExpiry(db: Queryable): Promise<number | null> {
-  const { rows } = await db.query<{ inMs: number | null }>(NEXT_EXPIRY);
+export async function msUntilNextExpiry(db: Queryable, options: ExpiryOptions = {}): Promise<number | null> {
+  const { rows } = await db.query<{ inMs: number | null }>(NEXT_EXPIRY, [options.unstartedAfterMs ?? null]);
   return rows[0]?.inMs ?? null;
 }

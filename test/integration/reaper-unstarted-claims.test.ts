@@ -1,0 +1,160 @@
+import assert from 'node:assert/strict';
+import { after, before, beforeEach, test } from 'node:test';
+import { setTimeout as sleep } from 'node:timers/promises';
+import type { Leadership } from '../../src/coordination/election.js';
+import { FORGIVEN_EXPIRIES, Reaper } from '../../src/execution/reaper.js';
+import { silentLogger } from '../../src/observability/logger.js';
+import { createMetrics } from '../../src/observability/metrics.js';
+import { msUntilNextExpiry } from '../../src/store/attempts.js';
+import { claimRun, startRuns, type ClaimOptions } from '../../src/store/runs.js';
+import { createTestDatabase, type TestDatabase } from '../support/database.js';
+
+// A worker claims a run up to its claim lead before it is due and marks it started (START) right
+// before the call. A worker killed in between (an OOM kill at the top of the hour) used to hold
+// such runs until their claims' deadlines: due + timeout + grace, 35 s with the defaults. The
+// reaper now takes back a run claimed ahead whose call has not begun its claim grace after it fell
+// due (store/attempts.ts, claimOver), and never charges an attempt for it: no call was made.
+
+let db: TestDatabase;
+const topics = { runsTopic: 'unstarted.runs', deadLetterTopic: 'unstarted.dlq' };
+const GRACE_MS = 700;
+const ahead = (nodeId: string): ClaimOptions => ({
+  nodeId,
+  graceMs: GRACE_MS,
+  skewToleranceMs: 0,
+  leadMs: 2000,
+});
+
+before(async () => {
+  db = await createTestDatabase();
+});
+after(() => db.drop());
+beforeEach(() => db.pool.query('DELETE FROM jobs'));
+
+const leadership: Leadership = {
+  nodeId: 'leader',
+  token: 1n,
+  since: new Date(),
+  signal: new AbortController().signal,
+  isValid: () => true,
+};
+
+const reaper = () =>
+  new Reaper({
+    pool: db.pool,
+    leadership,
+    topics,
+    intervalMs: 1000,
+    unstartedAfterMs: GRACE_MS,
+    logger: silentLogger,
+    metrics: createMetrics('test'),
+    onFenced: () => assert.fail('fenced'),
+  });
+
+/** A job with `timeoutMs` and one queued run of it due `dueInMs` from now. */
+async function jobWithRun(options: { dueInMs: number; timeoutMs?: number; maxAttempts?: number }) {
+  const { rows } = await db.pool.query<{ id: string; jobId: string }>(
+    `WITH job AS (
+       INSERT INTO jobs (name, schedule, target, timeout_ms, max_attempts, backoff_ms)
+       VALUES ('unstarted-' || gen_random_uuid(), '* * * * *', '{"url":"http://127.0.0.1:9/"}', $2, $3, 0)
+       RETURNING *)
+     INSERT INTO runs (job_id, scheduled_for, state, max_attempts, target, timeout_ms, backoff_ms,
+                       backoff_multiplier, concurrency, not_before)
+     SELECT id, now() + $1 * interval '1 millisecond', 'queued', max_attempts, target, timeout_ms,
+            backoff_ms, backoff_multiplier, concurrency, now() + $1 * interval '1 millisecond'
+     FROM job RETURNING id, job_id AS "jobId"`,
+    [options.dueInMs, options.timeoutMs ?? 30_000, options.maxAttempts ?? 1],
+  );
+  return rows[0]!;
+}
+
+async function runOf(id: string) {
+  const { rows } = await db.pool.query<{
+    state: string;
+    attempt: number;
+    maxAttempts: number;
+    startedAt: Date | null;
+    lastError: string | null;
+  }>(
+    `SELECT state, attempt, max_attempts AS "maxAttempts", started_at AS "startedAt", last_error AS "lastError"
+     FROM runs WHERE id = $1`,
+    [id],
+  );
+  return rows[0]!;
+}
+
+test('a run claimed ahead whose call never began is taken back its claim grace after it fell due, uncharged; a started one keeps its claim', async () => {
+  const unstarted = await jobWithRun({ dueInMs: 300 });
+  const started = await jobWithRun({ dueInMs: 300 });
+  const a = await claimRun(db.pool, unstarted.id, ahead('worker-a'), 1);
+  const b = await claimRun(db.pool, started.id, ahead('worker-a'), 1);
+  assert.ok(a?.startPending && b?.startPending, 'both claimed ahead');
+  // Forgiven expiries past the bound: a call that never began is forgiven all the same.
+  await db.pool.query('UPDATE runs SET expiries = $2 WHERE id = $1', [unstarted.id, FORGIVEN_EXPIRIES + 3]);
+
+  await sleep(300 + GRACE_MS / 2);
+  assert.equal((await reaper().reapBatch()).reaped, 0, 'within the grace: its worker may still call it');
+  // The worker starts one of them within the grace: that call begins.
+  assert.deepEqual(await startRuns(db.pool, 'worker-a', [b!]), [true]);
+  await sleep(GRACE_MS / 2 + 150);
+  assert.equal((await reaper().reapBatch()).reaped, 1);
+
+  const back = await runOf(unstarted.id);
+  assert.deepEqual(
+    [back.state, back.attempt, back.maxAttempts, back.startedAt],
+    ['queued', 1, 2, null],
+    'queued again, no attempt used, still unstarted',
+  );
+  assert.match(
+    back.lastError ?? '',
+    /claimed ahead by worker-a, its call not begun 700 ms after it fell due/,
+  );
+  assert.equal(
+    (await runOf(started.id)).state,
+    'running',
+    'a started run keeps its claim until its deadline',
+  );
+  const { rows: outbox } = await db.pool.query(`SELECT payload FROM outbox WHERE payload->>'runId' = $1`, [
+    unstarted.id,
+  ]);
+  assert.equal(outbox.length, 1, 'its next attempt is announced');
+
+  // The worker that was taken over wakes up: its START finds the claim gone, so it makes no call.
+  assert.deepEqual(await startRuns(db.pool, 'worker-a', [a!]), [false]);
+  // Another worker claims it and calls it.
+  const again = await claimRun(db.pool, unstarted.id, ahead('worker-b'), 2);
+  assert.equal(again?.attempt, 2);
+  assert.equal(again?.startPending, false, 'claimed when due: started with its claim');
+});
+
+test('without the option the reaper waits for the claim deadline, as before', async () => {
+  const { id } = await jobWithRun({ dueInMs: 100 });
+  assert.ok((await claimRun(db.pool, id, ahead('worker-a'), 1))?.startPending);
+  await sleep(100 + GRACE_MS + 100);
+  const plain = new Reaper({
+    pool: db.pool,
+    leadership,
+    topics,
+    intervalMs: 1000,
+    logger: silentLogger,
+    metrics: createMetrics('test'),
+    onFenced: () => assert.fail('fenced'),
+  });
+  assert.equal((await plain.reapBatch()).reaped, 0);
+  assert.equal((await reaper().reapBatch()).reaped, 1);
+});
+
+test('the reaper sleeps until the next claim is over: an unstarted claim ahead at its due time + grace', async () => {
+  const { id } = await jobWithRun({ dueInMs: 1000, timeoutMs: 5000 });
+  assert.ok((await claimRun(db.pool, id, ahead('worker-a'), 1))?.startPending);
+  const deadline = await msUntilNextExpiry(db.pool);
+  const over = await msUntilNextExpiry(db.pool, { unstartedAfterMs: GRACE_MS });
+  // The deadline: due (1 s) + timeout (5 s) + the claim's grace (0.7 s).
+  assert.ok(deadline! > 6000 && deadline! <= 6700, `deadline in ${deadline} ms`);
+  assert.ok(over! > 1000 + GRACE_MS - 300 && over! <= 1000 + GRACE_MS, `claim over in ${over} ms`);
+  // Once started, only the deadline counts.
+  assert.ok(await claimRun(db.pool, id, ahead('worker-a'), null).then(() => true));
+  await db.pool.query('UPDATE runs SET started_at = now() WHERE id = $1', [id]);
+  const afterStart = await msUntilNextExpiry(db.pool, { unstartedAfterMs: GRACE_MS });
+  assert.ok(afterStart! > 6000, `after START: ${afterStart} ms`);
+});
