@@ -8,16 +8,18 @@ import type { Metrics } from '../observability/metrics.js';
 import { NO_RUN_LINE_LIMIT, type RunLines } from '../observability/run-lines.js';
 import {
   failAttempt,
-  forgiveExpiredClaim,
   msUntilNextExpiry,
   selectExpiredRuns,
+  type AttemptReport,
+  type ExpiredRun,
   type Topics,
 } from '../store/attempts.js';
+import { forgiveExpiredClaims } from '../store/releases.js';
 import { inFencedTransaction } from '../store/fence.js';
 import { retryDelayMs } from './backoff.js';
 
 /**
- * Expired claims of one run re-queued without using up an attempt (see forgiveExpiredClaim);
+ * Expired claims of one run re-queued without using up an attempt (see forgiveExpiredClaims);
  * later ones count as failed attempts.
  */
 export const FORGIVEN_EXPIRIES = 2;
@@ -105,19 +107,26 @@ export class Reaper {
       const expired = await selectExpiredRuns(client, batchSize, this.expiry());
       const outcomes: { id: string; claimedBy: string | null; to: 'queued' | 'dead'; charged: boolean }[] =
         [];
-      for (const run of expired) {
-        const report = {
-          outcome: 'expired' as const,
-          statusCode: null,
-          durationMs: null,
-          error: run.unstarted
-            ? `claimed ahead by ${run.claimedBy ?? 'unknown node'}, its call not begun ${this.options.unstartedAfterMs} ms after it fell due`
-            : `claim of ${run.claimedBy ?? 'unknown node'} expired before the attempt completed`,
-          responseExcerpt: null,
-        };
-        if (
-          await forgiveExpiredClaim(client, run, report, FORGIVEN_EXPIRIES, topics.runsTopic, this.expiry())
-        ) {
+      const report = (run: ExpiredRun): AttemptReport => ({
+        outcome: 'expired',
+        statusCode: null,
+        durationMs: null,
+        error: run.unstarted
+          ? `claimed ahead by ${run.claimedBy ?? 'unknown node'}, its call not begun ${this.options.unstartedAfterMs} ms after it fell due`
+          : `claim of ${run.claimedBy ?? 'unknown node'} expired before the attempt completed`,
+        responseExcerpt: null,
+      });
+      // One statement for the runs forgiven (a crashed worker's: thousands in a herd), then one
+      // transaction's statements each for those charged.
+      const forgiven = await forgiveExpiredClaims(
+        client,
+        expired.map((run) => ({ run, error: report(run).error! })),
+        FORGIVEN_EXPIRIES,
+        topics.runsTopic,
+        this.expiry(),
+      );
+      for (const [k, run] of expired.entries()) {
+        if (forgiven[k]) {
           outcomes.push({ id: run.id, claimedBy: run.claimedBy, to: 'queued', charged: false });
           continue;
         }
@@ -125,7 +134,7 @@ export class Reaper {
           client,
           run,
           { reaper: true },
-          report,
+          report(run),
           retryDelayMs(run.attempt, run),
           topics,
         );

@@ -415,46 +415,10 @@ async function requeueUncharged(
  * finds the claim gone, or commits first and the run is no longer unstarted. NULL `$n`: only the
  * deadline.
  */
-const claimOver = (unstartedAfter: string) => `
+export const claimOver = (unstartedAfter: string) => `
   (claim_expires_at < now()
    OR (${unstartedAfter}::int IS NOT NULL AND started_at IS NULL
        AND not_before < now() - ${unstartedAfter}::int * interval '1 millisecond'))`;
-
-/**
- * Re-queues a run whose claim expired without using up an attempt (max_attempts grows by one, as
- * for a claim handed back at shutdown), counting the expiry. $1 = run id, $2 = attempt,
- * $3 = error text, $4 = expiries already forgiven at most (the bound; none for a run whose call
- * never began), $5 = see claimOver.
- */
-const FORGIVE_EXPIRED = `
-  UPDATE runs SET state = 'queued', not_before = now(), claimed_by = NULL, claim_expires_at = NULL,
-                  max_attempts = max_attempts + 1, expiries = expiries + 1, last_error = $3
-  WHERE id = $1 AND attempt = $2 AND state = 'running' AND ${claimOver('$5')}
-    AND (expiries < $4 OR started_at IS NULL)
-  RETURNING ${REQUEUED_RUN_COLUMNS}`;
-
-/**
- * The reaper's answer to an expired claim while the run's forgiven expiries are under `bound`.
- * An expiry means the worker died, froze or lost PostgreSQL, not that the target failed; and the
- * reaper cannot tell whether the call even started (the claim's acknowledgement lost, a worker
- * killed while waiting for an early-claimed run's time): charging an attempt then made a
- * `maxAttempts: 1` run dead with no delivery at all. Past the bound, expiries are charged like
- * failures (failAttempt), so a job whose calls keep killing workers still ends dead. A claimed-ahead
- * run whose call never began (see claimOver) is always forgiven: no call was made.
- * Returns false when the run was not forgiven (bound reached or no longer expired).
- * `unstartedAfterMs`: see {@link ExpiryOptions}.
- */
-export async function forgiveExpiredClaim(
-  client: pg.PoolClient,
-  run: { id: string; attempt: number },
-  report: AttemptReport,
-  bound: number,
-  runsTopic: string,
-  options: ExpiryOptions = {},
-): Promise<boolean> {
-  const params = [run.id, run.attempt, clean(report.error, 2000), bound, options.unstartedAfterMs ?? null];
-  return (await requeueUncharged(client, FORGIVE_EXPIRED, params, run, report, runsTopic)) !== null;
-}
 
 /** A run whose claim expired, locked for the reaper. */
 export interface ExpiredRun {
@@ -463,7 +427,7 @@ export interface ExpiredRun {
   readonly claimedBy: string | null;
   readonly backoffMs: number;
   readonly backoffMultiplier: number;
-  /** Earlier expiries of this run that were forgiven (see forgiveExpiredClaim). */
+  /** Earlier expiries of this run that were forgiven (see forgiveExpiredClaims in releases.ts). */
   readonly expiries: number;
   /** Claimed ahead and its call never began (see claimOver). */
   readonly unstarted: boolean;

@@ -1,5 +1,5 @@
 import type { RunMessage } from '../model.js';
-import { clean, isoMs, type AttemptReport } from './attempts.js';
+import { claimOver, clean, isoMs, type AttemptReport, type ExpiryOptions } from './attempts.js';
 import type { Queryable } from './db.js';
 import { inLockOrder, nextAttemptMessage, type RequeuedRun } from './runs.js';
 
@@ -84,4 +84,79 @@ export async function releaseClaims(
     const row = released.get(`${i.run.id}/${i.run.attempt}`);
     return row ? nextAttemptMessage(row) : null;
   });
+}
+
+/**
+ * Re-queues runs whose claims are over (claimOver in attempts.ts) without using up an attempt
+ * (max_attempts grows by one, as for a claim handed back), counting the expiry, records each
+ * expired attempt and announces the next, in one statement: the reaper's forgiveness. Parallel arrays: $1 = run ids, $2 = attempts, $3 = errors; $4 = the forgiven-expiries
+ * bound (none for a run whose call never began), $5 = see claimOver, $6 = the runs topic. Returns
+ * the runs forgiven.
+ */
+const FORGIVE_MANY = `
+  WITH input AS MATERIALIZED (
+    SELECT * FROM unnest($1::uuid[], $2::int[], $3::text[]) AS i (run_id, run_attempt, error)
+  ), forgiven AS (
+    UPDATE runs SET state = 'queued', not_before = now(), claimed_by = NULL, claim_expires_at = NULL,
+                    max_attempts = max_attempts + 1, expiries = expiries + 1, last_error = i.error
+    FROM input i
+    WHERE id = i.run_id AND attempt = i.run_attempt AND state = 'running' AND ${claimOver('$5')}
+      AND (expiries < $4 OR started_at IS NULL)
+    RETURNING id, job_id, attempt, scheduled_for, not_before, timeout_ms, concurrency, i.error
+  ), recorded AS (
+    UPDATE run_attempts a SET outcome = 'expired', finished_at = now(), status_code = NULL,
+                              duration_ms = NULL, error = f.error, response_excerpt = NULL,
+                              started_at = least(a.started_at, now())
+    FROM forgiven f
+    WHERE a.run_id = f.id AND a.attempt = f.attempt AND a.outcome IS NULL
+  ), announced AS (
+    INSERT INTO outbox (topic, key, payload, publish_after)
+    SELECT $6, f.job_id::text,
+           jsonb_build_object('runId', f.id, 'jobId', f.job_id, 'attempt', f.attempt + 1,
+                              'scheduledFor', ${isoMs('f.scheduled_for')}, 'notBefore', ${isoMs('f.not_before')},
+                              'timeoutMs', f.timeout_ms, 'concurrency', f.concurrency),
+           f.not_before
+    FROM forgiven f
+  )
+  SELECT id, attempt FROM forgiven`;
+
+/** A run whose claim is over, with the error its expired attempt records. */
+export interface Expiry {
+  readonly run: { readonly id: string; readonly attempt: number };
+  readonly error: string;
+}
+
+/**
+ * The reaper's answer to claims that are over while each run's forgiven expiries are under
+ * `bound`: an expiry means the worker died, froze or lost PostgreSQL, not that the target failed;
+ * and the reaper cannot tell whether the call even started (the claim's acknowledgement lost, a
+ * worker killed while waiting for an early-claimed run's time): charging an attempt then made a
+ * `maxAttempts: 1` run dead with no delivery at all. Past the bound, expiries are charged like
+ * failures (failAttempt), so a job whose calls keep killing workers still ends dead. A run claimed
+ * ahead whose call never began (see claimOver) is always forgiven: no call was made.
+ * Per item, whether it was re-queued (false: the bound was reached, or its claim is not over).
+ * Call with the runs locked (selectExpiredRuns).
+ */
+export async function forgiveExpiredClaims(
+  db: Queryable,
+  items: readonly Expiry[],
+  bound: number,
+  runsTopic: string,
+  options: ExpiryOptions = {},
+): Promise<boolean[]> {
+  if (items.length === 0) return [];
+  const sorted = inLockOrder(items, (i) => i.run.id);
+  const { rows } = await db.query<{ id: string; attempt: number }>(
+    { name: 'helios-forgive-many', text: FORGIVE_MANY },
+    [
+      sorted.map((i) => i.run.id),
+      sorted.map((i) => i.run.attempt),
+      sorted.map((i) => clean(i.error, 2000)),
+      bound,
+      options.unstartedAfterMs ?? null,
+      runsTopic,
+    ],
+  );
+  const forgiven = new Set(rows.map((r) => `${r.id}/${r.attempt}`));
+  return items.map((i) => forgiven.has(`${i.run.id}/${i.run.attempt}`));
 }

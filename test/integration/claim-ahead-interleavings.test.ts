@@ -4,12 +4,8 @@ import { after, before, test } from 'node:test';
 import type pg from 'pg';
 import { deleteJob, patchJob, pauseJob } from '../../src/jobs/commands.js';
 import { parseCron } from '../../src/scheduling/cron.js';
-import {
-  completeSucceededMany,
-  forgiveExpiredClaim,
-  releaseClaim,
-  selectExpiredRuns,
-} from '../../src/store/attempts.js';
+import { completeSucceededMany, releaseClaim, selectExpiredRuns } from '../../src/store/attempts.js';
+import { forgiveExpiredClaims } from '../../src/store/releases.js';
 import { inTransaction } from '../../src/store/db.js';
 import { createRuns } from '../../src/store/dispatch.js';
 import type { JobRecord } from '../../src/store/jobs.js';
@@ -179,12 +175,12 @@ test('claimed ahead, START never written (failed, or the worker died): reaper fo
   assert.deepEqual(await startRuns(db.pool, NODE, [claimed]), [false], "the first worker's late START loses");
 });
 
-/** The reaper's pass without the fence (selectExpiredRuns + forgiveExpiredClaim). */
+/** The reaper's pass without the fence (selectExpiredRuns + forgiveExpiredClaims). */
 async function inFencelessReap(): Promise<number> {
   return inTransaction(db.pool, async (c: pg.PoolClient) => {
     let n = 0;
     for (const run of await selectExpiredRuns(c, 100)) {
-      if (await forgiveExpiredClaim(c, run, report('expired', 'expired'), 2, 'runs')) n += 1;
+      if ((await forgiveExpiredClaims(c, [{ run, error: 'expired' }], 2, 'runs'))[0]) n += 1;
     }
     return n;
   });

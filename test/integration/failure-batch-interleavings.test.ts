@@ -5,14 +5,9 @@ import { setTimeout as sleep } from 'node:timers/promises';
 import pg from 'pg';
 import { createFailureBatcher } from '../../src/execution/batching.js';
 import { deleteJob, pauseJob } from '../../src/jobs/commands.js';
-import {
-  failAttempt,
-  failMany,
-  forgiveExpiredClaim,
-  type AttemptReport,
-  type FailureResult,
-} from '../../src/store/attempts.js';
+import { failAttempt, failMany, type AttemptReport, type FailureResult } from '../../src/store/attempts.js';
 import { inTransaction } from '../../src/store/db.js';
+import { forgiveExpiredClaims } from '../../src/store/releases.js';
 import { replayDeadLetter } from '../../src/store/dead-letters.js';
 import { claimRun, claimRuns, type ClaimedRun } from '../../src/store/runs.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
@@ -186,16 +181,9 @@ for (const reaperEnds of ['COMMIT', 'ROLLBACK'] as const) {
     // What Reaper.reapBatch does for x, held open: locked (SELECT_EXPIRED), forgiven (re-queued, uncharged).
     const reaper = await openTransaction();
     await reaper.client.query(`SELECT id FROM runs WHERE id = $1 FOR UPDATE`, [x.id]);
-    const forgiven = await forgiveExpiredClaim(
+    const [forgiven] = await forgiveExpiredClaims(
       reaper.client,
-      x,
-      {
-        outcome: 'expired',
-        statusCode: null,
-        durationMs: null,
-        error: 'claim expired',
-        responseExcerpt: null,
-      },
+      [{ run: x, error: 'claim expired' }],
       2,
       topics.runsTopic,
     );

@@ -114,10 +114,33 @@ test('a run claimed ahead whose call never began is taken back its claim grace a
     'running',
     'a started run keeps its claim until its deadline',
   );
-  const { rows: outbox } = await db.pool.query(`SELECT payload FROM outbox WHERE payload->>'runId' = $1`, [
-    unstarted.id,
-  ]);
-  assert.equal(outbox.length, 1, 'its next attempt is announced');
+  const { rows: attempts } = await db.pool.query<{ attempt: number; outcome: string; error: string }>(
+    `SELECT attempt, outcome, error FROM run_attempts WHERE run_id = $1`,
+    [unstarted.id],
+  );
+  assert.deepEqual(
+    attempts.map((a) => [a.attempt, a.outcome]),
+    [[1, 'expired']],
+  );
+  assert.equal(attempts[0]!.error, back.lastError);
+  // Its next attempt is announced as the single path announces one (workers parse it).
+  const { rows: outbox } = await db.pool.query<{ payload: Record<string, unknown>; late: boolean }>(
+    `SELECT payload, publish_after > now() AS late FROM outbox WHERE payload->>'runId' = $1`,
+    [unstarted.id],
+  );
+  assert.equal(outbox.length, 1);
+  const message = outbox[0]!.payload;
+  assert.deepEqual(
+    [message.attempt, message.jobId, message.timeoutMs, message.concurrency, outbox[0]!.late],
+    [2, unstarted.jobId, 30_000, 'allow', false],
+  );
+  for (const key of ['scheduledFor', 'notBefore']) {
+    assert.equal(
+      new Date(message[key] as string).toISOString(),
+      message[key],
+      `${key} as toISOString writes it`,
+    );
+  }
 
   // The worker that was taken over wakes up: its START finds the claim gone, so it makes no call.
   assert.deepEqual(await startRuns(db.pool, 'worker-a', [a!]), [false]);

@@ -9,12 +9,8 @@ import type { HttpExecutor } from '../../src/execution/http-executor.js';
 import { deleteJob, pauseJob } from '../../src/jobs/commands.js';
 import { silentLogger } from '../../src/observability/logger.js';
 import { createMetrics } from '../../src/observability/metrics.js';
-import {
-  completeSucceeded,
-  forgiveExpiredClaim,
-  selectExpiredRuns,
-  type AttemptReport,
-} from '../../src/store/attempts.js';
+import { completeSucceeded, selectExpiredRuns, type AttemptReport } from '../../src/store/attempts.js';
+import { forgiveExpiredClaims } from '../../src/store/releases.js';
 import { inTransaction } from '../../src/store/db.js';
 import type { Connections } from '../../src/store/pool-share.js';
 import { claimRuns, type ClaimedRun, type ClaimOptions } from '../../src/store/runs.js';
@@ -187,7 +183,7 @@ for (const commit of [true, false]) {
             error: 'expired',
             responseExcerpt: null,
           };
-          if (await forgiveExpiredClaim(c, r, report, 2, 'runs')) n += 1;
+          if ((await forgiveExpiredClaims(c, [{ run: r, error: report.error }], 2, 'runs'))[0]) n += 1;
         }
         return n;
       });
