@@ -75,13 +75,15 @@ before(async () => {
   // A schedule the dispatcher cannot evaluate: parked.
   jobs.parked = await insertJob('parked', 'not a schedule', new Date(Date.now() - 1000).toISOString());
   await db.pool.query(
+    // Started (its call began): a running run claimed ahead and never started is taken back by the
+    // leader's reaper a claim grace after it fell due.
     `INSERT INTO runs (job_id, scheduled_for, state, attempt, max_attempts, target, timeout_ms, backoff_ms,
-                       backoff_multiplier, concurrency, not_before, claimed_by, claim_expires_at)
+                       backoff_multiplier, concurrency, not_before, claimed_by, claim_expires_at, started_at)
      SELECT $1::uuid, '2020-01-01'::timestamptz, 'running', 1, 3, '{"url": "http://127.0.0.1:9/"}'::jsonb, 5000, 1000, 2,
-            'forbid', now() - interval '1 hour', 'ghost', now() + interval '1 hour'
+            'forbid', now() - interval '1 hour', 'ghost', now() + interval '1 hour', now() - interval '1 hour'
      UNION ALL
      SELECT $2::uuid, '2020-01-01'::timestamptz, 'running', 1, 3, '{"url": "http://127.0.0.1:9/"}'::jsonb, 5000, 1000, 2,
-            'forbid', now() - interval '1 hour', 'ghost', now() + interval '1 hour'`,
+            'forbid', now() - interval '1 hour', 'ghost', now() + interval '1 hour', now() - interval '1 hour'`,
     [jobs.forbid, jobs.misfired],
   );
   // Queued retries of the forbid job: three due an hour ago (overdue), two due in an hour.
