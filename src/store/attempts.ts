@@ -232,6 +232,21 @@ export const isoMs = (column: string) =>
   `to_char(${column} AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.MS"Z"')`;
 
 /**
+ * The outbox rows announcing the next attempts of re-queued runs `alias` (SQL: an INSERT for a
+ * CTE, over `from`; `topic` an expression), the rows enqueueAttempt writes: the same keys, and
+ * timestamps as JSON.stringify writes a Date.
+ */
+export const announceNextAttempts = (alias: string, from: string, topic: string) => `
+    INSERT INTO outbox (topic, key, payload, publish_after)
+    SELECT ${topic}, ${alias}.job_id::text,
+           jsonb_build_object('runId', ${alias}.id, 'jobId', ${alias}.job_id, 'attempt', ${alias}.attempt + 1,
+                              'scheduledFor', ${isoMs(`${alias}.scheduled_for`)},
+                              'notBefore', ${isoMs(`${alias}.not_before`)},
+                              'timeoutMs', ${alias}.timeout_ms, 'concurrency', ${alias}.concurrency),
+           ${alias}.not_before
+    FROM ${from}`;
+
+/**
  * FAIL, the attempt's record, and the retry's announcement or the dead letter and its announcement
  * (failAttempt, buryRun, enqueueAttempt), for many failed attempts of node $2 in one statement.
  * Parallel arrays: $1 = run ids, $3 = attempts, $4 = retry delays ms, $5 = statuses, $6 = errors,
@@ -277,14 +292,7 @@ const FAIL_MANY = `
                               started_at = least(coalesce(f.started, a.started_at), now())
     FROM failed f
     WHERE a.run_id = f.id AND a.attempt = f.attempt AND a.outcome IS NULL
-  ), retried AS (
-    INSERT INTO outbox (topic, key, payload, publish_after)
-    SELECT $12, f.job_id::text,
-           jsonb_build_object('runId', f.id, 'jobId', f.job_id, 'attempt', f.attempt + 1,
-                              'scheduledFor', ${isoMs('f.scheduled_for')}, 'notBefore', ${isoMs('f.not_before')},
-                              'timeoutMs', f.timeout_ms, 'concurrency', f.concurrency),
-           f.not_before
-    FROM failed f WHERE f.state = 'queued'
+  ), retried AS (${announceNextAttempts('f', "failed f WHERE f.state = 'queued'", '$12')}
   ), buried AS (
     -- created_at is now(), as the letter's announcement says (deadAt).
     INSERT INTO dead_letters (id, run_id, job_id, attempt, error, status_code, created_at)

@@ -1,5 +1,11 @@
 import type { RunMessage } from '../model.js';
-import { claimOver, clean, isoMs, type AttemptReport, type ExpiryOptions } from './attempts.js';
+import {
+  announceNextAttempts,
+  claimOver,
+  clean,
+  type AttemptReport,
+  type ExpiryOptions,
+} from './attempts.js';
 import type { Queryable } from './db.js';
 import { inLockOrder, nextAttemptMessage, type RequeuedRun } from './runs.js';
 
@@ -9,7 +15,7 @@ import { inLockOrder, nextAttemptMessage, type RequeuedRun } from './runs.js';
  * attempt (max_attempts grows by one), due when it was due or at once. Parallel arrays: $1 = run
  * ids, $3 = attempts, $4 = outcomes, $5 = statuses, $6 = errors, $7 = when each call began,
  * $8 = durations ms, $9 = response excerpts; $10 = the runs topic. The announcements are those
- * the single path writes (timestamps as JSON.stringify writes a Date). Returns the runs whose
+ * the single path writes (announceNextAttempts). Returns the runs whose
  * claim node $2 still held, as RequeuedRun.
  */
 const RELEASE_MANY = `
@@ -34,14 +40,7 @@ const RELEASE_MANY = `
                               started_at = least(coalesce(d.started, a.started_at), now())
     FROM released d
     WHERE a.run_id = d.id AND a.attempt = d.attempt AND a.outcome IS NULL
-  ), announced AS (
-    INSERT INTO outbox (topic, key, payload, publish_after)
-    SELECT $10, d.job_id::text,
-           jsonb_build_object('runId', d.id, 'jobId', d.job_id, 'attempt', d.attempt + 1,
-                              'scheduledFor', ${isoMs('d.scheduled_for')}, 'notBefore', ${isoMs('d.not_before')},
-                              'timeoutMs', d.timeout_ms, 'concurrency', d.concurrency),
-           d.not_before
-    FROM released d
+  ), announced AS (${announceNextAttempts('d', 'released d', '$10')}
   )
   SELECT id, job_id AS "jobId", attempt, scheduled_for AS "scheduledFor", not_before AS "notBefore",
          timeout_ms AS "timeoutMs", concurrency
@@ -109,14 +108,7 @@ const FORGIVE_MANY = `
                               started_at = least(a.started_at, now())
     FROM forgiven f
     WHERE a.run_id = f.id AND a.attempt = f.attempt AND a.outcome IS NULL
-  ), announced AS (
-    INSERT INTO outbox (topic, key, payload, publish_after)
-    SELECT $6, f.job_id::text,
-           jsonb_build_object('runId', f.id, 'jobId', f.job_id, 'attempt', f.attempt + 1,
-                              'scheduledFor', ${isoMs('f.scheduled_for')}, 'notBefore', ${isoMs('f.not_before')},
-                              'timeoutMs', f.timeout_ms, 'concurrency', f.concurrency),
-           f.not_before
-    FROM forgiven f
+  ), announced AS (${announceNextAttempts('f', 'forgiven f', '$6')}
   )
   SELECT id, attempt FROM forgiven`;
 
