@@ -470,7 +470,7 @@ const JOB_FREE = `EXISTS (SELECT FROM jobs j WHERE j.id = r.job_id FOR KEY SHARE
  * (JOB_FREE), at most $1: first those past their deadline, oldest first (an ordered scan of
  * runs_running_idx); then, if that left room, runs claimed ahead whose call has not begun $2 ms
  * after they fell due, found by scanning the running runs (a second's claims ahead: a few
- * thousand in a herd), earliest due first. NULL $2: only the first.
+ * thousand in a herd) in their deadlines' order. NULL $2: only the first.
  */
 const SELECT_EXPIRED = `
   WITH past_deadline AS (
@@ -481,13 +481,18 @@ const SELECT_EXPIRED = `
     LIMIT $1
     FOR UPDATE OF r SKIP LOCKED
   ), never_started AS (
+    -- The candidates first, without their jobs' locks: a filter with JOB_FREE below the sort
+    -- locked the job of every never-started run (10,000 after a herd's worker died) on each pass.
     SELECT ${EXPIRED_COLUMNS}
     FROM runs r
-    WHERE $2::int IS NOT NULL AND (SELECT count(*) FROM past_deadline) < $1
-      AND r.state = 'running' AND r.started_at IS NULL AND r.claim_expires_at >= now()
-      AND r.not_before < now() - $2::int * interval '1 millisecond' AND ${JOB_FREE}
-    ORDER BY r.not_before
-    LIMIT $1 - (SELECT count(*) FROM past_deadline)
+    WHERE r.id IN (
+        SELECT c.id FROM runs c
+        WHERE $2::int IS NOT NULL AND (SELECT count(*) FROM past_deadline) < $1
+          AND c.state = 'running' AND c.started_at IS NULL AND c.claim_expires_at >= now()
+          AND c.not_before < now() - $2::int * interval '1 millisecond'
+        ORDER BY c.claim_expires_at
+        LIMIT $1 - (SELECT count(*) FROM past_deadline))
+      AND r.state = 'running' AND r.started_at IS NULL AND ${JOB_FREE}
     FOR UPDATE OF r SKIP LOCKED
   )
   SELECT * FROM past_deadline UNION ALL SELECT * FROM never_started`;
