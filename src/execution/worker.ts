@@ -283,7 +283,8 @@ export class Worker {
    */
   private handOff(messages: RunMessage[]): void {
     if (this.handOffWaiting.length === 0) setImmediate(() => this.sendHandOff());
-    this.handOffWaiting.push(...messages);
+    // Not push(...messages): a drain may hand over tens of thousands held runs at once.
+    for (const message of messages) this.handOffWaiting.push(message);
   }
 
   /** Sends what handOff() collected; never rejects. */
