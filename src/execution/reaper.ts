@@ -118,9 +118,10 @@ export class Reaper {
       });
       // One statement for the runs forgiven (a crashed worker's: thousands in a herd), then one
       // transaction's statements each for those charged.
+      const reports = expired.map(report);
       const forgiven = await forgiveExpiredClaims(
         client,
-        expired.map((run) => ({ run, error: report(run).error! })),
+        expired.map((run, k) => ({ run, error: reports[k]!.error! })),
         FORGIVEN_EXPIRIES,
         topics.runsTopic,
         this.expiry(),
@@ -134,7 +135,7 @@ export class Reaper {
           client,
           run,
           { reaper: true },
-          report(run),
+          reports[k]!,
           retryDelayMs(run.attempt, run),
           topics,
         );

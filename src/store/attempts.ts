@@ -232,6 +232,19 @@ export const isoMs = (column: string) =>
   `to_char(${column} AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.MS"Z"')`;
 
 /**
+ * The attempts' records of settled runs `alias` (SQL: an UPDATE for a CTE, over `from`, whose rows
+ * carry id, attempt and the report's outcome, status, duration, error, excerpt and started), as
+ * RECORD_ATTEMPT writes one: unless one was recorded already (the reaper or a replace).
+ */
+export const recordAttemptOutcomes = (alias: string, from: string) => `
+    UPDATE run_attempts a SET outcome = ${alias}.outcome, finished_at = now(), status_code = ${alias}.status,
+                              duration_ms = ${alias}.duration, error = ${alias}.error,
+                              response_excerpt = ${alias}.excerpt,
+                              started_at = least(coalesce(${alias}.started, a.started_at), now())
+    FROM ${from}
+    WHERE a.run_id = ${alias}.id AND a.attempt = ${alias}.attempt AND a.outcome IS NULL`;
+
+/**
  * The outbox rows announcing the next attempts of re-queued runs `alias` (SQL: an INSERT for a
  * CTE, over `from`; `topic` an expression), the rows enqueueAttempt writes: the same keys, and
  * timestamps as JSON.stringify writes a Date.
@@ -286,12 +299,7 @@ const FAIL_MANY = `
     RETURNING r.id, r.job_id, r.attempt, r.state, r.scheduled_for, r.not_before, r.timeout_ms,
               r.concurrency, i.status, i.error, i.started, i.outcome, i.duration, i.excerpt,
               CASE WHEN r.state = 'dead' THEN gen_random_uuid() END AS letter_id
-  ), recorded AS (
-    UPDATE run_attempts a SET outcome = f.outcome, finished_at = now(), status_code = f.status,
-                              duration_ms = f.duration, error = f.error, response_excerpt = f.excerpt,
-                              started_at = least(coalesce(f.started, a.started_at), now())
-    FROM failed f
-    WHERE a.run_id = f.id AND a.attempt = f.attempt AND a.outcome IS NULL
+  ), recorded AS (${recordAttemptOutcomes('f', 'failed f')}
   ), retried AS (${announceNextAttempts('f', "failed f WHERE f.state = 'queued'", '$12')}
   ), buried AS (
     -- created_at is now(), as the letter's announcement says (deadAt).

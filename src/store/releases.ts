@@ -2,6 +2,7 @@ import type { RunMessage } from '../model.js';
 import {
   announceNextAttempts,
   claimOver,
+  recordAttemptOutcomes,
   clean,
   type AttemptReport,
   type ExpiryOptions,
@@ -15,8 +16,8 @@ import { inLockOrder, nextAttemptMessage, type RequeuedRun } from './runs.js';
  * attempt (max_attempts grows by one), due when it was due or at once. Parallel arrays: $1 = run
  * ids, $3 = attempts, $4 = outcomes, $5 = statuses, $6 = errors, $7 = when each call began,
  * $8 = durations ms, $9 = response excerpts; $10 = the runs topic. The announcements are those
- * the single path writes (announceNextAttempts). Returns the runs whose
- * claim node $2 still held, as RequeuedRun.
+ * the single path writes (announceNextAttempts). Returns the runs whose claim node $2 still held,
+ * as RequeuedRun.
  */
 const RELEASE_MANY = `
   WITH input AS MATERIALIZED (
@@ -34,12 +35,7 @@ const RELEASE_MANY = `
     -- The report rides along with its run (see SUCCEED: no second join of input below).
     RETURNING r.id, r.job_id, r.attempt, r.scheduled_for, r.not_before, r.timeout_ms, r.concurrency,
               i.outcome, i.status, i.error, i.started, i.duration, i.excerpt
-  ), recorded AS (
-    UPDATE run_attempts a SET outcome = d.outcome, finished_at = now(), status_code = d.status,
-                              duration_ms = d.duration, error = d.error, response_excerpt = d.excerpt,
-                              started_at = least(coalesce(d.started, a.started_at), now())
-    FROM released d
-    WHERE a.run_id = d.id AND a.attempt = d.attempt AND a.outcome IS NULL
+  ), recorded AS (${recordAttemptOutcomes('d', 'released d')}
   ), announced AS (${announceNextAttempts('d', 'released d', '$10')}
   )
   SELECT id, job_id AS "jobId", attempt, scheduled_for AS "scheduledFor", not_before AS "notBefore",
@@ -88,9 +84,9 @@ export async function releaseClaims(
 /**
  * Re-queues runs whose claims are over (claimOver in attempts.ts) without using up an attempt
  * (max_attempts grows by one, as for a claim handed back), counting the expiry, records each
- * expired attempt and announces the next, in one statement: the reaper's forgiveness. Parallel arrays: $1 = run ids, $2 = attempts, $3 = errors; $4 = the forgiven-expiries
- * bound (none for a run whose call never began), $5 = see claimOver, $6 = the runs topic. Returns
- * the runs forgiven.
+ * expired attempt and announces the next, in one statement: the reaper's forgiveness. Parallel
+ * arrays: $1 = run ids, $2 = attempts, $3 = errors; $4 = the forgiven-expiries bound (none for a
+ * run whose call never began), $5 = see claimOver, $6 = the runs topic. Returns the runs forgiven.
  */
 const FORGIVE_MANY = `
   WITH input AS MATERIALIZED (
