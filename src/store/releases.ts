@@ -93,7 +93,9 @@ const FORGIVE_MANY = `
     SELECT * FROM unnest($1::uuid[], $2::int[], $3::text[]) AS i (run_id, run_attempt, error)
   ), forgiven AS (
     UPDATE runs SET state = 'queued', not_before = now(), claimed_by = NULL, claim_expires_at = NULL,
-                    max_attempts = max_attempts + 1, expiries = expiries + 1, last_error = i.error
+                    max_attempts = max_attempts + 1,
+                    -- A call that never began is no expiry of a call: it counts nothing against the bound.
+                    expiries = expiries + (started_at IS NOT NULL)::int, last_error = i.error
     FROM input i
     WHERE id = i.run_id AND attempt = i.run_attempt AND state = 'running' AND ${claimOver('$5')}
       AND (expiries < $4 OR started_at IS NULL)
@@ -121,8 +123,8 @@ export interface Expiry {
  * worker killed while waiting for an early-claimed run's time): charging an attempt then made a
  * `maxAttempts: 1` run dead with no delivery at all. Past the bound, expiries are charged like
  * failures (failAttempt), so a job whose calls keep killing workers still ends dead. A run claimed
- * ahead whose call never began (see claimOver) is always forgiven: no call was made.
- * Per item, whether it was re-queued (false: the bound was reached, or its claim is not over).
+ * ahead whose call never began (see claimOver) is always forgiven and not counted: no call was
+ * made, so it brings no later expiry of a call nearer to being charged. Per item, whether it was re-queued (false: the bound was reached, or its claim is not over).
  * Call with the runs locked (selectExpiredRuns).
  */
 export async function forgiveExpiredClaims(

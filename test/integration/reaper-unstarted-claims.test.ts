@@ -181,3 +181,29 @@ test('the reaper sleeps until the next claim is over: an unstarted claim ahead a
   const afterStart = await msUntilNextExpiry(db.pool, { unstartedAfterMs: GRACE_MS });
   assert.ok(afterStart! > 6000, `after START: ${afterStart} ms`);
 });
+
+test('a never-started claim taken back counts no expiry: a later expired call is still forgiven', async () => {
+  const run = await jobWithRun({ dueInMs: 200, maxAttempts: 1 });
+  // One forgiven expiry of a call already: the bound leaves room for one more.
+  await db.pool.query('UPDATE runs SET expiries = $2 WHERE id = $1', [run.id, FORGIVEN_EXPIRIES - 1]);
+  assert.ok((await claimRun(db.pool, run.id, ahead('worker-a'), 1))?.startPending, 'claimed ahead');
+  await sleep(200 + GRACE_MS + 150);
+  assert.equal((await reaper().reapBatch()).reaped, 1, 'taken back: its call never began');
+  const expiries = async () =>
+    (await db.pool.query<{ expiries: number }>('SELECT expiries FROM runs WHERE id = $1', [run.id])).rows[0]!
+      .expiries;
+  assert.equal(await expiries(), FORGIVEN_EXPIRIES - 1, 'no call was made: nothing counted');
+
+  // The next attempt's call begins and its worker dies mid-call: that expiry is still forgiven.
+  const claimed = await claimRun(db.pool, run.id, { ...ahead('worker-b'), graceMs: 0 }, 2);
+  assert.equal(claimed?.startPending, false, 'claimed when due: started with its claim');
+  await db.pool.query(`UPDATE runs SET claim_expires_at = now() - interval '1 second' WHERE id = $1`, [run.id]);
+  assert.equal((await reaper().reapBatch()).reaped, 1);
+  const back = await runOf(run.id);
+  assert.deepEqual(
+    [back.state, back.attempt, back.maxAttempts],
+    ['queued', 2, 3],
+    'forgiven: re-queued with its one attempt still unused',
+  );
+  assert.equal(await expiries(), FORGIVEN_EXPIRIES);
+});
