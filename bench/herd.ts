@@ -30,7 +30,7 @@ import {
   summariseCpuProfiles,
   type CpuCategory,
 } from './lib/profile.js';
-import { machine, max, median, ms, percentile } from './lib/stats.js';
+import { deciles, machine, max, median, ms, percentile } from './lib/stats.js';
 import { envArgs } from './lib/args.js';
 import { HERD_SETTLE_MS } from './lib/herd-rounds.js';
 import type { RecordingTarget } from './lib/target.js';
@@ -51,6 +51,8 @@ export interface HerdRun {
   readonly lastMs: number;
   readonly firstMs: number;
   readonly p50Ms: number;
+  /** Arrivals' deciles, ms after due (see stats.ts deciles). */
+  readonly deciles: string;
   readonly arrived: number;
   readonly duplicates: number;
   /** Due instant → the last run row created / outbox row published / call started (negative: before). */
@@ -253,6 +255,7 @@ export async function herdOnce(
       lastMs: complete ? max(arrivals) : NaN,
       firstMs: Math.min(...arrivals),
       p50Ms: percentile(arrivals, 50),
+      deciles: deciles(arrivals),
       arrived: arrivals.length,
       duplicates: cluster.target.duplicatesFor(due),
       phases: {
@@ -314,7 +317,8 @@ export async function herd(
       `helios run ${i + 1}, warm herd (same nodes): ${run.arrived}/${jobs} calls, last ${ms(run.lastMs)} after due ` +
         `(first ${ms(run.firstMs)}, p50 ${ms(run.p50Ms)}${run.duplicates ? `, ${run.duplicates} duplicates` : ''}); ` +
         `last run created ${ms(run.phases.created)}, last published ${ms(run.phases.published)}, ` +
-        `last call started ${ms(run.phases.started)}; ${run.claimedByDue} claimed by the due instant`,
+        `last call started ${ms(run.phases.started)}; ${run.claimedByDue} claimed by the due instant; ` +
+        `arrivals' deciles ${run.deciles} ms`,
     );
     options.log?.(
       `  by node: ${run.byNode.map((n) => `${n.node} ${n.calls} calls, last started ${ms(n.lastStartedMs)}`).join('; ')}`,

@@ -25,7 +25,7 @@ import { fileURLToPath, pathToFileURL } from 'node:url';
 import { parseArgs } from 'node:util';
 import { HERD_SETTLE_MS } from './lib/herd-rounds.js';
 import { RecordingTarget } from './lib/target.js';
-import { machine, max, ms, percentile } from './lib/stats.js';
+import { deciles, machine, max, ms, percentile } from './lib/stats.js';
 
 /** Steady bursts (no --window): warm-up seconds at the full rate before the measured ones. */
 const WARMUP_S = 3;
@@ -35,6 +35,8 @@ const START_NOTICE_MS = 200;
 export interface FloorResult {
   readonly rate: number;
   readonly p50: number;
+  /** Lateness deciles (stats.ts deciles): where the burst slows down. */
+  readonly deciles: string;
   readonly p99: number;
   readonly max: number;
 }
@@ -150,7 +152,13 @@ export async function httpFloor(
     const codes = await Promise.all(exited);
     if (codes.some((code) => code !== 0)) throw new Error('a floor client failed (its error is above)');
     const lateness = target.lateness(first, Infinity);
-    return { rate, p50: percentile(lateness, 50), p99: percentile(lateness, 99), max: max(lateness) };
+    return {
+      rate,
+      p50: percentile(lateness, 50),
+      deciles: deciles(lateness),
+      p99: percentile(lateness, 99),
+      max: max(lateness),
+    };
   } finally {
     for (const c of clients) if (c.exitCode === null && c.signalCode === null) c.kill();
     await target.close();
@@ -178,7 +186,9 @@ async function main(): Promise<void> {
   console.log(`HTTP fan-out floor (${processes} client processes → 1 target${inFlight}), ${machine()}`);
   for (const rate of (values.rate ?? ['100', '500', '2000']).map(Number)) {
     const r = await httpFloor(rate, Number(values.seconds), window, processes);
-    console.log(`${rate} calls at each whole second: p50 ${ms(r.p50)}  p99 ${ms(r.p99)}  max ${ms(r.max)}`);
+    console.log(
+      `${rate} calls at each whole second: p50 ${ms(r.p50)}  p99 ${ms(r.p99)}  max ${ms(r.max)}  (deciles ${r.deciles} ms)`,
+    );
   }
 }
 

@@ -6,6 +6,14 @@ export function percentile(values: readonly number[], p: number): number {
   return sorted[Math.min(sorted.length - 1, Math.max(0, Math.ceil((p / 100) * sorted.length) - 1))] ?? NaN;
 }
 
+/**
+ * When each tenth of `values` was reached: p10, p20, … p90, as `a / b / …` ms. Shows where a herd
+ * slows down (its first half against its second), which its first, median and last call do not.
+ */
+export function deciles(values: readonly number[]): string {
+  return [10, 20, 30, 40, 50, 60, 70, 80, 90].map((p) => Math.round(percentile(values, p))).join(' / ');
+}
+
 /** Median of `values` (the lower middle for an even count, so it is always a measured value). */
 export function median(values: readonly number[]): number {
   const sorted = [...values].sort((a, b) => a - b);

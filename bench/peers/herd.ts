@@ -28,7 +28,7 @@ import { REPO_ROOT } from '../../test/support/env.js';
 import { spawnFixture, stopAll, type ManagedProcess } from '../../test/support/processes.js';
 import { HERD_SETTLE_MS } from '../lib/herd-rounds.js';
 import { CpuMeter, cpuPerRun, describeCpuPerRun, medianCpuPerRun, type CpuCategory } from '../lib/profile.js';
-import { machine, max, median, ms, percentile } from '../lib/stats.js';
+import { deciles, machine, max, median, ms, percentile } from '../lib/stats.js';
 import { RecordingTarget } from '../lib/target.js';
 import { ensurePeersInstalled } from './install.js';
 import type { PeerSettings } from './peer.js';
@@ -63,6 +63,8 @@ export interface HerdRound {
   readonly lastMs: number;
   readonly firstMs: number;
   readonly p50Ms: number;
+  /** Arrivals' (or starts') deciles, ms after due (see stats.ts deciles). */
+  readonly deciles: string;
   /** Items whose handler started (http: calls that arrived). */
   readonly started: number;
   /** http: calls that repeated an item's run id (as for Helios); else: handlers run again. */
@@ -250,6 +252,7 @@ async function herdRound(w: Workers, offset: number): Promise<HerdRound> {
     lastMs: complete ? max(times) : NaN,
     firstMs: Math.min(...times),
     p50Ms: percentile(times, 50),
+    deciles: deciles(times),
     started: times.length,
     // An item whose handler ran twice also called twice: count it once, where it is measured.
     duplicates: target ? target.duplicatesFor(due) : reports.reduce((a, r) => a + r.duplicates, 0),
@@ -293,7 +296,8 @@ export async function herdPeer(peer: PeerName, options: Options): Promise<HerdRe
     const what = options.http === false ? 'handlers started' : 'HTTP calls arrived';
     const line = (herd: HerdRound) =>
       `${herd.started} ${what}, last ${ms(herd.lastMs)} after due (first ${ms(herd.firstMs)}, ` +
-      `p50 ${ms(herd.p50Ms)}${herd.duplicates ? `, ${herd.duplicates} duplicates` : ''})`;
+      `p50 ${ms(herd.p50Ms)}${herd.duplicates ? `, ${herd.duplicates} duplicates` : ''}; ` +
+      `deciles ${herd.deciles} ms)`;
     options.log?.(`${peer} run ${i + 1}, cold herd (fresh workers): ${line(run.cold)}`);
     options.log?.(`  CPU per item: ${describeCpuPerRun(run.cold.cpuPerRun)}`);
     options.log?.(`${peer} run ${i + 1}, warm herd (same workers): ${line(run)}`);
