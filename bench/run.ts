@@ -158,7 +158,8 @@ function summary(r: Results): string {
     rows.push([
       'sustained throughput (queue depth bounded)',
       best
-        ? `${best.completed.toFixed(0)} runs/s for ${best.seconds} s, depth max ${best.maxDepth}` +
+        ? `${best.completed.toFixed(0)} runs/s of ${best.offered} offered for ${best.seconds} s, depth max ${best.maxDepth}, ` +
+          `calls' median lateness ${ms(best.lateness.first)} → ${ms(best.lateness.last)}` +
           (failed
             ? `; ${failed.offered}/s offered → ${failed.completed.toFixed(0)}/s, depth ${failed.endDepth}`
             : '')
