@@ -197,7 +197,9 @@ test('a never-started claim taken back counts no expiry: a later expired call is
   // The next attempt's call begins and its worker dies mid-call: that expiry is still forgiven.
   const claimed = await claimRun(db.pool, run.id, { ...ahead('worker-b'), graceMs: 0 }, 2);
   assert.equal(claimed?.startPending, false, 'claimed when due: started with its claim');
-  await db.pool.query(`UPDATE runs SET claim_expires_at = now() - interval '1 second' WHERE id = $1`, [run.id]);
+  await db.pool.query(`UPDATE runs SET claim_expires_at = now() - interval '1 second' WHERE id = $1`, [
+    run.id,
+  ]);
   assert.equal((await reaper().reapBatch()).reaped, 1);
   const back = await runOf(run.id);
   assert.deepEqual(
