@@ -93,6 +93,12 @@ install_all() {
     log "installing nftables"
     apt_install nftables
   fi
+  # ip (the chaos test's network namespaces) and ss (test/integration/db-keepalive.test.ts reads the
+  # keep-alive timers the kernel armed on the pool's sockets).
+  if ! command -v ss >/dev/null || ! command -v ip >/dev/null; then
+    log "installing iproute2"
+    apt_install iproute2
+  fi
   # The Debian package starts a system etcd on the default ports where systemd runs; ours is separate.
   if ! command -v java >/dev/null || ! java -version 2>&1 | grep -Eq 'version "(1[7-9]|2[0-9])'; then
     log "installing openjdk-17-jre-headless"

@@ -56,7 +56,12 @@ export function createPool(options: {
     // A paused process (GC, SIGSTOP) holding row locks inside a transaction must not block the
     // cluster: PostgreSQL ends its session and the locks are released.
     idle_in_transaction_session_timeout: 5_000,
+    // A connection whose server is gone without a word (a failover to another host while packets
+    // were dropped, a crashed machine) is noticed by the OS's probes 10 s after it fell silent,
+    // not after its default of two hours: until then a statement waiting on it holds its slot of
+    // the pool (and of the worker's share) and its caller. The LISTEN connection does the same.
     keepAlive: true,
+    keepAliveInitialDelayMillis: 10_000,
     // One clock and one zone for every timestamp we format in SQL.
     options: '-c TimeZone=UTC',
     onConnect: async (client) => {
