@@ -2,6 +2,7 @@ import { hostname } from 'node:os';
 import { setTimeout as sleep } from 'node:timers/promises';
 import type { FastifyInstance } from 'fastify';
 import type { Etcd3 } from 'etcd3';
+import type { RunMessage } from './model.js';
 import { apiUrlOf, type HeliosConfig } from './config/index.js';
 import { LifecycleError, toError, withTimeout } from './errors.js';
 import { createLogger, type Logger } from './observability/logger.js';
@@ -11,6 +12,7 @@ import { createPool, ping, type Database } from './store/db.js';
 import { PoolShare, poolStats } from './store/pool-share.js';
 import { migrate } from './store/migrate.js';
 import { Notifications } from './store/notifications.js';
+import { handOffRuns, workersBut } from './store/handoff.js';
 import { endPredecessorSessions, leaderApplicationName } from './store/leader-sessions.js';
 import { createEtcdClient } from './coordination/etcd.js';
 import { listNodes, NodeRegistry } from './coordination/registry.js';
@@ -267,9 +269,10 @@ export class HeliosNode {
         targetPolicy: config.targets.policy,
         // The registry's live workers but this one; bounded, as a stop waits for it.
         handOffPeers: async () =>
-          (await withTimeout(listNodes(etcd, config.etcd.prefix), 300, 'listing the workers'))
-            .filter((n) => n.id !== config.node.id && n.roles.includes('worker'))
-            .map((n) => n.id),
+          workersBut(
+            await withTimeout(listNodes(etcd, config.etcd.prefix), 300, 'listing the workers'),
+            config.node.id,
+          ),
         logger,
         runLines: this.runLines,
         metrics: this.metrics,
@@ -377,6 +380,30 @@ export class HeliosNode {
   }
 
   /** Starts the leader's loops for one epoch; they end when the epoch's signal aborts. */
+  /**
+   * Announces runs the reaper re-queued to the live workers other than the one whose claim they
+   * were taken from (see ReaperOptions.handOff), on the workers' hand-off channel. A hint only:
+   * a run whose hint is lost still comes through Kafka or the polling fallback.
+   */
+  private handOffRequeued(messages: RunMessage[], claimedBy: string | null): void {
+    const { config, logger } = this;
+    const etcd = this.etcd!;
+    const pool = this.leaderPool!;
+    void (async () => {
+      const peers = workersBut(
+        await withTimeout(listNodes(etcd, config.etcd.prefix), 300, 'listing the workers'),
+        claimedBy,
+      );
+      // No other worker: every worker may take them (the claimant too, once it is back).
+      await handOffRuns(pool, messages, peers);
+    })().catch((err: unknown) =>
+      logger.warn(
+        { err: toError(err), runs: messages.length },
+        're-queued runs not handed to the other workers; they come through Kafka or polling',
+      ),
+    );
+  }
+
   private lead(leadership: Leadership): void {
     const { config, logger, metrics } = this;
     metrics.isLeader.set(1);
@@ -433,6 +460,7 @@ export class HeliosNode {
       intervalMs: config.leader.reaperIntervalMs,
       // The workers' claim grace: a run claimed ahead is called within it of its due time or not at all.
       unstartedAfterMs: config.worker.claimGraceMs,
+      handOff: (messages, claimedBy) => this.handOffRequeued(messages, claimedBy),
       logger: logger.child({ part: 'reaper' }),
       runLines: this.runLines,
       metrics,

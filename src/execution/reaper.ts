@@ -15,6 +15,7 @@ import {
   type Topics,
 } from '../store/attempts.js';
 import { forgiveExpiredClaims } from '../store/releases.js';
+import type { RunMessage } from '../model.js';
 import { inFencedTransaction } from '../store/fence.js';
 import { retryDelayMs } from './backoff.js';
 
@@ -48,6 +49,14 @@ export interface ReaperOptions {
   readonly metrics: Metrics;
   /** Called when the fence rejected a write: a newer leader exists. */
   readonly onFenced: (err: StaleFencingTokenError) => void;
+  /**
+   * Announces runs the reaper re-queued at once (forgiven) to the workers other than `claimedBy`,
+   * whose claim they were taken from, after the pass commits (worker.ts's hand-off channel). Their
+   * Kafka announcement goes to the partition of their job, whose consumer may be that same worker:
+   * frozen, cut off or still starting again, it would leave them to the others' polling fallback,
+   * `HELIOS_POLL_OVERDUE_MS` later. Must not throw. Default: none.
+   */
+  readonly handOff?: (messages: RunMessage[], claimedBy: string | null) => void;
 }
 
 /**
@@ -107,6 +116,7 @@ export class Reaper {
       const expired = await selectExpiredRuns(client, batchSize, this.expiry());
       const outcomes: { id: string; claimedBy: string | null; to: 'queued' | 'dead'; charged: boolean }[] =
         [];
+      const handOffs = new Map<string | null, RunMessage[]>();
       const report = (run: ExpiredRun): AttemptReport => ({
         outcome: 'expired',
         statusCode: null,
@@ -127,8 +137,12 @@ export class Reaper {
         this.expiry(),
       );
       for (const [k, run] of expired.entries()) {
-        if (forgiven[k]) {
+        const next = forgiven[k];
+        if (next) {
           outcomes.push({ id: run.id, claimedBy: run.claimedBy, to: 'queued', charged: false });
+          const sameClaimant = handOffs.get(run.claimedBy);
+          if (sameClaimant) sameClaimant.push(next);
+          else handOffs.set(run.claimedBy, [next]);
           continue;
         }
         const result = await failAttempt(
@@ -141,8 +155,9 @@ export class Reaper {
         );
         if (result) outcomes.push({ id: run.id, claimedBy: run.claimedBy, to: result.state, charged: true });
       }
-      return { outcomes, selected: expired.length };
+      return { outcomes, selected: expired.length, handOffs };
     });
+    for (const [claimedBy, messages] of results.handOffs) this.options.handOff?.(messages, claimedBy);
     for (const outcome of results.outcomes) {
       metrics.runsReaped.inc({ to: outcome.charged ? outcome.to : 'queued-uncharged' });
       if (outcome.to === 'dead') metrics.deadLetters.inc();

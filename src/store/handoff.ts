@@ -8,6 +8,14 @@ import type { Queryable } from './db.js';
  */
 export const HANDOFF_CHANNEL = 'helios_handoff';
 
+/** The live workers a hand-off may go to: every node with the worker role but `but` (null: none left out). */
+export function workersBut(
+  nodes: readonly { readonly id: string; readonly roles: readonly string[] }[],
+  but: string | null,
+): string[] {
+  return nodes.filter((n) => n.id !== but && n.roles.includes('worker')).map((n) => n.id);
+}
+
 /** NOTIFY payloads must stay under 8000 bytes; a message is about 200 (ASCII: UUIDs, ISO dates, numbers). */
 const MAX_PAYLOAD_BYTES = 7000;
 

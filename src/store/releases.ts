@@ -86,7 +86,8 @@ export async function releaseClaims(
  * (max_attempts grows by one, as for a claim handed back), counting the expiry, records each
  * expired attempt and announces the next, in one statement: the reaper's forgiveness. Parallel
  * arrays: $1 = run ids, $2 = attempts, $3 = errors; $4 = the forgiven-expiries bound (none for a
- * run whose call never began), $5 = see claimOver, $6 = the runs topic. Returns the runs forgiven.
+ * run whose call never began), $5 = see claimOver, $6 = the runs topic. Returns the runs forgiven,
+ * as RequeuedRun.
  */
 const FORGIVE_MANY = `
   WITH input AS MATERIALIZED (
@@ -108,7 +109,9 @@ const FORGIVE_MANY = `
     WHERE a.run_id = f.id AND a.attempt = f.attempt AND a.outcome IS NULL
   ), announced AS (${announceNextAttempts('f', 'forgiven f', '$6')}
   )
-  SELECT id, attempt FROM forgiven`;
+  SELECT id, job_id AS "jobId", attempt, scheduled_for AS "scheduledFor", not_before AS "notBefore",
+         timeout_ms AS "timeoutMs", concurrency
+  FROM forgiven`;
 
 /** A run whose claim is over, with the error its expired attempt records. */
 export interface Expiry {
@@ -124,7 +127,7 @@ export interface Expiry {
  * `maxAttempts: 1` run dead with no delivery at all. Past the bound, expiries are charged like
  * failures (failAttempt), so a job whose calls keep killing workers still ends dead. A run claimed
  * ahead whose call never began (see claimOver) is always forgiven and not counted: no call was
- * made, so it brings no later expiry of a call nearer to being charged. Per item, whether it was re-queued (false: the bound was reached, or its claim is not over).
+ * made, so it brings no later expiry of a call nearer to being charged. Per item, the next attempt's announcement when it was re-queued (null: the bound was reached, or its claim is not over).
  * Call with the runs locked (selectExpiredRuns).
  */
 export async function forgiveExpiredClaims(
@@ -133,20 +136,20 @@ export async function forgiveExpiredClaims(
   bound: number,
   runsTopic: string,
   options: ExpiryOptions = {},
-): Promise<boolean[]> {
+): Promise<(RunMessage | null)[]> {
   if (items.length === 0) return [];
   const sorted = inLockOrder(items, (i) => i.run.id);
-  const { rows } = await db.query<{ id: string; attempt: number }>(
-    { name: 'helios-forgive-many', text: FORGIVE_MANY },
-    [
-      sorted.map((i) => i.run.id),
-      sorted.map((i) => i.run.attempt),
-      sorted.map((i) => clean(i.error, 2000)),
-      bound,
-      options.unstartedAfterMs ?? null,
-      runsTopic,
-    ],
-  );
-  const forgiven = new Set(rows.map((r) => `${r.id}/${r.attempt}`));
-  return items.map((i) => forgiven.has(`${i.run.id}/${i.run.attempt}`));
+  const { rows } = await db.query<RequeuedRun>({ name: 'helios-forgive-many', text: FORGIVE_MANY }, [
+    sorted.map((i) => i.run.id),
+    sorted.map((i) => i.run.attempt),
+    sorted.map((i) => clean(i.error, 2000)),
+    bound,
+    options.unstartedAfterMs ?? null,
+    runsTopic,
+  ]);
+  const forgiven = new Map(rows.map((r) => [`${r.id}/${r.attempt}`, r]));
+  return items.map((i) => {
+    const row = forgiven.get(`${i.run.id}/${i.run.attempt}`);
+    return row ? nextAttemptMessage(row) : null;
+  });
 }

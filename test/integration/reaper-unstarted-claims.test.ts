@@ -1,12 +1,15 @@
 import assert from 'node:assert/strict';
 import { after, before, beforeEach, test } from 'node:test';
 import { setTimeout as sleep } from 'node:timers/promises';
+import pg from 'pg';
 import type { Leadership } from '../../src/coordination/election.js';
 import { FORGIVEN_EXPIRIES, Reaper } from '../../src/execution/reaper.js';
 import { silentLogger } from '../../src/observability/logger.js';
 import { createMetrics } from '../../src/observability/metrics.js';
 import { msUntilNextExpiry } from '../../src/store/attempts.js';
 import { claimRun, startRuns, type ClaimOptions } from '../../src/store/runs.js';
+import { HANDOFF_CHANNEL, handOffRuns, workersBut } from '../../src/store/handoff.js';
+import { parseHandOff } from '../../src/execution/run-message.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
 
 // A worker claims a run up to its claim lead before it is due and marks it started (START) right
@@ -50,6 +53,12 @@ const reaper = () =>
     metrics: createMetrics('test'),
     onFenced: () => assert.fail('fenced'),
   });
+
+async function until(done: () => boolean): Promise<void> {
+  for (const end = Date.now() + 2000; !done(); await sleep(10)) {
+    if (Date.now() > end) assert.fail('timed out waiting');
+  }
+}
 
 /** A job with `timeoutMs` and one queued run of it due `dueInMs` from now. */
 async function jobWithRun(options: { dueInMs: number; timeoutMs?: number; maxAttempts?: number }) {
@@ -208,4 +217,71 @@ test('a never-started claim taken back counts no expiry: a later expired call is
     'forgiven: re-queued with its one attempt still unused',
   );
   assert.equal(await expiries(), FORGIVEN_EXPIRIES);
+});
+
+test('runs the reaper re-queues at once are handed to the other workers, not left to the claimant’s partition', async () => {
+  const unstarted = await jobWithRun({ dueInMs: 200 });
+  const started = await jobWithRun({ dueInMs: 200 });
+  const charged = await jobWithRun({ dueInMs: 200, maxAttempts: 3 });
+  assert.ok((await claimRun(db.pool, unstarted.id, ahead('worker-a'), 1))?.startPending);
+  const b = await claimRun(db.pool, started.id, ahead('worker-b'), 1);
+  const c = await claimRun(db.pool, charged.id, ahead('worker-b'), 1);
+  assert.deepEqual(await startRuns(db.pool, 'worker-b', [b!, c!]), [true, true]);
+  // worker-b's calls began and its claims expired: one forgiven, one past the bound and charged.
+  await db.pool.query(`UPDATE runs SET expiries = $2 WHERE id = $1`, [charged.id, FORGIVEN_EXPIRIES]);
+  await sleep(200 + GRACE_MS + 150);
+  await db.pool.query(
+    `UPDATE runs SET claim_expires_at = now() - interval '1 second' WHERE id = ANY($1::uuid[])`,
+    [[started.id, charged.id]],
+  );
+
+  // The workers' hand-off channel, as worker.ts listens on it, and the node's peers but the claimant.
+  const listener = new pg.Client({ connectionString: db.url });
+  await listener.connect();
+  const payloads: string[] = [];
+  listener.on('notification', (n) => payloads.push(n.payload ?? ''));
+  await listener.query(`LISTEN ${HANDOFF_CHANNEL}`);
+  const handed: { claimedBy: string | null; runs: string[] }[] = [];
+  const sent: Promise<number>[] = [];
+  // The registry as the node lists it (src/node.ts): a node without the worker role is never a
+  // peer, nor is the claimant.
+  const registry = [
+    { id: 'api-only', roles: ['api', 'leader'] },
+    ...['worker-a', 'worker-b', 'worker-c'].map((id) => ({ id, roles: ['api', 'leader', 'worker'] })),
+  ];
+  const withHandOff = new Reaper({
+    pool: db.pool,
+    leadership,
+    topics,
+    intervalMs: 1000,
+    unstartedAfterMs: GRACE_MS,
+    logger: silentLogger,
+    metrics: createMetrics('test'),
+    onFenced: () => assert.fail('fenced'),
+    handOff: (messages, claimedBy) => {
+      handed.push({ claimedBy, runs: messages.map((m) => `${m.runId}/${m.attempt}`).sort() });
+      sent.push(handOffRuns(db.pool, messages, workersBut(registry, claimedBy)));
+    },
+  });
+  try {
+    assert.equal((await withHandOff.reapBatch()).reaped, 3);
+    await Promise.all(sent);
+    assert.deepEqual(
+      handed.sort((x, y) => String(x.claimedBy).localeCompare(String(y.claimedBy))),
+      [
+        { claimedBy: 'worker-a', runs: [`${unstarted.id}/2`] },
+        { claimedBy: 'worker-b', runs: [`${started.id}/2`] },
+      ],
+      'the forgiven runs, by claimant, each with its next attempt; the charged retry waits its backoff',
+    );
+    await until(() => payloads.length === 2);
+    // Each worker reads only what is addressed to it: never the claimant it was taken from.
+    const readBy = (worker: string) => payloads.flatMap((p) => parseHandOff(p, worker).map((m) => m.runId));
+    assert.deepEqual(readBy('worker-a'), [started.id]);
+    assert.deepEqual(readBy('worker-b'), [unstarted.id]);
+    assert.deepEqual(readBy('worker-c'), []);
+    assert.deepEqual(readBy('api-only'), []);
+  } finally {
+    await listener.end();
+  }
 });

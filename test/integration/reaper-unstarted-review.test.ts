@@ -187,8 +187,12 @@ async function attempt(ctx: AttemptContext, run: ClaimedRun) {
 }
 
 /** The reaper's uncharged re-queue of one run it holds (selectExpiredRuns), in its transaction. */
-const forgive = (client: pg.PoolClient, run: { id: string; attempt: number }) =>
-  forgiveExpiredClaims(client, [{ run, error: 'taken back' }], 2, 'runs', { unstartedAfterMs: UNSTARTED_MS });
+const forgive = async (client: pg.PoolClient, run: { id: string; attempt: number }) =>
+  (
+    await forgiveExpiredClaims(client, [{ run, error: 'taken back' }], 2, 'runs', {
+      unstartedAfterMs: UNSTARTED_MS,
+    })
+  ).map((next) => next?.attempt === run.attempt + 1);
 
 const expiredReport = {
   outcome: 'expired' as const,
