@@ -356,11 +356,11 @@ async function expiredPlan(c: pg.PoolClient, analyze: boolean): Promise<Record<s
     { unstartedAfterMs: 5000 },
   );
   const name = `expired_${randomUUID().slice(0, 8)}`;
-  await c.query(`PREPARE ${name} (int, int) AS ${text}`);
+  await c.query(`PREPARE ${name} (int, int, int) AS ${text}`);
   try {
     await c.query('BEGIN');
     const { rows } = await c.query<{ 'QUERY PLAN': { Plan: Record<string, unknown> }[] }>(
-      `EXPLAIN (FORMAT JSON${analyze ? ', ANALYZE' : ''}) EXECUTE ${name} (100, 5000)`,
+      `EXPLAIN (FORMAT JSON${analyze ? ', ANALYZE' : ''}) EXECUTE ${name} (100, 5000, 1000)`,
     );
     await c.query('ROLLBACK');
     return rows[0]!['QUERY PLAN'][0]!.Plan;

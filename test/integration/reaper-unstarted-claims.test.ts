@@ -285,3 +285,43 @@ test('runs the reaper re-queues at once are handed to the other workers, not lef
     await listener.end();
   }
 });
+
+test('a pass takes never-started runs up to their own limit, beyond the batch of runs past their deadline', async () => {
+  const runs = await Promise.all(Array.from({ length: 7 }, () => jobWithRun({ dueInMs: 200 })));
+  for (const run of runs) assert.ok((await claimRun(db.pool, run.id, ahead('worker-a'), 1))?.startPending);
+  // One of them started, and its claim is past its deadline: a run of the first kind.
+  const [late] = runs;
+  const claimed = await db.pool.query(`SELECT attempt FROM runs WHERE id = $1`, [late!.id]);
+  assert.deepEqual(
+    await startRuns(db.pool, 'worker-a', [{ id: late!.id, attempt: claimed.rows[0].attempt as number }]),
+    [true],
+  );
+  await sleep(200 + GRACE_MS + 150);
+  await db.pool.query(`UPDATE runs SET claim_expires_at = now() - interval '1 second' WHERE id = $1`, [
+    late!.id,
+  ]);
+  const small = new Reaper({
+    pool: db.pool,
+    leadership,
+    topics,
+    intervalMs: 1000,
+    unstartedAfterMs: GRACE_MS,
+    batchSize: 2,
+    unstartedBatchSize: 4,
+    logger: silentLogger,
+    metrics: createMetrics('test'),
+    onFenced: () => assert.fail('fenced'),
+  });
+  // The one past its deadline (fewer than 2), then 4 never started: 5 in one pass, and more wait.
+  assert.deepEqual(await small.reapBatch(), { reaped: 5, full: true });
+  assert.deepEqual(await small.reapBatch(), { reaped: 2, full: true });
+  assert.deepEqual(await small.reapBatch(), { reaped: 0, full: false });
+  const { rows } = await db.pool.query<{ state: string }>(
+    `SELECT state FROM runs WHERE id = ANY($1::uuid[])`,
+    [runs.map((r) => r.id)],
+  );
+  assert.deepEqual(
+    rows.map((r) => r.state),
+    Array(7).fill('queued'),
+  );
+});
