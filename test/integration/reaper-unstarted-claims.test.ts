@@ -3,7 +3,7 @@ import { after, before, beforeEach, test } from 'node:test';
 import { setTimeout as sleep } from 'node:timers/promises';
 import pg from 'pg';
 import type { Leadership } from '../../src/coordination/election.js';
-import { FORGIVEN_EXPIRIES, Reaper } from '../../src/execution/reaper.js';
+import { FORGIVEN_EXPIRIES, Reaper, type ReaperOptions } from '../../src/execution/reaper.js';
 import { silentLogger } from '../../src/observability/logger.js';
 import { createMetrics } from '../../src/observability/metrics.js';
 import { msUntilNextExpiry } from '../../src/store/attempts.js';
@@ -42,7 +42,7 @@ const leadership: Leadership = {
   isValid: () => true,
 };
 
-const reaper = () =>
+const reaper = (options: Partial<ReaperOptions> = {}) =>
   new Reaper({
     pool: db.pool,
     leadership,
@@ -52,6 +52,7 @@ const reaper = () =>
     logger: silentLogger,
     metrics: createMetrics('test'),
     onFenced: () => assert.fail('fenced'),
+    ...options,
   });
 
 async function until(done: () => boolean): Promise<void> {
@@ -249,15 +250,7 @@ test('runs the reaper re-queues at once are handed to the other workers, not lef
     { id: 'api-only', roles: ['api', 'leader'] },
     ...['worker-a', 'worker-b', 'worker-c'].map((id) => ({ id, roles: ['api', 'leader', 'worker'] })),
   ];
-  const withHandOff = new Reaper({
-    pool: db.pool,
-    leadership,
-    topics,
-    intervalMs: 1000,
-    unstartedAfterMs: GRACE_MS,
-    logger: silentLogger,
-    metrics: createMetrics('test'),
-    onFenced: () => assert.fail('fenced'),
+  const withHandOff = reaper({
     handOff: (messages, claimedBy) => {
       handed.push({ claimedBy, runs: messages.map((m) => `${m.runId}/${m.attempt}`).sort() });
       sent.push(handOffRuns(db.pool, messages, workersBut(registry, claimedBy)));
@@ -300,18 +293,7 @@ test('a pass takes never-started runs up to their own limit, beyond the batch of
   await db.pool.query(`UPDATE runs SET claim_expires_at = now() - interval '1 second' WHERE id = $1`, [
     late!.id,
   ]);
-  const small = new Reaper({
-    pool: db.pool,
-    leadership,
-    topics,
-    intervalMs: 1000,
-    unstartedAfterMs: GRACE_MS,
-    batchSize: 2,
-    unstartedBatchSize: 4,
-    logger: silentLogger,
-    metrics: createMetrics('test'),
-    onFenced: () => assert.fail('fenced'),
-  });
+  const small = reaper({ batchSize: 2, unstartedBatchSize: 4 });
   // The one past its deadline (fewer than 2), then 4 never started: 5 in one pass, and more wait.
   assert.deepEqual(await small.reapBatch(), { reaped: 5, full: true });
   assert.deepEqual(await small.reapBatch(), { reaped: 2, full: true });
