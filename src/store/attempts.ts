@@ -471,7 +471,9 @@ const EXPIRED_COLUMNS = `r.id, r.attempt, r.claimed_by AS "claimedBy", r.backoff
  * locked (and kept locked) every expired run of a held job on every pass, and the join was
  * planned as a sort of all expired runs.
  */
-const JOB_FREE = `EXISTS (SELECT FROM jobs j WHERE j.id = r.job_id FOR KEY SHARE SKIP LOCKED)`;
+const jobFree = (run: string) =>
+  `EXISTS (SELECT FROM jobs j WHERE j.id = ${run}.job_id FOR KEY SHARE SKIP LOCKED)`;
+const JOB_FREE = jobFree('r');
 
 /**
  * Running runs whose claims are over (claimOver), locked, with their jobs key-share locked
@@ -492,17 +494,19 @@ const SELECT_EXPIRED = `
     LIMIT $1
     FOR UPDATE OF r SKIP LOCKED
   ), never_started AS (
-    -- The candidates first, without their jobs' locks: a filter with JOB_FREE below the sort
-    -- locked the job of every never-started run (10,000 after a herd's worker died) on each pass.
+    -- The candidates first, in no order: all of them go within a few passes, and an order by
+    -- claim_expires_at was planned as a sort of every running run once the limit was a large part
+    -- of them; below such a sort, the job filter locked the job of every never-started run (10,000
+    -- after a herd's worker died) on each pass. Unsorted, the scan stops at the limit, and the
+    -- filter skips the runs of held jobs before they count against it: otherwise runs of jobs
+    -- that commands hold, ahead in the scan, kept the others from ever being taken.
     SELECT ${EXPIRED_COLUMNS}
     FROM runs r
     WHERE r.id IN (
         SELECT c.id FROM runs c
         WHERE $2::int IS NOT NULL AND (SELECT count(*) FROM past_deadline) < $1
           AND c.state = 'running' AND c.started_at IS NULL AND c.claim_expires_at >= now()
-          AND c.not_before < now() - $2::int * interval '1 millisecond'
-        -- In no order: all of them go within a few passes, and an order by claim_expires_at was
-        -- planned as a sort of every running run once the limit was a large part of them.
+          AND c.not_before < now() - $2::int * interval '1 millisecond' AND ${jobFree('c')}
         LIMIT $3)
       AND r.state = 'running' AND r.started_at IS NULL AND ${JOB_FREE}
     FOR UPDATE OF r SKIP LOCKED
