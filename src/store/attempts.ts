@@ -508,7 +508,10 @@ const SELECT_EXPIRED = `
           AND c.state = 'running' AND c.started_at IS NULL AND c.claim_expires_at >= now()
           AND c.not_before < now() - $2::int * interval '1 millisecond' AND ${jobFree('c')}
         LIMIT $3)
-      AND r.state = 'running' AND r.started_at IS NULL AND ${JOB_FREE}
+      -- Their jobs were key-share locked by the candidates' filter (row locks last until the end
+      -- of the transaction). Not again here: a join that scans the running runs would lock the
+      -- job of every one of them (planned as a hash join, 1,000 jobs for 100 runs taken).
+      AND r.state = 'running' AND r.started_at IS NULL
     FOR UPDATE OF r SKIP LOCKED
   )
   SELECT * FROM past_deadline UNION ALL SELECT * FROM never_started`;
