@@ -379,7 +379,6 @@ export class HeliosNode {
     }
   }
 
-  /** Starts the leader's loops for one epoch; they end when the epoch's signal aborts. */
   /**
    * Announces runs the reaper re-queued to the live workers other than the one whose claim they
    * were taken from (see ReaperOptions.handOff), on the workers' hand-off channel. A hint only:
@@ -404,6 +403,7 @@ export class HeliosNode {
     );
   }
 
+  /** Starts the leader's loops for one epoch; they end when the epoch's signal aborts. */
   private lead(leadership: Leadership): void {
     const { config, logger, metrics } = this;
     metrics.isLeader.set(1);

@@ -117,7 +117,10 @@ export class Reaper {
     return this.options.unstartedBatchSize ?? 1000;
   }
 
-  /** One fenced transaction over at most `batchSize` expired claims. */
+  /**
+   * One fenced transaction over at most `batchSize` claims past their deadline and, when those
+   * were fewer, at most `unstartedBatchSize` never-started ones (selectExpiredRuns).
+   */
   async reapBatch(): Promise<{ reaped: number; full: boolean }> {
     const { pool, leadership, topics, metrics, logger } = this.options;
     const batchSize = this.options.batchSize ?? 100;

@@ -483,7 +483,8 @@ const JOB_FREE = jobFree('r');
  * second's claims ahead: a few thousand in a herd), in no order. NULL $2: only the
  * first. The second kind is re-queued in one statement whatever their number (a run past its
  * deadline may be charged, one transaction's statements each), so it may take more per pass: a
- * worker killed before a herd left 3,264 of them, taken back 100 a pass in 1.6 s.
+ * worker killed before a herd left 3,264 of them; at 100 a pass the last was called 6.6 s after
+ * due, at 1,000 a pass 5.8–6.3 s (`bench/stop-in-herd.ts --signal SIGKILL`).
  */
 const SELECT_EXPIRED = `
   WITH past_deadline AS (
