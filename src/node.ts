@@ -268,11 +268,7 @@ export class HeliosNode {
         drainTimeoutMs: Math.max(0, config.node.shutdownTimeoutMs - 1000),
         targetPolicy: config.targets.policy,
         // The registry's live workers but this one; bounded, as a stop waits for it.
-        handOffPeers: async () =>
-          workersBut(
-            await withTimeout(listNodes(etcd, config.etcd.prefix), 300, 'listing the workers'),
-            config.node.id,
-          ),
+        handOffPeers: () => this.liveWorkersBut(config.node.id),
         logger,
         runLines: this.runLines,
         metrics: this.metrics,
@@ -379,24 +375,28 @@ export class HeliosNode {
     }
   }
 
+  /** The registry's live workers but `but`, listed within 300 ms (hand-offs are waited for). */
+  private async liveWorkersBut(but: string | null): Promise<string[]> {
+    const nodes = await withTimeout(
+      listNodes(this.etcd!, this.config.etcd.prefix),
+      300,
+      'listing the workers',
+    );
+    return workersBut(nodes, but);
+  }
+
   /**
    * Announces runs the reaper re-queued to the live workers other than the one whose claim they
    * were taken from (see ReaperOptions.handOff), on the workers' hand-off channel. A hint only:
    * a run whose hint is lost still comes through Kafka or the polling fallback.
    */
   private handOffRequeued(messages: RunMessage[], claimedBy: string | null): void {
-    const { config, logger } = this;
-    const etcd = this.etcd!;
     const pool = this.leaderPool!;
     void (async () => {
-      const peers = workersBut(
-        await withTimeout(listNodes(etcd, config.etcd.prefix), 300, 'listing the workers'),
-        claimedBy,
-      );
       // No other worker: every worker may take them (the claimant too, once it is back).
-      await handOffRuns(pool, messages, peers);
+      await handOffRuns(pool, messages, await this.liveWorkersBut(claimedBy));
     })().catch((err: unknown) =>
-      logger.warn(
+      this.logger.warn(
         { err: toError(err), runs: messages.length },
         're-queued runs not handed to the other workers; they come through Kafka or polling',
       ),

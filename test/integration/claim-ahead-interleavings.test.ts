@@ -12,6 +12,7 @@ import type { JobRecord } from '../../src/store/jobs.js';
 import { claimRuns, startRuns, type ClaimedRun, type ClaimOptions } from '../../src/store/runs.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
 import { waitFor } from '../support/execution.js';
+import { dbNow, untilDbTime } from '../support/db-time.js';
 
 // Interleavings of START (startRuns) with the other writers of a run
 // claimed ahead of its time, through the real commands (pauseJob, patchJob, deleteJob), the
@@ -88,19 +89,6 @@ async function runsOf(jobId: string) {
   return rows;
 }
 
-async function dbNow(): Promise<number> {
-  const { rows } = await db.pool.query<{ t: Date }>('SELECT clock_timestamp() AS t');
-  return rows[0]!.t.getTime();
-}
-
-async function untilDbTime(at: Date): Promise<void> {
-  for (;;) {
-    const left = at.getTime() - (await dbNow());
-    if (left <= 0) return;
-    await sleep(Math.min(left + 2, 200));
-  }
-}
-
 const newTarget = (current: JobRecord) => ({
   fields: { ...current, target: { url: 'http://127.0.0.1:9/new', method: 'GET', headers: {} } },
   schedule: parseCron(current.schedule, current.timezone),
@@ -129,7 +117,7 @@ test('edit after START: the started run is kept, the dispatcher cannot create th
   const run = await makeRun(jobId, "date_trunc('second', now()) + interval '2 seconds'");
   const claimed = await claim(run.id);
   assert.equal(claimed.startPending, true);
-  await untilDbTime(run.scheduledFor);
+  await untilDbTime(db.pool, run.scheduledFor);
   assert.deepEqual(await startRuns(db.pool, NODE, [claimed]), [true]);
   const edited = await patchJob(db.pool, { id: jobId }, newTarget, COMMANDS);
   assert.ok(edited);
@@ -161,7 +149,7 @@ test('claimed ahead, START never written (failed, or the worker died): reaper fo
   const run = await makeRun(jobId, "clock_timestamp() + interval '700 milliseconds'");
   const claimed = await claim(run.id, ahead(NODE, { graceMs: 100 }));
   assert.equal(claimed.startPending, true);
-  await untilDbTime(new Date(claimed.claimExpiresAt.getTime() + 20));
+  await untilDbTime(db.pool, new Date(claimed.claimExpiresAt.getTime() + 20));
   const forgiven = await inFencelessReap();
   assert.equal(forgiven, 1, 'the expired claim was forgiven');
   const paused = await pauseJob(db.pool, { id: jobId }, COMMANDS);
@@ -211,7 +199,7 @@ test('a completion batch with a stale attempt and the current one of the same ru
   const run = await makeRun(jobId, 'clock_timestamp()');
   const first = await claim(run.id, ahead(NODE, { graceMs: 100 }));
   assert.equal(first.startPending, false);
-  await untilDbTime(new Date(first.claimExpiresAt.getTime() + 20));
+  await untilDbTime(db.pool, new Date(first.claimExpiresAt.getTime() + 20));
   assert.equal(await inFencelessReap(), 1);
   const second = await claim(run.id, ahead(NODE), 2);
   const ok = (status: number) => ({
@@ -265,12 +253,12 @@ test("a pause whose boundary precedes an occurrence does not let that occurrence
     );
     return rows[0]!.n > 0;
   });
-  const boundaryAtMost = await dbNow();
+  const boundaryAtMost = await dbNow(db.pool);
   assert.ok(
     run.scheduledFor.getTime() > boundaryAtMost,
     'precondition: the occurrence is after the boundary',
   );
-  await untilDbTime(run.scheduledFor);
+  await untilDbTime(db.pool, run.scheduledFor);
   // START may wait for the pause (which waits for the locker), so the lock goes once it is sent.
   const starting = startRuns(db.pool, NODE, [claimed]);
   await sleep(50);

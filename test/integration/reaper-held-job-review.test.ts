@@ -14,6 +14,7 @@ import { selectExpiredRuns } from '../../src/store/attempts.js';
 import { replayDeadLetter } from '../../src/store/dead-letters.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
 import { waitFor } from '../support/execution.js';
+import { within } from '../support/db-time.js';
 
 // The reaper's SELECT_EXPIRED takes a key-share lock on each expired run's job, SKIP LOCKED, so a
 // run whose job a pause, an edit or a delete holds (FOR UPDATE, up to its 30 s lock patience) is left
@@ -158,17 +159,6 @@ function startLoop() {
     })());
   loops.add(stop);
   return { acquired: () => acquired, failures: () => messages.filter((m) => /failed/.test(m)), stop };
-}
-
-/** Resolves to how long `promise` took, or to 'stalled' after `ms`. */
-async function within<T>(promise: Promise<T>, ms: number, what: string): Promise<{ value: T; ms: number }> {
-  const t0 = performance.now();
-  const settled = await Promise.race([
-    promise.then((value) => ({ value, ms: performance.now() - t0 })),
-    sleep(ms).then(() => 'stalled' as const),
-  ]);
-  if (settled === 'stalled') assert.fail(`${what} did not end within ${ms} ms`);
-  return settled;
 }
 
 test("a held job's expired runs, more than a batch and older than the rest, neither stall a pass nor take its places", async () => {

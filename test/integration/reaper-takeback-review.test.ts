@@ -22,6 +22,7 @@ import { releaseClaims } from '../../src/store/releases.js';
 import { claimRuns, startRuns, type ClaimedRun, type ClaimOptions } from '../../src/store/runs.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
 import { waitFor } from '../support/execution.js';
+import { untilDbTime, within } from '../support/db-time.js';
 
 // Review of the reaper's take-back (commits eabb33f, 5941416): never-started runs claimed ahead
 // taken up to `unstartedBatchSize` (1000) a pass, in no order, beside at most `batchSize` (100) past
@@ -140,19 +141,6 @@ function gatedPool() {
   });
   cleanups.add(async () => open());
   return { pool: gated as pg.Pool, held, open };
-}
-
-async function dbNow(): Promise<number> {
-  const { rows } = await pool.query<{ t: Date }>('SELECT clock_timestamp() AS t');
-  return rows[0]!.t.getTime();
-}
-
-async function untilDbTime(at: number): Promise<void> {
-  for (;;) {
-    const left = at - (await dbNow());
-    if (left <= 0) return;
-    await sleep(Math.min(left + 2, 200));
-  }
 }
 
 /** `count` jobs (timeout 1 s, `maxAttempts`), their ids. */
@@ -309,17 +297,6 @@ function context(nodeId: string, calls: string[]): AttemptContext {
 async function attempt(ctx: AttemptContext, run: ClaimedRun) {
   await ctx.clock.sync(pool);
   await runAttempt(ctx, run, new AbortController().signal);
-}
-
-/** Resolves to how long `promise` took; fails after `ms`. */
-async function within<T>(promise: Promise<T>, ms: number, what: string): Promise<{ value: T; ms: number }> {
-  const t0 = performance.now();
-  const settled = await Promise.race([
-    promise.then((value) => ({ value, ms: performance.now() - t0 })),
-    sleep(ms).then(() => 'stalled' as const),
-  ]);
-  if (settled === 'stalled') assert.fail(`${what} did not end within ${ms} ms`);
-  return settled;
 }
 
 // 1. START against a pass holding 1000 never-started runs, the pass first.
@@ -548,7 +525,7 @@ test('the hand-off reaches another worker, which claims and calls attempt 2; the
   const run = rows[0]!;
   const [claimedA] = await claimRuns(pool, [{ runId: run.id, expectedAttempt: 1 }], claimOptions(A));
   assert.equal(claimedA?.startPending, true);
-  await untilDbTime(run.due.getTime() + UNSTARTED_MS + 50);
+  await untilDbTime(pool, run.due.getTime() + UNSTARTED_MS + 50);
 
   const { readBy } = await listen();
   const handed: { claimedBy: string | null; messages: RunMessage[] }[] = [];

@@ -26,6 +26,7 @@ import { claimOverdueRuns } from '../../src/store/overdue.js';
 import type { Connections } from '../../src/store/pool-share.js';
 import { claimRuns, startRuns, type ClaimedRun, type ClaimOptions } from '../../src/store/runs.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
+import { dbNow, untilDbTime } from '../support/db-time.js';
 
 // Review of the reaper's take-back of runs claimed ahead whose call has not begun (store/attempts.ts,
 // claimOver; commit 8f6745e). The reaper here uses a short `unstartedAfterMs` (UNSTARTED_MS) while
@@ -66,19 +67,6 @@ const reaper = (pool: pg.Pool = db.pool, signal?: AbortSignal) =>
     metrics: createMetrics('test'),
     onFenced: () => assert.fail('fenced'),
   });
-
-async function dbNow(): Promise<number> {
-  const { rows } = await db.pool.query<{ t: Date }>('SELECT clock_timestamp() AS t');
-  return rows[0]!.t.getTime();
-}
-
-async function untilDbTime(at: number): Promise<void> {
-  for (;;) {
-    const left = at - (await dbNow());
-    if (left <= 0) return;
-    await sleep(Math.min(left + 2, 200));
-  }
-}
 
 /** A job and one queued scheduled run of it due `dueInMs` from now. */
 async function setup(
@@ -206,7 +194,7 @@ test('reaper first: a START sent while the reaper holds the run waits, finds the
   const { run } = await setup();
   const claimedA = await claim(run.id, A);
   assert.equal(claimedA.startPending, true);
-  await untilDbTime(run.scheduledFor.getTime() + UNSTARTED_MS + 50);
+  await untilDbTime(db.pool, run.scheduledFor.getTime() + UNSTARTED_MS + 50);
 
   const calls: string[] = [];
   const client = await db.pool.connect();
@@ -245,12 +233,12 @@ test('reaper first: a START sent while the reaper holds the run waits, finds the
 test('START first: the reaper skips the row START holds without waiting for it, and leaves the started run to its deadline', async () => {
   const { run } = await setup();
   const claimedA = await claim(run.id, A);
-  await untilDbTime(run.scheduledFor.getTime() - 50);
+  await untilDbTime(db.pool, run.scheduledFor.getTime() - 50);
   const client = await db.pool.connect();
   try {
     await client.query('BEGIN');
     assert.deepEqual(await startRuns(client, A, [claimedA]), [true]);
-    await untilDbTime(run.scheduledFor.getTime() + UNSTARTED_MS + 50);
+    await untilDbTime(db.pool, run.scheduledFor.getTime() + UNSTARTED_MS + 50);
     const t0 = performance.now();
     assert.equal((await reaper().reapBatch()).reaped, 0, 'row held by START: skipped');
     assert.ok(performance.now() - t0 < 1000, 'the pass did not wait for START');
@@ -277,14 +265,14 @@ for (const commit of [true, false]) {
         const isStart = typeof config === 'object' && config?.name === 'helios-start-runs';
         if (isStart && ++starts === 1) {
           if (commit) await db.pool.query(config, values);
-          await untilDbTime(run.scheduledFor.getTime() + UNSTARTED_MS + 50);
+          await untilDbTime(db.pool, run.scheduledFor.getTime() + UNSTARTED_MS + 50);
           reaped = (await reaper().reapBatch()).reaped;
           throw new Error('Connection terminated unexpectedly');
         }
         return db.pool.query(config, values);
       }) as unknown as pg.Pool['query'],
     };
-    await untilDbTime(run.scheduledFor.getTime());
+    await untilDbTime(db.pool, run.scheduledFor.getTime());
     await attempt(context(pool, A, calls), claimedA);
     assert.ok(starts >= 2, 'START was tried again one by one');
     if (commit) {
@@ -306,13 +294,13 @@ test("START's batch with a stale attempt taken back, the same run's current atte
   const s = await setup({ dueInMs: 600 + UNSTARTED_MS + 400 });
   const r1 = await claim(r.run.id, A);
   const s1 = await claim(s.run.id, A);
-  await untilDbTime(r.run.scheduledFor.getTime() + UNSTARTED_MS + 50);
+  await untilDbTime(db.pool, r.run.scheduledFor.getTime() + UNSTARTED_MS + 50);
   assert.equal((await reaper().reapBatch()).reaped, 1, 'r taken back; s is not past its line yet');
   const r2 = await claim(r.run.id, A, {}, 2);
   assert.equal(r2.startPending, false);
-  await untilDbTime(s.run.scheduledFor.getTime());
+  await untilDbTime(db.pool, s.run.scheduledFor.getTime());
   assert.deepEqual(await startRuns(db.pool, A, [r1, r2, s1]), [false, true, true]);
-  await untilDbTime(s.run.scheduledFor.getTime() + UNSTARTED_MS + 50);
+  await untilDbTime(db.pool, s.run.scheduledFor.getTime() + UNSTARTED_MS + 50);
   assert.equal((await reaper().reapBatch()).reaped, 0, 'started runs keep their claims');
   assert.equal((await row(s.run.id))?.claimedBy, A);
   assert.deepEqual([(await row(r.run.id))?.claimedBy, (await row(r.run.id))?.attempt], [A, 2]);
@@ -328,7 +316,7 @@ const claimPaths: Record<string, () => Promise<{ id: string; claimed: ClaimedRun
     const { run } = await setup();
     const claimed = await claim(run.id, A);
     assert.equal(claimed.startPending, true);
-    await untilDbTime(run.scheduledFor.getTime());
+    await untilDbTime(db.pool, run.scheduledFor.getTime());
     return { id: run.id, claimed, nodeId: A };
   },
   'claimed when due': async () => {
@@ -377,8 +365,8 @@ const claimPaths: Record<string, () => Promise<{ id: string; claimed: ClaimedRun
     );
     assert.equal(retry?.state, 'queued');
     const second = await claim(run.id, B, {}, 2);
-    assert.equal(second.notBefore > new Date(await dbNow()), true, 'claimed ahead of its time');
-    await untilDbTime(second.notBefore.getTime());
+    assert.equal(second.notBefore > new Date(await dbNow(db.pool)), true, 'claimed ahead of its time');
+    await untilDbTime(db.pool, second.notBefore.getTime());
     return { id: run.id, claimed: second, nodeId: B };
   },
   'handed back before its time and claimed ahead again': async () => {
@@ -391,13 +379,13 @@ const claimPaths: Record<string, () => Promise<{ id: string; claimed: ClaimedRun
     );
     const second = await claim(run.id, B, {}, 2);
     assert.equal(second.startPending, true);
-    await untilDbTime(run.scheduledFor.getTime());
+    await untilDbTime(db.pool, run.scheduledFor.getTime());
     return { id: run.id, claimed: second, nodeId: B };
   },
   'taken back unstarted by the reaper, then claimed again': async () => {
     const { run } = await setup();
     await claim(run.id, A);
-    await untilDbTime(run.scheduledFor.getTime() + UNSTARTED_MS + 50);
+    await untilDbTime(db.pool, run.scheduledFor.getTime() + UNSTARTED_MS + 50);
     assert.equal((await reaper().reapBatch()).reaped, 1);
     return { id: run.id, claimed: await claim(run.id, B, {}, 2), nodeId: B };
   },
@@ -407,10 +395,10 @@ const claimPaths: Record<string, () => Promise<{ id: string; claimed: ClaimedRun
   },
   'a replace run claimed within the skew tolerance before its time': async () => {
     const { run } = await setup({ dueInMs: 150, concurrency: 'replace' });
-    await untilDbTime(run.scheduledFor.getTime() - 100);
+    await untilDbTime(db.pool, run.scheduledFor.getTime() - 100);
     const claimed = await claim(run.id, A, { skewToleranceMs: 200 });
     assert.equal(claimed.startPending, true, 'not due yet: START before its call');
-    await untilDbTime(run.scheduledFor.getTime());
+    await untilDbTime(db.pool, run.scheduledFor.getTime());
     return { id: run.id, claimed, nodeId: A };
   },
 };
@@ -424,7 +412,10 @@ for (const [path, make] of Object.entries(claimPaths)) {
       const { rows } = await db.pool.query<{ nb: Date }>('SELECT not_before AS nb FROM runs WHERE id = $1', [
         id,
       ]);
-      await untilDbTime(Math.max(rows[0]!.nb.getTime(), claimed.notBefore.getTime()) + UNSTARTED_MS + 50);
+      await untilDbTime(
+        db.pool,
+        Math.max(rows[0]!.nb.getTime(), claimed.notBefore.getTime()) + UNSTARTED_MS + 50,
+      );
       reapedDuringCall = (await reaper().reapBatch()).reaped;
     });
     await attempt(ctx, claimed);
@@ -446,7 +437,7 @@ test('a pause while the reaper holds a run that fell due: it waits only for that
   const laterId = later.rows[0]!.id;
   await claim(run.id, A);
   await claim(laterId, A);
-  await untilDbTime(run.scheduledFor.getTime() + UNSTARTED_MS + 50);
+  await untilDbTime(db.pool, run.scheduledFor.getTime() + UNSTARTED_MS + 50);
   const client = await db.pool.connect();
   let pause: Promise<unknown> | undefined;
   try {
@@ -480,7 +471,7 @@ test('a pause while the reaper holds a run that fell due: it waits only for that
 test('a held job keeps an unstarted run past the line from the reaper: the loop looks again every 100 ms, not in a tight loop', async () => {
   const { jobId, run } = await setup();
   await claim(run.id, A);
-  await untilDbTime(run.scheduledFor.getTime() + UNSTARTED_MS + 50);
+  await untilDbTime(db.pool, run.scheduledFor.getTime() + UNSTARTED_MS + 50);
   const holder = await db.pool.connect();
   const stop = new AbortController();
   let passes = 0;

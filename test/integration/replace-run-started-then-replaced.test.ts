@@ -1,5 +1,4 @@
 import assert from 'node:assert/strict';
-import { setTimeout as sleep } from 'node:timers/promises';
 import { after, before, test } from 'node:test';
 import { runAttempt, type AttemptContext } from '../../src/execution/attempt.js';
 import { createStartBatcher } from '../../src/execution/batching.js';
@@ -10,6 +9,7 @@ import { createMetrics } from '../../src/observability/metrics.js';
 import { completeSucceeded, type AttemptReport } from '../../src/store/attempts.js';
 import { claimRuns, replaceOlderRuns, startRuns, type ClaimedRun } from '../../src/store/runs.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
+import { untilDbTime } from '../support/db-time.js';
 
 // START precedes replaceOlderRuns in runAttempt. Two replace runs of one
 // job: R1 (older occurrence, claimed within the skew tolerance before its time, so startPending)
@@ -28,19 +28,6 @@ before(async () => {
   db = await createTestDatabase();
 });
 after(() => db.drop());
-
-async function dbNow(): Promise<number> {
-  const { rows } = await db.pool.query<{ t: Date }>('SELECT clock_timestamp() AS t');
-  return rows[0]!.t.getTime();
-}
-
-async function untilDbTime(at: Date): Promise<void> {
-  for (;;) {
-    const left = at.getTime() - (await dbNow());
-    if (left <= 0) return;
-    await sleep(Math.min(left + 2, 200));
-  }
-}
 
 async function runState(id: string) {
   const { rows } = await db.pool.query<{ state: string; claimedBy: string | null; attempt: number }>(
@@ -77,7 +64,7 @@ test('a replace run STARTed, then replaced by the next occurrence before its own
     skewToleranceMs: 10_000,
   });
   assert.ok(claimed1?.startPending, 'R1 claimed before its time: startPending');
-  await untilDbTime(r1.scheduledFor);
+  await untilDbTime(db.pool, r1.scheduledFor);
 
   const calls: { run: string; stateAtCall: unknown }[] = [];
   const executor = {
@@ -97,7 +84,7 @@ test('a replace run STARTed, then replaced by the next occurrence before its own
     start: async (run) => {
       const ok = await starts.add({ id: run.id, attempt: run.attempt });
       // R1's START committed; its answer arrives only after R2 has fallen due and replaced R1.
-      await untilDbTime(r2.scheduledFor);
+      await untilDbTime(db.pool, r2.scheduledFor);
       const [claimed2] = await claimRuns(db.pool, [{ runId: r2.id, expectedAttempt: null }], {
         nodeId: B,
         graceMs: 5000,

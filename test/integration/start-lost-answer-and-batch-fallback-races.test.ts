@@ -1,5 +1,4 @@
 import assert from 'node:assert/strict';
-import { setTimeout as sleep } from 'node:timers/promises';
 import { after, before, test } from 'node:test';
 import type pg from 'pg';
 import { runAttempt, type AttemptContext } from '../../src/execution/attempt.js';
@@ -15,6 +14,7 @@ import { inTransaction } from '../../src/store/db.js';
 import type { Connections } from '../../src/store/pool-share.js';
 import { claimRuns, type ClaimedRun, type ClaimOptions } from '../../src/store/runs.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
+import { untilDbTime } from '../support/db-time.js';
 
 // START through the real start batcher (createStartBatcher: a failed
 // batch falls back to oneByOne, one statement per run) and the real runAttempt retry loop
@@ -32,19 +32,6 @@ before(async () => {
   db = await createTestDatabase();
 });
 after(() => db.drop());
-
-async function dbNow(): Promise<number> {
-  const { rows } = await db.pool.query<{ t: Date }>('SELECT clock_timestamp() AS t');
-  return rows[0]!.t.getTime();
-}
-
-async function untilDbTime(at: Date): Promise<void> {
-  for (;;) {
-    const left = at.getTime() - (await dbNow());
-    if (left <= 0) return;
-    await sleep(Math.min(left + 2, 200));
-  }
-}
 
 async function setup(timeoutMs = 1000) {
   const { rows } = await db.pool.query<{ id: string }>(
@@ -150,7 +137,7 @@ for (const commit of [true, false]) {
       });
       const ctx = context(pool, A, calls);
       await ctx.clock.sync(db.pool);
-      await untilDbTime(run.scheduledFor);
+      await untilDbTime(db.pool, run.scheduledFor);
       // START is sent at the run's time, so the pause's line is after the occurrence: the run is
       // owed (kept, started or not); a deletion takes it whatever its state.
       await runAttempt(ctx, claimed, new AbortController().signal);
@@ -172,7 +159,7 @@ for (const commit of [true, false]) {
     const calls: string[] = [];
     let claimedB: ClaimedRun | undefined;
     const pool = lossyPool(commit, async () => {
-      await untilDbTime(new Date(claimedA.claimExpiresAt.getTime() + 20));
+      await untilDbTime(db.pool, new Date(claimedA.claimExpiresAt.getTime() + 20));
       const forgiven = await inTransaction(db.pool, async (c) => {
         let n = 0;
         for (const r of await selectExpiredRuns(c, 100)) {
@@ -192,7 +179,7 @@ for (const commit of [true, false]) {
     });
     const ctxA = context(pool, A, calls);
     await ctxA.clock.sync(db.pool);
-    await untilDbTime(run.scheduledFor);
+    await untilDbTime(db.pool, run.scheduledFor);
     // A's claim deadline is only ~200 ms after its time: give runAttempt a claim that still looks
     // long enough locally (a worker whose clock estimate lags), so whyNotStart cannot hide a START
     // that wrongly succeeds.

@@ -7,6 +7,7 @@ import type { JobRecord } from '../../src/store/jobs.js';
 import { claimRuns, startRuns, type ClaimedRun, type ClaimOptions } from '../../src/store/runs.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
 import { waitFor } from '../support/execution.js';
+import { dbNow, untilDbTime } from '../support/db-time.js';
 
 // A pause or an edit draws its line (B) when it withdraws. Were B read before the delete waited for
 // a row lock on one of the job's not-yet-started runs (any writer of such a run: a claim batch
@@ -48,19 +49,6 @@ async function makeRun(jobId: string, at: string): Promise<{ id: string; schedul
   return rows[0]!;
 }
 
-async function dbNow(): Promise<number> {
-  const { rows } = await db.pool.query<{ t: Date }>('SELECT clock_timestamp() AS t');
-  return rows[0]!.t.getTime();
-}
-
-async function untilDbTime(at: Date): Promise<void> {
-  for (;;) {
-    const left = at.getTime() - (await dbNow());
-    if (left <= 0) return;
-    await sleep(Math.min(left + 2, 200));
-  }
-}
-
 async function untilWaiting(): Promise<void> {
   await waitFor('a statement waiting for a row lock', async () => {
     const { rows } = await db.pool.query<{ n: number }>(
@@ -96,9 +84,9 @@ async function raceCommandWithStart(command: (jobId: string) => Promise<JobRecor
     const commanding = command(jobId);
     await untilWaiting();
     // The command's statement waiting on X has begun: its statement_timestamp() is at most this.
-    const lineAtMost = await dbNow();
+    const lineAtMost = await dbNow(db.pool);
     assert.ok(x.scheduledFor.getTime() > lineAtMost, 'precondition: X and Y are after the line');
-    await untilDbTime(y.scheduledFor);
+    await untilDbTime(db.pool, y.scheduledFor);
     const startedNow = await Promise.race([
       startRuns(db.pool, NODE, [claimedY as ClaimedRun]).then(([s]) => s!),
       // START blocked (by the DELETE) is a correct outcome: let X's writer go so it can finish.

@@ -8,6 +8,7 @@ import { advanceJobs, createRuns, selectDueJobs } from '../../src/store/dispatch
 import type { JobRecord } from '../../src/store/jobs.js';
 import { claimRuns, startRuns } from '../../src/store/runs.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
+import { dbNow } from '../support/db-time.js';
 
 // pauseJob / patchJob withdraw first (the line is drawn by the withdrawal),
 // then create what fell due up to that line (createDueRuns), then set next_run_at. Checked here
@@ -25,11 +26,6 @@ before(async () => {
   db = await createTestDatabase();
 });
 after(() => db.drop());
-
-async function dbNow(): Promise<number> {
-  const { rows } = await db.pool.query<{ t: Date }>('SELECT clock_timestamp() AS t');
-  return rows[0]!.t.getTime();
-}
 
 /** One dispatcher pass (without the fence), as Dispatcher.dispatchBatch does it. */
 async function dispatchOnce(): Promise<void> {
@@ -86,7 +82,7 @@ function seconds(from: number, to: number): number[] {
 
 for (const lagging of [false, true]) {
   test(`edit (new target) of an enabled job, dispatcher ${lagging ? 'lagging 3 s' : 'ahead by its lookahead, runs claimed ahead'}: one run per occurrence, old before the edit, new after, none skipped`, async () => {
-    const firstAt = Math.floor((await dbNow()) / 1000) * 1000 - (lagging ? 3000 : -1000);
+    const firstAt = Math.floor((await dbNow(db.pool)) / 1000) * 1000 - (lagging ? 3000 : -1000);
     const jobId = await makeJob(`to_timestamp(${firstAt / 1000})`);
     if (!lagging) {
       await dispatchOnce();
@@ -94,9 +90,9 @@ for (const lagging of [false, true]) {
       const ids = (await runsOf(jobId)).map((r) => ({ runId: r.id, expectedAttempt: null }));
       await claimRuns(db.pool, ids, { nodeId: 'n', graceMs: 5000, skewToleranceMs: 10, leadMs: 600_000 });
     }
-    const before = await dbNow();
+    const before = await dbNow(db.pool);
     const edited = await patchJob(db.pool, { id: jobId }, newTarget, COMMANDS);
-    const afterEdit = await dbNow();
+    const afterEdit = await dbNow(db.pool);
     assert.ok(edited);
     // The withdrawn occurrences are asked for again: next_run_at is not past any occurrence without a run.
     const have = new Set((await runsOf(jobId)).map((r) => r.at.getTime()));
@@ -104,7 +100,7 @@ for (const lagging of [false, true]) {
       assert.ok(have.has(t), `occurrence ${new Date(t).toISOString()} is before next_run_at and has no run`);
     }
     await dispatchOnce();
-    const horizon = (await dbNow()) + LOOKAHEAD_MS - 50;
+    const horizon = (await dbNow(db.pool)) + LOOKAHEAD_MS - 50;
     const runs = await runsOf(jobId);
     const byAt = new Map(runs.map((r) => [r.at.getTime(), r]));
     assert.equal(byAt.size, runs.length, 'one run per occurrence');
@@ -121,11 +117,11 @@ for (const lagging of [false, true]) {
 }
 
 test('pause with a lagging dispatcher: what fell due is created, nothing after the line; resume starts after now', async () => {
-  const firstAt = Math.floor((await dbNow()) / 1000) * 1000 - 3000;
+  const firstAt = Math.floor((await dbNow(db.pool)) / 1000) * 1000 - 3000;
   const jobId = await makeJob(`to_timestamp(${firstAt / 1000})`);
-  const before = await dbNow();
+  const before = await dbNow(db.pool);
   const paused = await pauseJob(db.pool, { id: jobId }, COMMANDS);
-  const afterPause = await dbNow();
+  const afterPause = await dbNow(db.pool);
   assert.equal(paused?.enabled, false);
   const runs = await runsOf(jobId);
   const ats = runs.map((r) => r.at.getTime());
@@ -143,7 +139,7 @@ test('pause with a lagging dispatcher: what fell due is created, nothing after t
 });
 
 test('pause after a claimed-ahead run was STARTed at its time: kept (due before the line); the next, unstarted, withdrawn', async () => {
-  const firstAt = Math.floor((await dbNow()) / 1000) * 1000 + 1000;
+  const firstAt = Math.floor((await dbNow(db.pool)) / 1000) * 1000 + 1000;
   const jobId = await makeJob(`to_timestamp(${firstAt / 1000})`);
   await dispatchOnce();
   const runs = await runsOf(jobId);
@@ -153,7 +149,7 @@ test('pause after a claimed-ahead run was STARTed at its time: kept (due before 
     { nodeId: 'n', graceMs: 5000, skewToleranceMs: 10, leadMs: 600_000 },
   );
   const first = claimed.find((c) => c?.scheduledFor.getTime() === firstAt)!;
-  while ((await dbNow()) < firstAt) await new Promise((r) => setTimeout(r, 20));
+  while ((await dbNow(db.pool)) < firstAt) await new Promise((r) => setTimeout(r, 20));
   assert.deepEqual(await startRuns(db.pool, 'n', [first]), [true]);
   await pauseJob(db.pool, { id: jobId }, COMMANDS);
   const left = await runsOf(jobId);
