@@ -596,7 +596,7 @@ test('a forgiven run announced on Kafka and handed off: the claim from each copy
 
 // 7. More than a pass of never-started runs, and runs past their deadline.
 
-test('2,300 never-started runs of two claimants and 150 past their deadline (30 to bury): each taken back once, in 5 passes, each forgiven one handed once to a worker other than its claimant', async () => {
+test('2,300 never-started runs of two claimants and 150 past their deadline (30 to bury): each taken back once, in 5 passes, each forgiven one handed once to a worker other than its claimant', async (t) => {
   const herd = await makeJobs(2300);
   const fromA = await claimedAhead(herd.slice(0, 1500), { nodeId: A, dueMs: -1000 });
   const fromB = await claimedAhead(herd.slice(1500), { nodeId: B, dueMs: -1000 });
@@ -618,12 +618,11 @@ test('2,300 never-started runs of two claimants and 150 past their deadline (30 
     passes.push(result);
     if (!result.full || passes.length > 10) break;
   }
-  const ms = performance.now() - t0;
+  t.diagnostic(`${Math.round(performance.now() - t0)} ms for the passes`);
   assert.deepEqual(
     passes.map((p) => p.reaped),
     [100, 1050, 1000, 300, 0],
   );
-  assert.ok(ms < 4000, `${Math.round(ms)} ms for the passes`);
   await Promise.all(sent);
 
   const forgiven = [...fromA, ...fromB, ...late];
@@ -705,7 +704,6 @@ test('a pass of 99 charged runs and 1000 never-started ones holds the fence: how
   const [{ value, ms }, waited] = await Promise.all([pass, dispatch]);
   assert.deepEqual(value, { reaped: 1099, full: true });
   t.diagnostic(`pass ${Math.round(ms)} ms; the fenced transaction behind it waited ${Math.round(waited)} ms`);
-  assert.ok(ms < 2000, `the pass took ${Math.round(ms)} ms`);
 });
 
 // 9. The old claimant, stopping, hands back claims the pass holds (RELEASE_MANY against FORGIVE_MANY).
