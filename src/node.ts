@@ -8,7 +8,7 @@ import { LifecycleError, toError, withTimeout } from './errors.js';
 import { createLogger, type Logger } from './observability/logger.js';
 import { RunLines } from './observability/run-lines.js';
 import { createMetrics, type Metrics } from './observability/metrics.js';
-import { createPool, ping, type Database } from './store/db.js';
+import { createPool, ping, probeNewConnection, type Database } from './store/db.js';
 import { PoolShare, poolStats } from './store/pool-share.js';
 import { migrate } from './store/migrate.js';
 import { Notifications } from './store/notifications.js';
@@ -19,6 +19,7 @@ import { listNodes, NodeRegistry } from './coordination/registry.js';
 import { clusterView } from './coordination/cluster-view.js';
 import { endpointOfUrl } from './security/cluster-endpoints.js';
 import { LeaderElection, type Leadership } from './coordination/election.js';
+import { LeaderStallWatch } from './coordination/leader-stall.js';
 import {
   consumerGroupLag,
   createKafka,
@@ -40,6 +41,9 @@ type State = 'idle' | 'starting' | 'running' | 'stopping' | 'stopped';
 
 /** How often the node re-reads the registry and re-resolves the cluster's endpoint names. */
 const CLUSTER_ENDPOINTS_REFRESH_MS = 10_000;
+
+/** How long the leader's stall probe may take to connect to PostgreSQL and have `SELECT 1` answered. */
+const STALL_PROBE_TIMEOUT_MS = 2000;
 
 export interface HeliosNodeOptions {
   readonly config: HeliosConfig;
@@ -420,6 +424,20 @@ export class HeliosNode {
     // A predecessor cut off inside a transaction still holds the fence and the rows it locked;
     // end its sessions so this epoch's first writes do not wait for PostgreSQL to notice.
     track('takeover', this.endPredecessorSessions(leadership));
+    // A leader that cannot reach PostgreSQL, while etcd keeps its lease, hands the lead to a node
+    // that can (see LeaderStallWatch); it campaigns again after as long again.
+    const stallWatch = new LeaderStallWatch({
+      signal: leadership.signal,
+      stallMs: config.leader.stallMs,
+      probe: () =>
+        probeNewConnection({
+          connectionString: config.database.url,
+          applicationName: `helios-${config.node.id}-probe`,
+          timeoutMs: STALL_PROBE_TIMEOUT_MS,
+        }),
+      onUnreachable: () => this.election?.stepDown('database-unreachable', config.leader.stallMs, leadership),
+      logger: logger.child({ part: 'stall-watch' }),
+    });
     const dispatcher = new Dispatcher({
       pool: leaderPool,
       leadership,
@@ -431,6 +449,7 @@ export class HeliosNode {
       logger: logger.child({ part: 'dispatcher' }),
       metrics,
       onFenced: stepDown,
+      onCommitted: () => stallWatch.progressed(),
       beforeWrite: this.options.beforeLeaderWrite,
     });
     track('dispatcher', dispatcher.run());

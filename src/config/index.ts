@@ -189,6 +189,7 @@ function leaderConfig(env: Env): LeaderConfig {
     batchSize: int(env, 'HELIOS_DISPATCH_BATCH', 500, 1, 10_000),
     poolSize: int(env, 'HELIOS_LEADER_POOL_SIZE', 5, 1, 100),
     reaperIntervalMs: int(env, 'HELIOS_REAPER_INTERVAL_MS', 1000, 50, 600_000),
+    stallMs: int(env, 'HELIOS_LEADER_STALL_MS', 4000, 1000, 600_000),
     signalsIntervalMs: int(env, 'HELIOS_SIGNALS_INTERVAL_MS', 5000, 100, 600_000),
     retention: Object.freeze({
       runsMs: duration(env, 'HELIOS_RUN_RETENTION', 30 * 86_400_000, 1000, 3650 * 86_400_000),

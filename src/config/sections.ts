@@ -120,6 +120,13 @@ export interface LeaderConfig {
   readonly poolSize: number;
   /** HELIOS_REAPER_INTERVAL_MS: longest pause between the leader's passes over expired claims; default 1000. */
   readonly reaperIntervalMs: number;
+  /**
+   * HELIOS_LEADER_STALL_MS: a leader that has committed no dispatch pass for this long probes
+   * PostgreSQL on a new connection, and steps down (for as long again) when that fails too, so
+   * that a node that can reach the database leads; default 4000. With the default lookahead and
+   * misfire threshold, a leader cut off from PostgreSQL is replaced before an occurrence misfires.
+   */
+  readonly stallMs: number;
   /** HELIOS_SIGNALS_INTERVAL_MS: how often the leader refreshes the cluster gauges (queues, dead letters, Kafka lag); default 5000. */
   readonly signalsIntervalMs: number;
   /** Retention of history, applied by the leader's pruner. */

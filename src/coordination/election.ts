@@ -24,7 +24,8 @@ export interface LeaderRecord {
   readonly since: string;
 }
 
-export type StepDownReason = 'deadline' | 'keepalive-failed' | 'lease-lost' | 'fenced' | 'shutdown';
+export type StepDownReason =
+  'deadline' | 'keepalive-failed' | 'lease-lost' | 'fenced' | 'database-unreachable' | 'shutdown';
 
 export interface LeaderElectionOptions {
   readonly client: Etcd3;

@@ -25,6 +25,8 @@ export interface DispatcherOptions {
   readonly metrics: Metrics;
   /** Called when the fence rejected a write: a newer leader exists. */
   readonly onFenced: (err: StaleFencingTokenError) => void;
+  /** Called after each pass's transaction commits (the leader's stall watch counts them). */
+  readonly onCommitted?: () => void;
   /**
    * Fault injection for tests of the fence: awaited after the leadership check and before the
    * fenced transaction, i.e. where a real GC pause or SIGSTOP would hurt most.
@@ -116,6 +118,7 @@ export class Dispatcher {
       return { jobs: jobs.length, created, parked: parked.length, misfired };
     });
     stopTimer();
+    this.options.onCommitted?.();
     if (result.created > 0) metrics.runsCreated.inc({ state: 'queued' }, result.created);
     if (result.parked > 0) metrics.jobsParked.inc(result.parked);
     for (const [policy, count] of result.misfired) metrics.misfires.inc({ policy }, count);

@@ -28,6 +28,18 @@ export function isDatabaseUnavailable(err: unknown): boolean {
   return /^(08|53|57|58)/.test(code);
 }
 
+/** How long a pooled client waits for a statement's answer; 5 s past the server's statement_timeout. */
+const QUERY_READ_TIMEOUT_MS = 35_000;
+
+/**
+ * True for node-postgres's own "Query read timeout" (query_timeout). The statement may still be
+ * on the wire and the connection cannot be used again: pg-pool discards a client released with
+ * an error, and inTransaction does so without trying a ROLLBACK that could never be sent.
+ */
+export function isReadTimeout(err: unknown): boolean {
+  return err instanceof Error && err.message === 'Query read timeout';
+}
+
 /** Names the session (the pool's applicationName). $1 = the name. */
 const SET_APPLICATION_NAME = `SELECT set_config('application_name', $1, false)`;
 
@@ -44,6 +56,8 @@ export function createPool(options: {
   max: number;
   logger: Logger;
   applicationName: string;
+  /** How long a statement's answer is waited for; default 35 s (tests shorten it). */
+  queryTimeoutMs?: number;
 }): pg.Pool {
   const pool = new pg.Pool({
     connectionString: options.connectionString,
@@ -53,6 +67,11 @@ export function createPool(options: {
     idleTimeoutMillis: 30_000,
     // A statement that hangs (a lock we did not expect, a server in trouble) must not hang a loop forever.
     statement_timeout: 30_000,
+    // …and one whose answer cannot come (its server gone without a word, a proxy that stopped
+    // forwarding) must not either: past this the client gives up waiting and the connection is
+    // discarded (see isReadTimeout). Longer than statement_timeout, so that a statement the server
+    // runs to its limit still ends with the server's own error.
+    query_timeout: options.queryTimeoutMs ?? QUERY_READ_TIMEOUT_MS,
     // A paused process (GC, SIGSTOP) holding row locks inside a transaction must not block the
     // cluster: PostgreSQL ends its session and the locks are released.
     idle_in_transaction_session_timeout: 5_000,
@@ -98,7 +117,7 @@ export async function inTransaction<T>(
     await client.query('COMMIT');
     return result;
   } catch (err) {
-    if (connectionError) {
+    if (connectionError || isReadTimeout(err)) {
       broken = true;
     } else {
       try {
@@ -113,6 +132,32 @@ export async function inTransaction<T>(
     broken ||= connectionError !== undefined;
     client.release(broken);
     client.removeListener('error', onConnectionError);
+  }
+}
+
+/**
+ * Opens a new connection, runs `SELECT 1` on it and closes it; rejects when either takes longer
+ * than `timeoutMs`. Unlike a pooled statement it cannot land on a connection whose server is gone.
+ */
+export async function probeNewConnection(options: {
+  connectionString: string;
+  applicationName: string;
+  timeoutMs: number;
+}): Promise<void> {
+  const client = new pg.Client({
+    connectionString: options.connectionString,
+    application_name: options.applicationName,
+    connectionTimeoutMillis: options.timeoutMs,
+    query_timeout: options.timeoutMs,
+  });
+  // A session that ends under the probe emits 'error'; unheard, it would end the process.
+  client.on('error', () => undefined);
+  try {
+    await client.connect();
+    await client.query('SELECT 1');
+  } finally {
+    // Not awaited: a connection that never answered must not hold the caller (end() destroys it).
+    void client.end().catch(() => undefined);
   }
 }
 

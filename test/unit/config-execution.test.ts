@@ -31,6 +31,7 @@ test('the worker and leader sections have documented defaults', () => {
     batchSize: 500,
     poolSize: 5,
     reaperIntervalMs: 1000,
+    stallMs: 4000,
     signalsIntervalMs: 5000,
     retention: { runsMs: 30 * 86_400_000, keepPerJob: 100, outboxMs: 600_000 },
   });
@@ -46,6 +47,7 @@ test('execution settings are parsed and bounded', () => {
     ['HELIOS_WORKER_PREFETCH', '0'],
     ['HELIOS_RESPONSE_EXCERPT_BYTES', '2MB'],
     ['HELIOS_CLAIM_LEAD_MS', '-1'],
+    ['HELIOS_LEADER_STALL_MS', '500'],
   ] as const) {
     assert.throws(
       () => loadConfig({ ...BASE, [name]: value }),
