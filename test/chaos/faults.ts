@@ -13,6 +13,7 @@ const PARTITIONS = [
   'partition-postgres-both',
   'partition-postgres-in',
   'partition-postgres-out',
+  'partition-postgres-leader',
   'partition-kafka-both',
   'partition-kafka-in',
   'partition-kafka-out',
@@ -58,6 +59,7 @@ export const FAULTS_EXPLAINING_REDELIVERY: readonly FaultKind[] = [
   'partition-postgres-both',
   'partition-postgres-in',
   'partition-postgres-out',
+  'partition-postgres-leader',
   'partition-all-both',
   'partition-all-in',
   'partition-all-out',
@@ -73,7 +75,8 @@ const NEEDS_NETNS = new Set<FaultKind>([
 /**
  * The kinds that must each happen once, in a seeded order. A long run (`LONG_RUN_MS`) gets every
  * kind; a short one (the CI run) the process and server faults, one etcd-cluster fault, the
- * leader's symmetric etcd partition and one more seeded partition, to stay near 90 s. The run adds
+ * leader's symmetric etcd partition, the leader cut from PostgreSQL (with namespaces) and one more
+ * seeded partition, to stay near 100 s. The run adds
  * random kinds from `available` while its fault phase lasts. `CHAOS_FAULTS` (a comma list)
  * replaces the required kinds.
  */
@@ -106,6 +109,7 @@ export function planFaults(
     'partition-etcd-both',
     pick(available.filter((k) => k === 'kill-etcd-leader' || k.startsWith('isolate-etcd-'))),
   ];
+  if (available.includes('partition-postgres-leader')) required.push('partition-postgres-leader');
   const more = available.filter((k) => k.startsWith('partition-') && !required.includes(k));
   if (more.length > 0) required.push(pick(more));
   return { required: shuffle(required, random), available };
@@ -262,19 +266,27 @@ async function pauseLeader(ctx: FaultContext): Promise<FaultRecord> {
   return record;
 }
 
-const DIRECTIONS: Record<string, Direction> = { both: 'both', in: 'inbound', out: 'outbound' };
+const DIRECTIONS: Record<string, Direction> = {
+  both: 'both',
+  in: 'inbound',
+  out: 'outbound',
+  leader: 'both',
+};
 
 /**
  * `partition-<what>-<direction>`: one node loses etcd, PostgreSQL, Kafka or everything, in one
  * direction or both (packets silently dropped), for 2×TTL (3×TTL for PostgreSQL, so a claim held
  * across the cut can expire). The victim is the leader, except for PostgreSQL: a worker with a
- * call in flight, whose completion cannot be recorded. Without namespaces only
+ * call in flight, whose completion cannot be recorded. `partition-postgres-leader` cuts the
+ * leader from PostgreSQL both ways: etcd still renews its lease, so it must hand over by itself
+ * (README, "A leader that cannot reach PostgreSQL hands over"). Without namespaces only
  * `partition-etcd-both` exists, through the node's TCP proxies.
  */
 async function partition(kind: FaultKind, ctx: FaultContext): Promise<FaultRecord> {
   const [, what, dir] = kind.split('-') as [string, Server | 'all', string];
   const direction = DIRECTIONS[dir]!;
-  const [victim, note] = what === 'postgres' ? await workerMidCall(ctx) : [await ctx.cluster.leader()];
+  const [victim, note] =
+    what === 'postgres' && dir !== 'leader' ? await workerMidCall(ctx) : [await ctx.cluster.leader()];
   const network = ctx.cluster.network;
   const start = Date.now();
   if (network) {
