@@ -12,7 +12,7 @@ import { createPool, ping, probeNewConnection, type Database } from './store/db.
 import { PoolShare, poolStats } from './store/pool-share.js';
 import { migrate } from './store/migrate.js';
 import { Notifications } from './store/notifications.js';
-import { handOffRuns, workersBut } from './store/handoff.js';
+import { handOffRuns, peersOrEveryone, workersBut } from './store/handoff.js';
 import { endPredecessorSessions, leaderApplicationName } from './store/leader-sessions.js';
 import { createEtcdClient } from './coordination/etcd.js';
 import { listNodes, NodeRegistry } from './coordination/registry.js';
@@ -397,8 +397,17 @@ export class HeliosNode {
   private handOffRequeued(messages: RunMessage[], claimedBy: string | null): void {
     const pool = this.leaderPool!;
     void (async () => {
-      // No other worker: every worker may take them (the claimant too, once it is back).
-      await handOffRuns(pool, messages, await this.liveWorkersBut(claimedBy));
+      // No other worker, or no list of them (etcd unreachable): every worker may take them (the
+      // claimant too, once it is back).
+      const peers = await peersOrEveryone(
+        () => this.liveWorkersBut(claimedBy),
+        (err) =>
+          this.logger.warn(
+            { err: toError(err) },
+            'cannot list the other workers; handing re-queued runs to all',
+          ),
+      );
+      await handOffRuns(pool, messages, peers);
     })().catch((err: unknown) =>
       this.logger.warn(
         { err: toError(err), runs: messages.length },

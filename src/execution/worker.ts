@@ -9,7 +9,7 @@ import type { WorkerConfig } from '../config/index.js';
 import type { Notifications } from '../store/notifications.js';
 import { inTransaction } from '../store/db.js';
 import { claimOverdueRuns } from '../store/overdue.js';
-import { HANDOFF_CHANNEL, handOffRuns } from '../store/handoff.js';
+import { HANDOFF_CHANNEL, handOffRuns, peersOrEveryone } from '../store/handoff.js';
 import type { RunMessage } from '../model.js';
 import type { ClaimedRun } from '../store/runs.js';
 import type { AttemptReport } from '../store/attempts.js';
@@ -292,10 +292,10 @@ export class Worker {
     const messages = this.handOffWaiting.splice(0);
     if (messages.length === 0) return;
     const logger = this.logger;
-    const peers = (this.options.handOffPeers?.() ?? Promise.resolve([])).catch((err: unknown) => {
-      logger.warn({ err: toError(err) }, 'cannot list the other workers; handing runs over to all');
-      return [];
-    });
+    const list = this.options.handOffPeers ?? (() => Promise.resolve([]));
+    const peers = peersOrEveryone(list, (err) =>
+      logger.warn({ err: toError(err) }, 'cannot list the other workers; handing runs over to all'),
+    );
     const sent: Promise<void> = peers
       .then((to) => handOffRuns(this.options.pool, messages, to))
       .then(

@@ -16,6 +16,22 @@ export function workersBut(
   return nodes.filter((n) => n.id !== but && n.roles.includes('worker')).map((n) => n.id);
 }
 
+/**
+ * The peers `list` names, or none (every worker receives the hand-off) when it cannot say: a hint
+ * sent to all is worth more than one not sent. `onError` hears why.
+ */
+export async function peersOrEveryone(
+  list: () => Promise<readonly string[]>,
+  onError: (err: unknown) => void,
+): Promise<readonly string[]> {
+  try {
+    return await list();
+  } catch (err) {
+    onError(err);
+    return [];
+  }
+}
+
 /** NOTIFY payloads must stay under 8000 bytes; a message is about 200 (ASCII: UUIDs, ISO dates, numbers). */
 const MAX_PAYLOAD_BYTES = 7000;
 

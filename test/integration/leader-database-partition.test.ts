@@ -4,6 +4,7 @@ import { uniqueId } from '../support/env.js';
 import { waitFor } from '../support/execution.js';
 import { integrationFixture, type IntegrationFixture } from '../support/fixture.js';
 import { apiCall } from '../support/node-api.js';
+import type { LogLine } from '../support/processes.js';
 import { startTogether } from '../support/start-together.js';
 import { TcpProxy } from '../support/tcp-proxy.js';
 
@@ -39,7 +40,7 @@ after(async () => {
   await fixture.teardown();
 });
 
-const at = (line: { time?: unknown }) => Date.parse(line.time as string);
+const at = (line: LogLine) => Date.parse(line.time as string);
 
 test(
   'a leader cut off from PostgreSQL alone steps down for the node that can reach it: every occurrence of a misfire "skip" job still runs',
