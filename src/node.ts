@@ -8,12 +8,16 @@ import { LifecycleError, toError, withTimeout } from './errors.js';
 import { createLogger, type Logger } from './observability/logger.js';
 import { RunLines } from './observability/run-lines.js';
 import { createMetrics, type Metrics } from './observability/metrics.js';
-import { createPool, ping, probeNewConnection, type Database } from './store/db.js';
+import { createPool, ping, type Database } from './store/db.js';
 import { PoolShare, poolStats } from './store/pool-share.js';
 import { migrate } from './store/migrate.js';
 import { Notifications } from './store/notifications.js';
 import { handOffRuns, peersOrEveryone, workersBut } from './store/handoff.js';
-import { endPredecessorSessions, leaderApplicationName } from './store/leader-sessions.js';
+import {
+  endPredecessorSessions,
+  leaderApplicationName,
+  probeLeaderSessions,
+} from './store/leader-sessions.js';
 import { createEtcdClient } from './coordination/etcd.js';
 import { listNodes, NodeRegistry } from './coordination/registry.js';
 import { clusterView } from './coordination/cluster-view.js';
@@ -42,8 +46,11 @@ type State = 'idle' | 'starting' | 'running' | 'stopping' | 'stopped';
 /** How often the node re-reads the registry and re-resolves the cluster's endpoint names. */
 const CLUSTER_ENDPOINTS_REFRESH_MS = 10_000;
 
-/** How long the leader's stall probe may take to connect to PostgreSQL and have `SELECT 1` answered. */
-const STALL_PROBE_TIMEOUT_MS = 2000;
+/**
+ * How long the leader's stall probe may take to connect to PostgreSQL and be answered. A longer
+ * one tolerates a server slower to open sessions and delays the handover of a cut-off leader.
+ */
+const STALL_PROBE_TIMEOUT_MS = 3000;
 
 export interface HeliosNodeOptions {
   readonly config: HeliosConfig;
@@ -439,12 +446,13 @@ export class HeliosNode {
       signal: leadership.signal,
       stallMs: config.leader.stallMs,
       probe: () =>
-        probeNewConnection({
+        probeLeaderSessions({
           connectionString: config.database.url,
           applicationName: `helios-${config.node.id}-probe`,
+          leaderApplicationName: leaderApplicationName(config.node.id),
           timeoutMs: STALL_PROBE_TIMEOUT_MS,
         }),
-      onUnreachable: () => this.election?.stepDown('database-unreachable', config.leader.stallMs, leadership),
+      stepDown: () => this.election?.stepDown('database-unreachable', config.leader.stallMs, leadership),
       logger: logger.child({ part: 'stall-watch' }),
     });
     const dispatcher = new Dispatcher({

@@ -9,26 +9,32 @@ export interface LeaderStallWatchOptions {
   /** How long the leader may go without committing a dispatch pass before PostgreSQL is probed. */
   readonly stallMs: number;
   /**
-   * Opens a new connection to PostgreSQL and runs a statement on it; rejects when it cannot
-   * within its own timeout. A new connection, because a statement the dispatcher waits for may
-   * sit on a connection whose server vanished while the database answers everyone else.
+   * Asks PostgreSQL on a new connection (a statement the dispatcher waits for may sit on a
+   * connection whose answers cannot come while the database answers everyone else): `answering`
+   * when it answers and the leader's own sessions are at work there, `sessions-lost` when it
+   * answers but none of them is; rejects when it cannot be reached within its own timeout.
    */
-  readonly probe: () => Promise<void>;
-  /** Called once when the probe failed after a stall: this node cannot reach PostgreSQL. */
-  readonly onUnreachable: (err: Error) => void;
+  readonly probe: () => Promise<'answering' | 'sessions-lost'>;
+  /**
+   * Called once when the probe failed after a stall, or found the leader's sessions lost: this
+   * node cannot use PostgreSQL.
+   */
+  readonly stepDown: (err: Error) => void;
   readonly logger: Logger;
 }
 
 /**
  * Watches one leader epoch's progress in PostgreSQL. The leader keeps its etcd lease while it
- * cannot reach PostgreSQL (a partition between the two, a connection left waiting by a vanished
- * server): without this watch it would lead without creating a run until the connection broke,
- * and the occurrences meanwhile would be missed, then handled as misfires. The dispatcher reports
- * each pass it commits (`progressed`, at least once a second while it leads). When none has been
- * committed for `stallMs`, the watch asks PostgreSQL on a new connection: if that fails as well,
- * `onUnreachable` steps the node down, so that a node that can reach the database leads. A
- * database that answers, only slowly, keeps its leader: another node would meet the same database,
- * and a new leader ends its predecessor's transactions, so stepping down would only cost work.
+ * cannot use PostgreSQL (a partition between the two; its connections left waiting by a server
+ * that moved, or by a firewall that forgot them): without this watch it would lead without
+ * creating a run until its connections broke, and the occurrences meanwhile would be missed, then
+ * handled as misfires. The dispatcher reports each pass it commits (`progressed`, at least once a
+ * second while it leads). When none has been committed for `stallMs`, the watch asks PostgreSQL on
+ * a new connection. If that fails, or PostgreSQL answers but none of the leader's own sessions is
+ * at work there, `stepDown` ends the epoch, so that a node with working connections
+ * leads. A database that answers while the leader's sessions work (a slow statement, a lock
+ * wait), or that answers with an error of its own (too many connections), keeps its leader:
+ * another node would meet the same database, and stepping down would only cost work.
  */
 export class LeaderStallWatch {
   private lastProgress = performance.now();
@@ -49,31 +55,49 @@ export class LeaderStallWatch {
     this.lastProgress = performance.now();
   }
 
+  private giveUp(err: Error, stalledMs: number, message: string): void {
+    this.done = true;
+    clearInterval(this.timer);
+    this.options.logger.warn({ err, stalledMs }, message);
+    this.options.stepDown(err);
+  }
+
   private async check(): Promise<void> {
     const { signal, stallMs, logger } = this.options;
     if (this.probing || this.done || signal.aborted) return;
     const stalledMs = Math.round(performance.now() - this.lastProgress);
     if (stalledMs < stallMs) return;
     this.probing = true;
+    const askedAt = performance.now();
+    // A dispatch that committed while the probe was out ended the stall: its verdict is stale
+    // (the leader's sessions, at work when the stall was seen, may be idle by the time it looks).
+    const stale = () => signal.aborted || this.lastProgress > askedAt;
     try {
-      await this.options.probe();
-      if (signal.aborted) return;
+      let verdict: 'answering' | 'sessions-lost';
+      try {
+        verdict = await this.options.probe();
+      } catch (err) {
+        if (stale()) return;
+        return this.giveUp(
+          toError(err),
+          stalledMs,
+          'no dispatch committed within the stall limit and PostgreSQL cannot be reached; stepping down',
+        );
+      }
+      if (stale()) return;
+      if (verdict === 'sessions-lost') {
+        return this.giveUp(
+          new Error("none of the leader pool's sessions is at work in PostgreSQL"),
+          stalledMs,
+          "no dispatch committed within the stall limit and PostgreSQL answers, but none of the leader's sessions is at work there: its connections are lost; stepping down",
+        );
+      }
       logger.warn(
         { stalledMs },
-        'no dispatch committed within the stall limit, but PostgreSQL answers a new connection; still leading',
+        "no dispatch committed within the stall limit, but PostgreSQL answers and the leader's sessions are at work there; still leading",
       );
       // Look again one stall limit from now, not at every tick.
       this.lastProgress = performance.now();
-    } catch (err) {
-      if (signal.aborted) return;
-      this.done = true;
-      clearInterval(this.timer);
-      const error = toError(err);
-      logger.warn(
-        { err: error, stalledMs },
-        'no dispatch committed within the stall limit and PostgreSQL cannot be reached; stepping down',
-      );
-      this.options.onUnreachable(error);
     } finally {
       this.probing = false;
     }

@@ -135,32 +135,6 @@ export async function inTransaction<T>(
   }
 }
 
-/**
- * Opens a new connection, runs `SELECT 1` on it and closes it; rejects when either takes longer
- * than `timeoutMs`. Unlike a pooled statement it cannot land on a connection whose server is gone.
- */
-export async function probeNewConnection(options: {
-  connectionString: string;
-  applicationName: string;
-  timeoutMs: number;
-}): Promise<void> {
-  const client = new pg.Client({
-    connectionString: options.connectionString,
-    application_name: options.applicationName,
-    connectionTimeoutMillis: options.timeoutMs,
-    query_timeout: options.timeoutMs,
-  });
-  // A session that ends under the probe emits 'error'; unheard, it would end the process.
-  client.on('error', () => undefined);
-  try {
-    await client.connect();
-    await client.query('SELECT 1');
-  } finally {
-    // Not awaited: a connection that never answered must not hold the caller (end() destroys it).
-    void client.end().catch(() => undefined);
-  }
-}
-
 /** The readiness probe's statement: the database answers at all. */
 export async function ping(db: Queryable): Promise<void> {
   await db.query('SELECT 1');

@@ -1,4 +1,5 @@
 import { createHash } from 'node:crypto';
+import pg from 'pg';
 import type { Connections } from './pool-share.js';
 
 /**
@@ -73,5 +74,61 @@ export async function endPredecessorSessions(
     throw err;
   } finally {
     client.release(broken);
+  }
+}
+
+/**
+ * How many sessions of a leader pool are at work in PostgreSQL: running a statement (a lock wait
+ * included), or inside a transaction whose last statement ended within the last second. A session
+ * whose state this role may not see counts as at work. $1 = the pool's application_name.
+ */
+const LEADER_SESSIONS_AT_WORK = `
+  SELECT count(*) FILTER (
+    WHERE state IS NULL
+       OR state = 'active'
+       OR (state LIKE 'idle in transaction%' AND state_change > clock_timestamp() - interval '1 second')
+  )::int AS "atWork"
+  FROM pg_stat_activity
+  WHERE datname = current_database() AND application_name = $1`;
+
+/**
+ * What a new connection says about a leader whose dispatch has committed nothing for a while:
+ * `answering`, PostgreSQL answers and the leader's sessions are at work there (a slow statement,
+ * a lock wait: stepping down would not help), or answered with an error of its own (too many
+ * connections, starting up: every node meets the same server); `sessions-lost`, it answers but
+ * none of the leader pool's sessions is at work there, so the leader waits on connections whose
+ * answers cannot come (its server moved, a firewall forgot them). Rejects when PostgreSQL cannot
+ * be reached at all within `timeoutMs`.
+ */
+export async function probeLeaderSessions(options: {
+  connectionString: string;
+  /** The probe's own application_name. */
+  applicationName: string;
+  /** The application_name of the leader pool whose sessions are looked for. */
+  leaderApplicationName: string;
+  timeoutMs: number;
+}): Promise<'answering' | 'sessions-lost'> {
+  const client = new pg.Client({
+    connectionString: options.connectionString,
+    application_name: options.applicationName,
+    connectionTimeoutMillis: options.timeoutMs,
+    query_timeout: options.timeoutMs,
+  });
+  // A session that ends under the probe emits 'error'; unheard, it would end the process.
+  client.on('error', () => undefined);
+  try {
+    await client.connect();
+    const { rows } = await client.query<{ atWork: number }>(LEADER_SESSIONS_AT_WORK, [
+      options.leaderApplicationName,
+    ]);
+    return rows[0]!.atWork > 0 ? 'answering' : 'sessions-lost';
+  } catch (err) {
+    // An error PostgreSQL itself sent (a SQLSTATE) proves it is reachable.
+    const code = (err as { code?: unknown } | null)?.code;
+    if (typeof code === 'string' && /^[0-9A-Z]{5}$/.test(code)) return 'answering';
+    throw err;
+  } finally {
+    // Not awaited: a connection that never answered must not hold the caller (end() destroys it).
+    void client.end().catch(() => undefined);
   }
 }

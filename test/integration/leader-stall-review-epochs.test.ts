@@ -1,0 +1,103 @@
+import assert from 'node:assert/strict';
+import { performance } from 'node:perf_hooks';
+import { setTimeout as sleep } from 'node:timers/promises';
+import { after, before, test } from 'node:test';
+import { createEtcdClient } from '../../src/coordination/etcd.js';
+import { createTestDatabase, type TestDatabase } from '../support/database.js';
+import { serverEnv, uniqueId } from '../support/env.js';
+import { waitFor } from '../support/execution.js';
+import { spawnNode, stopAll, type ManagedProcess } from '../support/processes.js';
+import { FaultProxy } from '../support/fault-proxy.js';
+
+// Review of 8058db5, suspicion 2: the stall watch of an ended epoch must not end the node's next
+// epoch. One node, cut off from PostgreSQL (its proxy drops every byte). Its epoch N stalls and
+// probes PostgreSQL on a new connection (seen at the proxy by its application_name); while that
+// probe is still waiting, epoch N ends from etcd's side (its lease revoked) and the node, the
+// only candidate, wins epoch N+1 at once. The partition then heals, which fails epoch N's
+// probe: its "unreachable" must be ignored, and epoch N+1 must go on leading and dispatching.
+
+const etcd = createEtcdClient(serverEnv().etcdEndpoints.split(','));
+const prefix = `/helios-test/${uniqueId()}`;
+const processes: ManagedProcess[] = [];
+let db: TestDatabase;
+let proxy: FaultProxy;
+
+before(async () => {
+  db = await createTestDatabase();
+  const url = new URL(db.url);
+  proxy = new FaultProxy(url.hostname, Number(url.port || 5432));
+  await proxy.listen();
+});
+after(async () => {
+  await proxy.close();
+  await stopAll(processes);
+  await etcd.delete().prefix(prefix);
+  etcd.close();
+  await db.drop();
+});
+
+async function fenceToken(): Promise<bigint> {
+  const { rows } = await db.pool.query<{ token: string }>('SELECT token FROM leader_fence');
+  return BigInt(rows[0]!.token);
+}
+
+test(
+  "an ended epoch's pending stall probe, failing after the node won its next epoch, does not end that epoch",
+  { timeout: 120_000 },
+  async () => {
+    const nodeId = 'stall-epochs-1';
+    const node = spawnNode(nodeId, {
+      databaseUrl: proxy.urlFor(db.url),
+      etcdPrefix: prefix,
+      topic: `helios.test.${uniqueId()}`,
+      extra: { HELIOS_ROLES: 'scheduler,api' },
+    });
+    processes.push(node);
+    const first = await node.waitForLog((l) => l.msg === 'became leader', 30_000);
+    const oldToken = BigInt(first.token as string);
+    await waitFor('epoch N to write', async () => (await fenceToken()) === oldToken, 10_000);
+
+    // Cut; when the stall probe of epoch N connects, revoke epoch N's lease at etcd.
+    let probeAt = 0;
+    const revoked = new Promise<void>((resolve, reject) => {
+      proxy.onStartup = (name) => {
+        if (name !== `helios-${nodeId}-probe` || probeAt) return;
+        probeAt = performance.now();
+        void (async () => {
+          const leaderKv = (await etcd.get(`${prefix}/leader`).exec()).kvs[0]!;
+          await etcd.leaseClient.leaseRevoke({ ID: leaderKv.lease });
+        })().then(resolve, reject);
+      };
+    });
+    proxy.cut('drop');
+    await revoked;
+    const second = await node.waitForLog(
+      (l) => l.msg === 'became leader' && BigInt(l.token as string) > oldToken,
+      15_000,
+    );
+    const secondAt = performance.now();
+    const newToken = BigInt(second.token as string);
+    const ended = node.logs.find((l) => l.msg === 'stepped down' && l.token === oldToken.toString());
+    console.log(
+      `# epoch ${oldToken} ended (${String(ended?.reason)}); epoch ${newToken} began ${Math.round(secondAt - probeAt)} ms after epoch ${oldToken}'s probe connected`,
+    );
+    assert.equal(ended?.reason, 'lease-lost');
+    // The interleaving under test: epoch N's probe (3 s to connect) still waiting when N+1 began.
+    assert.ok(secondAt - probeAt < 2900, 'setup: the new epoch began while the old probe waited');
+    assert.equal(
+      node.logs.filter((l) => l.part === 'stall-watch' && /stepping down/.test(String(l.msg))).length,
+      0,
+      'setup: the old probe had not failed yet',
+    );
+
+    // Heal: epoch N's probe connection is closed under it and fails now, inside epoch N+1.
+    proxy.heal({ closeExisting: true });
+    await waitFor('epoch N+1 to write', async () => (await fenceToken()) === newToken, 10_000);
+    await sleep(6000);
+
+    const endedNew = node.logs.find((l) => l.msg === 'stepped down' && l.token === newToken.toString());
+    assert.equal(endedNew, undefined, `epoch ${newToken} was ended: ${JSON.stringify(endedNew)}`);
+    const leader = (await etcd.get(`${prefix}/leader`).exec()).kvs[0];
+    assert.equal(leader?.create_revision, newToken.toString(), 'epoch N+1 still holds the leader key');
+  },
+);

@@ -1,0 +1,136 @@
+import assert from 'node:assert/strict';
+import { afterEach, beforeEach, test } from 'node:test';
+import { setTimeout as sleep } from 'node:timers/promises';
+import type pg from 'pg';
+import { uniqueId } from '../support/env.js';
+import { waitFor } from '../support/execution.js';
+import { integrationFixture, type IntegrationFixture } from '../support/fixture.js';
+import { apiCall } from '../support/node-api.js';
+import { startTogether } from '../support/start-together.js';
+import { FaultProxy } from '../support/fault-proxy.js';
+
+// Review of 8058db5, suspicion 4. README: "A database that answers, only slowly, keeps its
+// leader: another node would meet the same database." The dispatcher is held for 12 s by a lock
+// on the fence row (an operator's or a migration's long transaction), so no pass commits and the
+// stall watch probes PostgreSQL. The database keeps answering every existing session throughout.
+//  - slow-connect: the database takes 2.5 s to take a new session (an overloaded server, or a
+//    pooler whose server connections are all busy, here with the very lock that stalls the
+//    dispatcher);
+//  - refused: the database answers a new session with FATAL 53300 "too many clients"
+//    (max_connections reached, typical of the same overload).
+// In none of them is PostgreSQL unreachable; the leader must not step down as if it were, and
+// leadership must not pass from node to node while the lock is held.
+
+let fixture: IntegrationFixture;
+let proxies: FaultProxy[] = [];
+
+beforeEach(async () => {
+  fixture = await integrationFixture();
+  const db = new URL(fixture.db.url);
+  proxies = [];
+  for (let i = 0; i < 2; i++) {
+    const proxy = new FaultProxy(db.hostname, Number(db.port || 5432));
+    await proxy.listen();
+    proxies.push(proxy);
+  }
+});
+afterEach(async () => {
+  for (const proxy of proxies) await proxy.close();
+  await fixture.teardown();
+});
+
+const at = (line: Record<string, unknown>) => Date.parse(line.time as string);
+
+async function slowDatabase(kind: 'plain' | 'slow-connect' | 'refused'): Promise<void> {
+  const nodes = await startTogether(
+    fixture,
+    proxies.map((proxy, i) => ({
+      name: `pg-slow-${i + 1}`,
+      extra: { HELIOS_DATABASE_URL: proxy.urlFor(fixture.db.url) },
+      wait: { worker: true },
+    })),
+  );
+  await Promise.any(nodes.map(({ node }) => node.waitForLog((l) => l.msg === 'became leader', 30_000)));
+  const job = await apiCall<{ id: string }>(nodes[0]!.apiUrl, 'POST', '/jobs', {
+    name: `pg-slow-${uniqueId()}`,
+    schedule: '* * * * * *',
+    target: { url: `${fixture.target.url}/pg-slow`, method: 'POST' },
+    timeoutMs: 1000,
+  });
+  await waitFor('two calls before the lock', () => fixture.target.forJob(job.id).length >= 2, 20_000);
+
+  const holder: pg.PoolClient = await fixture.db.pool.connect();
+  const lockedAt = Date.now();
+  let releasedAt = 0;
+  try {
+    await holder.query('BEGIN');
+    await holder.query('SELECT token FROM leader_fence WHERE id FOR UPDATE');
+    if (kind === 'slow-connect') for (const proxy of proxies) proxy.newConnectionDelayMs = 2500;
+    if (kind === 'refused')
+      for (const proxy of proxies)
+        proxy.refuseNew = { code: '53300', message: 'sorry, too many clients already' };
+    await sleep(12_000);
+  } finally {
+    for (const proxy of proxies) {
+      proxy.newConnectionDelayMs = 0;
+      proxy.refuseNew = undefined;
+    }
+    await holder.query('COMMIT').catch(() => undefined);
+    holder.release();
+    releasedAt = Date.now();
+  }
+  await sleep(6000);
+
+  const events = nodes
+    .flatMap(({ node }) =>
+      node.logs
+        .filter(
+          (l) =>
+            at(l) >= lockedAt &&
+            (l.msg === 'stepped down' || l.msg === 'became leader' || l.part === 'stall-watch'),
+        )
+        .map((l) => ({ node: node.name, t: at(l) - lockedAt, line: l })),
+    )
+    .sort((a, b) => a.t - b.t);
+  console.log(
+    `# ${kind}: lock held ${releasedAt - lockedAt} ms; ` +
+      (events
+        .map(
+          (e) =>
+            `+${e.t} ${e.node.slice(-1)} ${e.line.msg === 'stepped down' ? `stepped down (${String(e.line.reason)})` : e.line.msg === 'became leader' ? 'became leader' : /still leading/.test(String(e.line.msg)) ? 'probe ok' : 'probe failed'}`,
+        )
+        .join('; ') || 'no events'),
+  );
+  const unreachable = events.filter(
+    (e) => e.line.msg === 'stepped down' && e.line.reason === 'database-unreachable',
+  );
+  assert.deepEqual(
+    unreachable.map((e) => `${e.node} +${e.t} ms`),
+    [],
+    'no leader stepped down as if PostgreSQL were unreachable while it answered, only slowly',
+  );
+  // The lead is taken up again after the lock: runs are created again.
+  await waitFor(
+    'a run created after the lock was released',
+    async () => {
+      const { rows } = await fixture.db.pool.query<{ n: number }>(
+        `SELECT count(*)::int AS n FROM runs WHERE job_id = $1 AND created_at > $2`,
+        [job.id, new Date(releasedAt)],
+      );
+      return rows[0]!.n > 0;
+    },
+    10_000,
+  );
+}
+
+// (A lock with new connections as quick as usual is the slow-connect case without its delay: the
+// probe finds the dispatcher's session waiting on the lock, at work, either way.)
+test('a dispatcher held by a lock, new sessions taking 2.5 s: the leader stays', { timeout: 120_000 }, () =>
+  slowDatabase('slow-connect'),
+);
+
+test(
+  'a dispatcher held by a lock, new sessions refused with "too many clients": the leader stays',
+  { timeout: 120_000 },
+  () => slowDatabase('refused'),
+);
