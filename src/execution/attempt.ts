@@ -6,6 +6,7 @@ import type { Metrics } from '../observability/metrics.js';
 import { ClaimLostError, toError } from '../errors.js';
 import { inTransaction } from '../store/db.js';
 import {
+  attemptOutcome,
   failAttempt,
   releaseClaim,
   type AttemptReport,
@@ -180,7 +181,7 @@ export async function runAttempt(
     metrics.runsExecuted.inc({ outcome: report.outcome });
     if (report.outcome === 'succeeded') {
       if (!(await whileClaimed(ctx, run, log, () => ctx.complete(run, report)))) {
-        stale(ctx, log(), report.outcome);
+        await staleOrRecorded(ctx, run, log, report.outcome);
       }
       return;
     }
@@ -190,7 +191,7 @@ export async function runAttempt(
         ? ctx.fail(run, report, delay)
         : inTransaction(pool, (client) => failAttempt(client, run, { nodeId }, report, delay, ctx.topics)),
     );
-    if (!result) return stale(ctx, log(), report.outcome);
+    if (!result) return await staleOrRecorded(ctx, run, log, report.outcome);
     if (result.state === 'dead') {
       metrics.deadLetters.inc();
       log().warn(
@@ -328,7 +329,26 @@ async function whileClaimed<T>(
   }
 }
 
-function stale(ctx: AttemptContext, log: RunLog, outcome: string): void {
+/**
+ * A settle write found the claim no longer ours. That may be our own doing: a write that failed
+ * after its statement committed (its answer lost; retried by whileClaimed, or by a batcher's
+ * item-by-item fallback after a failed batch) left the claim settled, and the next try finds
+ * nothing to settle. When the attempt carries this outcome, the call was recorded and nothing is
+ * discarded. Otherwise the claim was lost (the reaper took the run back) and whoever holds it now
+ * calls the run again: counted, since that is a second call. The look costs a statement only on
+ * this rare path.
+ */
+async function staleOrRecorded(
+  ctx: AttemptContext,
+  run: ClaimedRun,
+  log: () => RunLog,
+  outcome: AttemptReport['outcome'],
+): Promise<void> {
+  const recorded = await attemptOutcome(ctx.pool, run.id, run.attempt, ctx.nodeId).catch(() => null);
+  if (recorded === outcome) {
+    log().info({ outcome }, 'outcome recorded by an earlier try whose answer was lost');
+    return;
+  }
   ctx.metrics.staleCompletions.inc();
-  log.warn({ outcome }, 'completion discarded: the claim had been lost');
+  log().warn({ outcome }, 'completion discarded: the claim had been lost');
 }

@@ -178,6 +178,25 @@ export interface Topics {
 /** What became of a failed attempt; null when the claim was lost (stale, nothing written). */
 export type FailureResult = { state: 'queued'; notBefore: Date } | { state: 'dead'; deadLetterId: string };
 
+/** The outcome recorded on one node's attempt of a run. $1 = run id, $2 = attempt, $3 = node id. */
+const ATTEMPT_OUTCOME = `SELECT outcome FROM run_attempts WHERE run_id = $1 AND attempt = $2 AND node_id = $3`;
+
+/**
+ * The outcome recorded on `nodeId`'s attempt `attempt` of a run: null while none is (or when the
+ * attempt is not that node's). A settle write retried after an error can find its claim settled
+ * by its own earlier try, whose statement committed and whose answer was lost; this tells that
+ * apart from a claim the reaper took back (`expired`).
+ */
+export async function attemptOutcome(
+  db: Queryable,
+  runId: string,
+  attempt: number,
+  nodeId: string,
+): Promise<string | null> {
+  const { rows } = await db.query<{ outcome: string | null }>(ATTEMPT_OUTCOME, [runId, attempt, nodeId]);
+  return rows[0]?.outcome ?? null;
+}
+
 /**
  * Settles a failed attempt inside the caller's transaction: retry (runs row, attempt record and
  * an outbox row with publish_after = not_before) or dead (plus dead_letters and a DLQ outbox row).

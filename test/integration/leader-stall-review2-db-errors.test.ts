@@ -1,0 +1,113 @@
+import assert from 'node:assert/strict';
+import { afterEach, beforeEach, test } from 'node:test';
+import { setTimeout as sleep } from 'node:timers/promises';
+import { uniqueId } from '../support/env.js';
+import { waitFor } from '../support/execution.js';
+import { integrationFixture, type IntegrationFixture } from '../support/fixture.js';
+import { apiCall } from '../support/node-api.js';
+import { startTogether } from '../support/start-together.js';
+
+// Review of 2f3694b (stall watch: "sessions lost" when none of the leader pool's sessions is at
+// work). Interleaving: PostgreSQL answers every session, the leader's connections are fine, but
+// it refuses the leader's writes with an error of its own for a while -- a server switched to
+// read-only (storage full on a managed server, a primary being demoted), SQLSTATE 25006. Every
+// node meets the same database. The dispatcher's pass fails at once and backs off (≤ 2 s)
+// between tries, so no pass commits; between tries the leader pool's sessions are idle, not at
+// work, and the probe's new connection is answered. README: a leader "that PostgreSQL answers
+// with an error of its own ... stays ... another node would meet the same database". Before
+// 2f3694b (probe = "does a new connection answer") it stayed. Here a trigger on the fence row
+// makes PostgreSQL answer every fenced write with the read-only error; the nodes' connections
+// and every other statement are untouched.
+
+let fixture: IntegrationFixture;
+
+beforeEach(async () => {
+  fixture = await integrationFixture();
+});
+afterEach(async () => {
+  await fixture.db.pool.query('DROP TRIGGER IF EXISTS review2_read_only ON leader_fence').catch(() => undefined);
+  await fixture.teardown();
+});
+
+const at = (line: Record<string, unknown>) => Date.parse(line.time as string);
+
+test(
+  'PostgreSQL refusing the leader writes with its own error (read-only) for 14 s: no leader steps down as cut off',
+  { timeout: 120_000 },
+  async () => {
+    const nodes = await startTogether(
+      fixture,
+      [1, 2].map((i) => ({
+        name: `ro-${i}`,
+        extra: { HELIOS_ROLES: 'scheduler,api' },
+        wait: {},
+      })),
+    );
+    await Promise.any(nodes.map(({ node }) => node.waitForLog((l) => l.msg === 'became leader', 30_000)));
+    const job = await apiCall<{ id: string }>(nodes[0]!.apiUrl, 'POST', '/jobs', {
+      name: `ro-${uniqueId()}`,
+      schedule: '* * * * * *',
+      target: { url: `${fixture.target.url}/ro`, method: 'POST' },
+    });
+    const runsOf = async (since: Date) =>
+      (
+        await fixture.db.pool.query<{ n: number }>(
+          'SELECT count(*)::int AS n FROM runs WHERE job_id = $1 AND created_at > $2',
+          [job.id, since],
+        )
+      ).rows[0]!.n;
+    await waitFor('runs created before the fault', async () => (await runsOf(new Date(0))) >= 2, 20_000);
+
+    await fixture.db.pool.query(`
+      CREATE OR REPLACE FUNCTION review2_read_only() RETURNS trigger LANGUAGE plpgsql AS $$
+      BEGIN
+        RAISE EXCEPTION 'cannot execute UPDATE in a read-only transaction' USING ERRCODE = '25006';
+      END $$`);
+    const faultAt = Date.now();
+    await fixture.db.pool.query(
+      'CREATE TRIGGER review2_read_only BEFORE UPDATE ON leader_fence FOR EACH ROW EXECUTE FUNCTION review2_read_only()',
+    );
+    await sleep(14_000);
+    await fixture.db.pool.query('DROP TRIGGER review2_read_only ON leader_fence');
+    const healedAt = Date.now();
+    await waitFor('runs created again after the fault', async () => (await runsOf(new Date(healedAt))) > 0, 15_000);
+    const recoveredMs = Date.now() - healedAt;
+
+    const events = nodes
+      .flatMap(({ node }) =>
+        node.logs
+          .filter(
+            (l) =>
+              at(l) >= faultAt &&
+              (l.msg === 'stepped down' || l.msg === 'became leader' || l.part === 'stall-watch'),
+          )
+          .map((l) => ({ node: node.name, t: at(l) - faultAt, line: l })),
+      )
+      .sort((a, b) => a.t - b.t);
+    console.log(
+      `# read-only ${healedAt - faultAt} ms, runs again ${recoveredMs} ms after: ` +
+        (events
+          .map(
+            (e) =>
+              `+${e.t} ${e.node} ${
+                e.line.msg === 'stepped down'
+                  ? `stepped down (${String(e.line.reason)})`
+                  : e.line.msg === 'became leader'
+                    ? 'became leader'
+                    : /still leading/.test(String(e.line.msg))
+                      ? 'probe: at work'
+                      : /sessions is at work/.test(String(e.line.msg))
+                        ? 'probe: sessions lost'
+                        : 'probe: unreachable'
+              }`,
+          )
+          .join('; ') || 'no events'),
+    );
+    const cutOff = events.filter((e) => e.line.msg === 'stepped down' && e.line.reason === 'database-unreachable');
+    assert.deepEqual(
+      cutOff.map((e) => `${e.node} +${e.t} ms`),
+      [],
+      'no leader stepped down as cut off from PostgreSQL while PostgreSQL answered its sessions',
+    );
+  },
+);
