@@ -122,9 +122,10 @@ export interface LeaderConfig {
   readonly reaperIntervalMs: number;
   /**
    * HELIOS_LEADER_STALL_MS: a leader that has committed no dispatch pass for this long probes
-   * PostgreSQL on a new connection, and steps down (for as long again) when that fails too, so
-   * that a node that can reach the database leads; default 4000. With the default lookahead and
-   * misfire threshold, a leader cut off from PostgreSQL is replaced before an occurrence misfires.
+   * PostgreSQL on a new connection, and steps down (for as long again) when that fails too or
+   * finds none of its sessions at work there, so that a node that can use the database leads;
+   * default 4000 (see coordination/leader-stall.ts). With the default lookahead and misfire
+   * threshold, a leader cut off from PostgreSQL is replaced before an occurrence misfires.
    */
   readonly stallMs: number;
   /** HELIOS_SIGNALS_INTERVAL_MS: how often the leader refreshes the cluster gauges (queues, dead letters, Kafka lag); default 5000. */
