@@ -466,7 +466,7 @@ export class HeliosNode {
       logger: logger.child({ part: 'dispatcher' }),
       metrics,
       onFenced: stepDown,
-      onCommitted: () => stallWatch.progressed(),
+      onDatabaseAnswered: () => stallWatch.progressed(),
       beforeWrite: this.options.beforeLeaderWrite,
     });
     track('dispatcher', dispatcher.run());

@@ -28,9 +28,10 @@ export interface LeaderStallWatchOptions {
  * cannot use PostgreSQL (a partition between the two; its connections left waiting by a server
  * that moved, or by a firewall that forgot them): without this watch it would lead without
  * creating a run until its connections broke, and the occurrences meanwhile would be missed, then
- * handled as misfires. The dispatcher reports each pass it commits (`progressed`, at least once a
- * second while it leads). When none has been committed for `stallMs`, the watch asks PostgreSQL on
- * a new connection. If that fails, or PostgreSQL answers but none of the leader's own sessions is
+ * handled as misfires. The dispatcher reports each pass PostgreSQL answered (`progressed`: it
+ * committed, at least once a second while it leads, or the server refused it with an error of its
+ * own, such as read-only, which every node would meet). When none has been answered for `stallMs`,
+ * the watch asks PostgreSQL on a new connection. If that fails, or PostgreSQL answers but none of the leader's own sessions is
  * at work there, `stepDown` ends the epoch, so that a node with working connections
  * leads. A database that answers while the leader's sessions work (a slow statement, a lock
  * wait), or that answers with an error of its own (too many connections), keeps its leader:
@@ -50,7 +51,7 @@ export class LeaderStallWatch {
     if (options.signal.aborted) clearInterval(this.timer);
   }
 
-  /** A dispatch pass committed. */
+  /** PostgreSQL answered a dispatch pass: it committed, or the server refused it itself. */
   progressed(): void {
     this.lastProgress = performance.now();
   }
@@ -81,7 +82,7 @@ export class LeaderStallWatch {
         return this.giveUp(
           toError(err),
           stalledMs,
-          'no dispatch committed within the stall limit and PostgreSQL cannot be reached; stepping down',
+          'no dispatch pass answered within the stall limit and PostgreSQL cannot be reached; stepping down',
         );
       }
       if (stale()) return;
@@ -89,12 +90,12 @@ export class LeaderStallWatch {
         return this.giveUp(
           new Error("none of the leader pool's sessions is at work in PostgreSQL"),
           stalledMs,
-          "no dispatch committed within the stall limit and PostgreSQL answers, but none of the leader's sessions is at work there: its connections are lost; stepping down",
+          "no dispatch pass answered within the stall limit and PostgreSQL answers, but none of the leader's sessions is at work there: its connections are lost; stepping down",
         );
       }
       logger.warn(
         { stalledMs },
-        "no dispatch committed within the stall limit, but PostgreSQL answers and the leader's sessions are at work there; still leading",
+        "no dispatch pass answered within the stall limit, but PostgreSQL answers and the leader's sessions are at work there; still leading",
       );
       // Look again one stall limit from now, not at every tick.
       this.lastProgress = performance.now();

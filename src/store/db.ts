@@ -22,10 +22,19 @@ export type Queryable = Pick<pg.Pool, 'query'> | pg.PoolClient;
  * system code like ECONNREFUSED.
  */
 export function isDatabaseUnavailable(err: unknown): boolean {
-  const code = (err as { code?: unknown } | null)?.code;
-  if (typeof code !== 'string' || !/^[0-9A-Z]{5}$/.test(code)) return true;
+  if (!isServerError(err)) return true;
   // 08 connection exception, 53 insufficient resources, 57 operator intervention, 58 system error.
-  return /^(08|53|57|58)/.test(code);
+  return /^(08|53|57|58)/.test(err.code);
+}
+
+/**
+ * True when PostgreSQL itself sent the error (it carries a five-character SQLSTATE): the server
+ * answered on that connection, whatever it refused. Errors of the client or the network (a
+ * timeout, a reset, the pool's checkout) carry none.
+ */
+export function isServerError(err: unknown): err is { code: string } {
+  const code = (err as { code?: unknown } | null)?.code;
+  return typeof code === 'string' && /^[0-9A-Z]{5}$/.test(code);
 }
 
 /** How long a pooled client waits for a statement's answer; 5 s past the server's statement_timeout. */

@@ -1,5 +1,7 @@
 import { createHash } from 'node:crypto';
 import pg from 'pg';
+import { withTimeout } from '../errors.js';
+import { isServerError } from './db.js';
 import type { Connections } from './pool-share.js';
 
 /**
@@ -80,11 +82,13 @@ export async function endPredecessorSessions(
 /**
  * How many sessions of a leader pool are at work in PostgreSQL: running a statement (a lock wait
  * included), or inside a transaction whose last statement ended within the last second. A session
- * whose state this role may not see counts as at work. $1 = the pool's application_name.
+ * whose state cannot be seen counts as at work: NULL for another role's session, `disabled` where
+ * track_activities is off. $1 = the pool's application_name.
  */
 const LEADER_SESSIONS_AT_WORK = `
   SELECT count(*) FILTER (
     WHERE state IS NULL
+       OR state = 'disabled'
        OR state = 'active'
        OR (state LIKE 'idle in transaction%' AND state_change > clock_timestamp() - interval '1 second')
   )::int AS "atWork"
@@ -117,15 +121,19 @@ export async function probeLeaderSessions(options: {
   // A session that ends under the probe emits 'error'; unheard, it would end the process.
   client.on('error', () => undefined);
   try {
-    await client.connect();
-    const { rows } = await client.query<{ atWork: number }>(LEADER_SESSIONS_AT_WORK, [
-      options.leaderApplicationName,
-    ]);
+    // One deadline for the connection and the look together.
+    const { rows } = await withTimeout(
+      (async () => {
+        await client.connect();
+        return client.query<{ atWork: number }>(LEADER_SESSIONS_AT_WORK, [options.leaderApplicationName]);
+      })(),
+      options.timeoutMs,
+      'the leader stall probe',
+    );
     return rows[0]!.atWork > 0 ? 'answering' : 'sessions-lost';
   } catch (err) {
     // An error PostgreSQL itself sent (a SQLSTATE) proves it is reachable.
-    const code = (err as { code?: unknown } | null)?.code;
-    if (typeof code === 'string' && /^[0-9A-Z]{5}$/.test(code)) return 'answering';
+    if (isServerError(err)) return 'answering';
     throw err;
   } finally {
     // Not awaited: a connection that never answered must not hold the caller (end() destroys it).

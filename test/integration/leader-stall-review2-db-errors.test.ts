@@ -25,7 +25,9 @@ beforeEach(async () => {
   fixture = await integrationFixture();
 });
 afterEach(async () => {
-  await fixture.db.pool.query('DROP TRIGGER IF EXISTS review2_read_only ON leader_fence').catch(() => undefined);
+  await fixture.db.pool
+    .query('DROP TRIGGER IF EXISTS review2_read_only ON leader_fence')
+    .catch(() => undefined);
   await fixture.teardown();
 });
 
@@ -70,7 +72,11 @@ test(
     await sleep(14_000);
     await fixture.db.pool.query('DROP TRIGGER review2_read_only ON leader_fence');
     const healedAt = Date.now();
-    await waitFor('runs created again after the fault', async () => (await runsOf(new Date(healedAt))) > 0, 15_000);
+    await waitFor(
+      'runs created again after the fault',
+      async () => (await runsOf(new Date(healedAt))) > 0,
+      15_000,
+    );
     const recoveredMs = Date.now() - healedAt;
 
     const events = nodes
@@ -103,11 +109,63 @@ test(
           )
           .join('; ') || 'no events'),
     );
-    const cutOff = events.filter((e) => e.line.msg === 'stepped down' && e.line.reason === 'database-unreachable');
+    const cutOff = events.filter(
+      (e) => e.line.msg === 'stepped down' && e.line.reason === 'database-unreachable',
+    );
     assert.deepEqual(
       cutOff.map((e) => `${e.node} +${e.t} ms`),
       [],
       'no leader stepped down as cut off from PostgreSQL while PostgreSQL answered its sessions',
     );
+  },
+);
+
+// Interleaving: the lock case the README keeps its leader for ("a lock wait included"), on a
+// server where track_activities is off (a documented tuning knob: pg_stat_activity then reports
+// state 'disabled' for every session, not NULL). The dispatcher waits on the fence row, locked by
+// an operator's transaction for 10 s; its session is at work, but its state reads 'disabled'.
+test(
+  'a dispatcher held by a lock on a server with track_activities off: the leader stays',
+  { timeout: 120_000 },
+  async () => {
+    const { rows } = await fixture.db.pool.query<{ db: string }>('SELECT current_database() AS db');
+    await fixture.db.pool.query(`ALTER DATABASE "${rows[0]!.db}" SET track_activities = off`);
+    const nodes = await startTogether(
+      fixture,
+      [1, 2].map((i) => ({ name: `ta-${i}`, extra: { HELIOS_ROLES: 'scheduler,api' }, wait: {} })),
+    );
+    await Promise.any(nodes.map(({ node }) => node.waitForLog((l) => l.msg === 'became leader', 30_000)));
+    await waitFor(
+      'the leader to write',
+      async () =>
+        (await fixture.db.pool.query<{ n: string }>('SELECT token::text AS n FROM leader_fence')).rows[0]!
+          .n !== '0',
+      10_000,
+    );
+    const holder = await fixture.db.pool.connect();
+    const lockedAt = Date.now();
+    try {
+      await holder.query('BEGIN');
+      await holder.query('SELECT token FROM leader_fence WHERE id FOR UPDATE');
+      await sleep(10_000);
+    } finally {
+      await holder.query('COMMIT').catch(() => undefined);
+      holder.release();
+    }
+    await sleep(1000);
+    const events = nodes
+      .flatMap(({ node }) =>
+        node.logs
+          .filter((l) => at(l) >= lockedAt && (l.msg === 'stepped down' || l.part === 'stall-watch'))
+          .map((l) => `+${at(l) - lockedAt} ${node.name} ${String(l.reason ?? l.msg).slice(0, 60)}`),
+      )
+      .sort();
+    console.log(`# track_activities off, fence locked 10 s: ${events.join('; ') || 'no events'}`);
+    const cutOff = nodes.flatMap(({ node }) =>
+      node.logs.filter(
+        (l) => at(l) >= lockedAt && l.msg === 'stepped down' && l.reason === 'database-unreachable',
+      ),
+    );
+    assert.equal(cutOff.length, 0, 'no leader stepped down as cut off while its dispatcher waited on a lock');
   },
 );
