@@ -1,9 +1,8 @@
 import assert from 'node:assert/strict';
 import { after, before, test } from 'node:test';
-import { uniqueId } from '../support/env.js';
+import { createEverySecondJob, firstToLead, pauseAndSettle } from '../support/every-second-job.js';
 import { waitFor } from '../support/execution.js';
 import { integrationFixture, type IntegrationFixture } from '../support/fixture.js';
-import { apiCall } from '../support/node-api.js';
 import { startTogether } from '../support/start-together.js';
 
 // README, "Every occurrence gets a run as long as a leader and PostgreSQL are back within
@@ -17,12 +16,6 @@ import { startTogether } from '../support/start-together.js';
 const MISFIRE_THRESHOLD_MS = 5000;
 
 let fixture: IntegrationFixture;
-
-interface JobAnswer {
-  id: string;
-  createdAt: string;
-  updatedAt: string;
-}
 
 before(async () => {
   fixture = await integrationFixture();
@@ -46,24 +39,10 @@ test(
       fixture,
       ['failover-1', 'failover-2'].map((name) => ({ name, extra: settings, wait: { worker: true } })),
     );
-    const leading = await Promise.any(
-      nodes.map(async ({ node }, i) => {
-        await node.waitForLog((l) => l.msg === 'became leader', 30_000);
-        return i;
-      }),
-    );
+    const leading = await firstToLead(nodes);
     const leader = nodes[leading]!;
     const survivor = nodes[1 - leading]!;
-    const call = <T>(method: string, path: string, body?: unknown) =>
-      apiCall<T>(survivor.apiUrl, method, path, body);
-
-    const job = await call<JobAnswer>('POST', '/jobs', {
-      name: `failover-${uniqueId()}`,
-      schedule: '* * * * * *',
-      target: { url: `${fixture.target.url}/failover`, method: 'POST' },
-      timeoutMs: 1000,
-      misfire: 'skip',
-    });
+    const job = await createEverySecondJob(survivor.apiUrl, fixture.target, 'failover');
     await waitFor('two calls before the kill', () => fixture.target.forJob(job.id).length >= 2, 20_000);
     const killedAt = Date.now();
     leader.node.signal('SIGKILL');
@@ -78,18 +57,7 @@ test(
           .length >= 2,
       20_000,
     );
-    const paused = await call<JobAnswer>('POST', `/jobs/${job.id}/pause`);
-    await waitFor(
-      'every run of the job to end',
-      async () => {
-        const { rows } = await fixture.db.pool.query<{ n: number }>(
-          `SELECT count(*)::int AS n FROM runs WHERE job_id = $1 AND state IN ('queued', 'running')`,
-          [job.id],
-        );
-        return rows[0]!.n === 0;
-      },
-      30_000,
-    );
+    const paused = await pauseAndSettle(survivor.apiUrl, fixture.db.pool, job.id, 30_000);
 
     const { rows } = await fixture.db.pool.query<{ state: string; at: Date; createdAt: Date }>(
       `SELECT state, scheduled_for AS at, created_at AS "createdAt" FROM runs

@@ -1,10 +1,15 @@
 import assert from 'node:assert/strict';
 import { afterEach, beforeEach, test } from 'node:test';
 import { setTimeout as sleep } from 'node:timers/promises';
-import { uniqueId } from '../support/env.js';
+import {
+  createEverySecondJob,
+  firstToLead,
+  loggedAt as at,
+  occurrencesNotRun,
+  pauseAndSettle,
+} from '../support/every-second-job.js';
 import { waitFor } from '../support/execution.js';
 import { integrationFixture, type IntegrationFixture } from '../support/fixture.js';
-import { apiCall } from '../support/node-api.js';
 import { startTogether } from '../support/start-together.js';
 import { FaultProxy } from '../support/fault-proxy.js';
 
@@ -26,28 +31,14 @@ import { FaultProxy } from '../support/fault-proxy.js';
 let fixture: IntegrationFixture;
 let proxies: FaultProxy[] = [];
 
-interface JobAnswer {
-  id: string;
-  createdAt: string;
-  updatedAt: string;
-}
-
 beforeEach(async () => {
   fixture = await integrationFixture();
-  const db = new URL(fixture.db.url);
-  proxies = [];
-  for (let i = 0; i < 2; i++) {
-    const proxy = new FaultProxy(db.hostname, Number(db.port || 5432));
-    await proxy.listen();
-    proxies.push(proxy);
-  }
+  proxies = await FaultProxy.inFrontOf(fixture.db.url, 2);
 });
 afterEach(async () => {
   for (const proxy of proxies) await proxy.close();
   await fixture.teardown();
 });
-
-const at = (line: Record<string, unknown>) => Date.parse(line.time as string);
 
 type Fault = 'leader-silenced' | 'outage-then-silent-heal';
 
@@ -61,22 +52,9 @@ async function scenario(fault: Fault): Promise<void> {
         wait: { worker: true },
       })),
     );
-    const leading = await Promise.any(
-      nodes.map(async ({ node }, i) => {
-        await node.waitForLog((l) => l.msg === 'became leader', 30_000);
-        return i;
-      }),
-    );
-    const call = <T>(method: string, path: string, body?: unknown) =>
-      apiCall<T>(nodes[1 - leading]!.apiUrl, method, path, body);
-
-    const job = await call<JobAnswer>('POST', '/jobs', {
-      name: `pg-silent-${uniqueId()}`,
-      schedule: '* * * * * *',
-      target: { url: `${fixture.target.url}/pg-silent`, method: 'POST' },
-      timeoutMs: 1000,
-      misfire: 'skip',
-    });
+    const leading = await firstToLead(nodes);
+    const api = nodes[1 - leading]!.apiUrl;
+    const job = await createEverySecondJob(api, fixture.target, 'pg-silent');
     await waitFor('two calls before the fault', () => fixture.target.forJob(job.id).length >= 2, 20_000);
 
     let faultAt = Date.now();
@@ -99,18 +77,7 @@ async function scenario(fault: Fault): Promise<void> {
     }
     await sleep(Number(process.env.REVIEW_SILENT_MS ?? 15_000));
 
-    const paused = await call<JobAnswer>('POST', `/jobs/${job.id}/pause`);
-    await waitFor(
-      'every run of the job to end',
-      async () => {
-        const { rows } = await fixture.db.pool.query<{ n: number }>(
-          `SELECT count(*)::int AS n FROM runs WHERE job_id = $1 AND state IN ('queued', 'running')`,
-          [job.id],
-        );
-        return rows[0]!.n === 0;
-      },
-      60_000,
-    );
+    const paused = await pauseAndSettle(api, fixture.db.pool, job.id);
 
     // The node leading at the fault (after an outage: the latest epoch begun by the heal).
     const epochsBy = (n: (typeof nodes)[number]) =>
@@ -146,26 +113,11 @@ async function scenario(fault: Fault): Promise<void> {
         `#   leader +${at(l) - faultAt} ms ${String(l.part ?? '')}: ${l.msg} ${l.err ? JSON.stringify((l.err as { message?: string }).message) : ''}`,
       );
 
-    const { rows } = await fixture.db.pool.query<{ state: string; at: Date; epoch: string | null }>(
-      `SELECT state, scheduled_for AS at, created_epoch::text AS epoch FROM runs WHERE job_id = $1 AND trigger = 'schedule'`,
-      [job.id],
-    );
-    const runs = new Map(rows.map((r) => [r.at.getTime(), r]));
-    const calls = fixture.target.forJob(job.id);
     // Leader silenced: from the job's creation. After an outage: from 2 s after PostgreSQL is back.
-    const from =
-      fault === 'leader-silenced'
-        ? Math.ceil((Date.parse(job.createdAt) + 150) / 1000) * 1000
-        : Math.ceil((faultAt + 2000) / 1000) * 1000;
-    const to = Date.parse(paused.updatedAt) - 150;
-    const problems: string[] = [];
-    for (let s = from; s <= to; s += 1000) {
-      const when = `${new Date(s).toISOString()} (fault ${s - faultAt >= 0 ? '+' : ''}${s - faultAt} ms)`;
-      const run = runs.get(s);
-      if (!run) problems.push(`${when}: no run`);
-      else if (run.state !== 'succeeded') problems.push(`${when}: ${run.state}`);
-      else if (!calls.some((c) => Date.parse(c.scheduledFor) === s)) problems.push(`${when}: never called`);
-    }
+    const problems = await occurrencesNotRun(fixture.db.pool, fixture.target, job, paused, {
+      ...(fault === 'leader-silenced' ? {} : { from: faultAt + 2000 }),
+      label: (s) => `${new Date(s).toISOString()} (fault ${s - faultAt >= 0 ? '+' : ''}${s - faultAt} ms)`,
+    });
     assert.deepEqual(problems, [], 'every occurrence in the window has one run that ran');
   }
 }

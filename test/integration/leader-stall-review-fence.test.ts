@@ -1,10 +1,15 @@
 import assert from 'node:assert/strict';
 import { after, before, test } from 'node:test';
 import { setTimeout as sleep } from 'node:timers/promises';
-import { uniqueId } from '../support/env.js';
+import {
+  createEverySecondJob,
+  firstToLead,
+  loggedAt as at,
+  occurrencesNotRun,
+  pauseAndSettle,
+} from '../support/every-second-job.js';
 import { waitFor } from '../support/execution.js';
 import { integrationFixture, type IntegrationFixture } from '../support/fixture.js';
-import { apiCall } from '../support/node-api.js';
 import { startTogether } from '../support/start-together.js';
 import { FaultProxy } from '../support/fault-proxy.js';
 
@@ -17,22 +22,11 @@ import { FaultProxy } from '../support/fault-proxy.js';
 // row lock serialises them), and runs carry the epoch that created them.
 
 let fixture: IntegrationFixture;
-const proxies: FaultProxy[] = [];
-
-interface JobAnswer {
-  id: string;
-  createdAt: string;
-  updatedAt: string;
-}
+let proxies: FaultProxy[] = [];
 
 before(async () => {
   fixture = await integrationFixture();
-  const db = new URL(fixture.db.url);
-  for (let i = 0; i < 2; i++) {
-    const proxy = new FaultProxy(db.hostname, Number(db.port || 5432));
-    await proxy.listen();
-    proxies.push(proxy);
-  }
+  proxies = await FaultProxy.inFrontOf(fixture.db.url, 2);
   await fixture.db.pool.query(`
     CREATE TABLE review_fence_log (
       seq bigserial PRIMARY KEY, old_token bigint, new_token bigint, node_id text,
@@ -49,8 +43,6 @@ after(async () => {
   await fixture.teardown();
 });
 
-const at = (line: Record<string, unknown>) => Date.parse(line.time as string);
-
 test(
   "a leader cut off with its statements held steps down; once healed, its held writes commit nothing after the new leader's",
   { timeout: 150_000 },
@@ -63,24 +55,11 @@ test(
         wait: { worker: true },
       })),
     );
-    const leading = await Promise.any(
-      nodes.map(async ({ node }, i) => {
-        await node.waitForLog((l) => l.msg === 'became leader', 30_000);
-        return i;
-      }),
-    );
+    const leading = await firstToLead(nodes);
     const old = nodes[leading]!;
     const next = nodes[1 - leading]!;
     const oldToken = BigInt(String(old.node.logs.find((l) => l.msg === 'became leader')!.token));
-    const call = <T>(method: string, path: string, body?: unknown) =>
-      apiCall<T>(next.apiUrl, method, path, body);
-    const job = await call<JobAnswer>('POST', '/jobs', {
-      name: `pg-hold-${uniqueId()}`,
-      schedule: '* * * * * *',
-      target: { url: `${fixture.target.url}/pg-hold`, method: 'POST' },
-      timeoutMs: 1000,
-      misfire: 'skip',
-    });
+    const job = await createEverySecondJob(next.apiUrl, fixture.target, 'pg-hold');
     await waitFor('two calls before the cut', () => fixture.target.forJob(job.id).length >= 2, 20_000);
 
     const cutAt = Date.now();
@@ -113,18 +92,7 @@ test(
         `#   old +${at(l) - healAt} ms after heal ${String(l.part ?? '')}: ${l.msg} ${l.err ? JSON.stringify((l.err as { message?: string }).message) : ''}`,
       );
 
-    const paused = await call<JobAnswer>('POST', `/jobs/${job.id}/pause`);
-    await waitFor(
-      'every run of the job to end',
-      async () => {
-        const { rows } = await fixture.db.pool.query<{ n: number }>(
-          `SELECT count(*)::int AS n FROM runs WHERE job_id = $1 AND state IN ('queued', 'running')`,
-          [job.id],
-        );
-        return rows[0]!.n === 0;
-      },
-      60_000,
-    );
+    const paused = await pauseAndSettle(next.apiUrl, fixture.db.pool, job.id);
 
     // 1. Fence writes, in the order their row lock was taken (= commit order): the token never falls.
     const { rows: log } = await fixture.db.pool.query<{
@@ -159,29 +127,17 @@ test(
     assert.equal(late[0]!.n, 0, 'no run of the old epoch created after the new epoch created one');
 
     // 3. Every occurrence: one run, that ran (misfire skip: a missed one has none).
-    const { rows } = await fixture.db.pool.query<{ state: string; at: Date }>(
-      `SELECT state, scheduled_for AS at FROM runs WHERE job_id = $1 AND trigger = 'schedule'`,
-      [job.id],
-    );
-    const runs = new Map(rows.map((r) => [r.at.getTime(), r]));
-    const calls = fixture.target.forJob(job.id);
-    const from = Math.ceil((Date.parse(job.createdAt) + 150) / 1000) * 1000;
-    const to = Date.parse(paused.updatedAt) - 150;
-    const problems: string[] = [];
-    for (let s = from; s <= to; s += 1000) {
-      const when = `${new Date(s).toISOString()} (cut ${s - cutAt >= 0 ? '+' : ''}${s - cutAt} ms)`;
-      const run = runs.get(s);
-      if (!run) problems.push(`${when}: no run`);
-      else if (run.state !== 'succeeded') problems.push(`${when}: ${run.state}`);
-      else if (!calls.some((c) => Date.parse(c.scheduledFor) === s)) problems.push(`${when}: never called`);
-    }
+    const problems = await occurrencesNotRun(fixture.db.pool, fixture.target, job, paused, {
+      label: (s) => `${new Date(s).toISOString()} (cut ${s - cutAt >= 0 ? '+' : ''}${s - cutAt} ms)`,
+    });
     assert.deepEqual(
       problems,
       [],
       'every occurrence from the job’s creation to its pause has one run that ran',
     );
     const perOccurrence = new Map<string, number>();
-    for (const c of calls) perOccurrence.set(c.scheduledFor, (perOccurrence.get(c.scheduledFor) ?? 0) + 1);
+    for (const c of fixture.target.forJob(job.id))
+      perOccurrence.set(c.scheduledFor, (perOccurrence.get(c.scheduledFor) ?? 0) + 1);
     console.log(
       `# occurrences called twice: ${
         [...perOccurrence]

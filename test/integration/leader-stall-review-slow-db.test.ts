@@ -2,10 +2,15 @@ import assert from 'node:assert/strict';
 import { afterEach, beforeEach, test } from 'node:test';
 import { setTimeout as sleep } from 'node:timers/promises';
 import type pg from 'pg';
-import { uniqueId } from '../support/env.js';
+import {
+  createEverySecondJob,
+  describeLeaderEvents,
+  firstToLead,
+  leaderEvents,
+  stepDownsAsCutOff,
+} from '../support/every-second-job.js';
 import { waitFor } from '../support/execution.js';
 import { integrationFixture, type IntegrationFixture } from '../support/fixture.js';
-import { apiCall } from '../support/node-api.js';
 import { startTogether } from '../support/start-together.js';
 import { FaultProxy } from '../support/fault-proxy.js';
 
@@ -26,22 +31,14 @@ let proxies: FaultProxy[] = [];
 
 beforeEach(async () => {
   fixture = await integrationFixture();
-  const db = new URL(fixture.db.url);
-  proxies = [];
-  for (let i = 0; i < 2; i++) {
-    const proxy = new FaultProxy(db.hostname, Number(db.port || 5432));
-    await proxy.listen();
-    proxies.push(proxy);
-  }
+  proxies = await FaultProxy.inFrontOf(fixture.db.url, 2);
 });
 afterEach(async () => {
   for (const proxy of proxies) await proxy.close();
   await fixture.teardown();
 });
 
-const at = (line: Record<string, unknown>) => Date.parse(line.time as string);
-
-async function slowDatabase(kind: 'plain' | 'slow-connect' | 'refused'): Promise<void> {
+async function slowDatabase(kind: 'slow-connect' | 'refused'): Promise<void> {
   const nodes = await startTogether(
     fixture,
     proxies.map((proxy, i) => ({
@@ -50,12 +47,9 @@ async function slowDatabase(kind: 'plain' | 'slow-connect' | 'refused'): Promise
       wait: { worker: true },
     })),
   );
-  await Promise.any(nodes.map(({ node }) => node.waitForLog((l) => l.msg === 'became leader', 30_000)));
-  const job = await apiCall<{ id: string }>(nodes[0]!.apiUrl, 'POST', '/jobs', {
-    name: `pg-slow-${uniqueId()}`,
-    schedule: '* * * * * *',
-    target: { url: `${fixture.target.url}/pg-slow`, method: 'POST' },
-    timeoutMs: 1000,
+  await firstToLead(nodes);
+  const job = await createEverySecondJob(nodes[0]!.apiUrl, fixture.target, 'pg-slow', {
+    misfire: 'fire-once',
   });
   await waitFor('two calls before the lock', () => fixture.target.forJob(job.id).length >= 2, 20_000);
 
@@ -81,31 +75,10 @@ async function slowDatabase(kind: 'plain' | 'slow-connect' | 'refused'): Promise
   }
   await sleep(6000);
 
-  const events = nodes
-    .flatMap(({ node }) =>
-      node.logs
-        .filter(
-          (l) =>
-            at(l) >= lockedAt &&
-            (l.msg === 'stepped down' || l.msg === 'became leader' || l.part === 'stall-watch'),
-        )
-        .map((l) => ({ node: node.name, t: at(l) - lockedAt, line: l })),
-    )
-    .sort((a, b) => a.t - b.t);
-  console.log(
-    `# ${kind}: lock held ${releasedAt - lockedAt} ms; ` +
-      (events
-        .map(
-          (e) =>
-            `+${e.t} ${e.node.slice(-1)} ${e.line.msg === 'stepped down' ? `stepped down (${String(e.line.reason)})` : e.line.msg === 'became leader' ? 'became leader' : /still leading/.test(String(e.line.msg)) ? 'probe ok' : 'probe failed'}`,
-        )
-        .join('; ') || 'no events'),
-  );
-  const unreachable = events.filter(
-    (e) => e.line.msg === 'stepped down' && e.line.reason === 'database-unreachable',
-  );
+  const events = leaderEvents(nodes, lockedAt);
+  console.log(`# ${kind}: lock held ${releasedAt - lockedAt} ms; ${describeLeaderEvents(events)}`);
   assert.deepEqual(
-    unreachable.map((e) => `${e.node} +${e.t} ms`),
+    stepDownsAsCutOff(events),
     [],
     'no leader stepped down as if PostgreSQL were unreachable while it answered, only slowly',
   );

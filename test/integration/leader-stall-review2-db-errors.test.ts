@@ -1,10 +1,15 @@
 import assert from 'node:assert/strict';
 import { afterEach, beforeEach, test } from 'node:test';
 import { setTimeout as sleep } from 'node:timers/promises';
-import { uniqueId } from '../support/env.js';
+import {
+  createEverySecondJob,
+  describeLeaderEvents,
+  firstToLead,
+  leaderEvents,
+  stepDownsAsCutOff,
+} from '../support/every-second-job.js';
 import { waitFor } from '../support/execution.js';
 import { integrationFixture, type IntegrationFixture } from '../support/fixture.js';
-import { apiCall } from '../support/node-api.js';
 import { startTogether } from '../support/start-together.js';
 
 // Review of 2f3694b (stall watch: "sessions lost" when none of the leader pool's sessions is at
@@ -31,8 +36,6 @@ afterEach(async () => {
   await fixture.teardown();
 });
 
-const at = (line: Record<string, unknown>) => Date.parse(line.time as string);
-
 test(
   'PostgreSQL refusing the leader writes with its own error (read-only) for 14 s: no leader steps down as cut off',
   { timeout: 120_000 },
@@ -45,12 +48,8 @@ test(
         wait: {},
       })),
     );
-    await Promise.any(nodes.map(({ node }) => node.waitForLog((l) => l.msg === 'became leader', 30_000)));
-    const job = await apiCall<{ id: string }>(nodes[0]!.apiUrl, 'POST', '/jobs', {
-      name: `ro-${uniqueId()}`,
-      schedule: '* * * * * *',
-      target: { url: `${fixture.target.url}/ro`, method: 'POST' },
-    });
+    await firstToLead(nodes);
+    const job = await createEverySecondJob(nodes[0]!.apiUrl, fixture.target, 'ro', { misfire: 'fire-once' });
     const runsOf = async (since: Date) =>
       (
         await fixture.db.pool.query<{ n: number }>(
@@ -79,41 +78,12 @@ test(
     );
     const recoveredMs = Date.now() - healedAt;
 
-    const events = nodes
-      .flatMap(({ node }) =>
-        node.logs
-          .filter(
-            (l) =>
-              at(l) >= faultAt &&
-              (l.msg === 'stepped down' || l.msg === 'became leader' || l.part === 'stall-watch'),
-          )
-          .map((l) => ({ node: node.name, t: at(l) - faultAt, line: l })),
-      )
-      .sort((a, b) => a.t - b.t);
+    const events = leaderEvents(nodes, faultAt);
     console.log(
-      `# read-only ${healedAt - faultAt} ms, runs again ${recoveredMs} ms after: ` +
-        (events
-          .map(
-            (e) =>
-              `+${e.t} ${e.node} ${
-                e.line.msg === 'stepped down'
-                  ? `stepped down (${String(e.line.reason)})`
-                  : e.line.msg === 'became leader'
-                    ? 'became leader'
-                    : /still leading/.test(String(e.line.msg))
-                      ? 'probe: at work'
-                      : /sessions is at work/.test(String(e.line.msg))
-                        ? 'probe: sessions lost'
-                        : 'probe: unreachable'
-              }`,
-          )
-          .join('; ') || 'no events'),
-    );
-    const cutOff = events.filter(
-      (e) => e.line.msg === 'stepped down' && e.line.reason === 'database-unreachable',
+      `# read-only ${healedAt - faultAt} ms, runs again ${recoveredMs} ms after: ${describeLeaderEvents(events)}`,
     );
     assert.deepEqual(
-      cutOff.map((e) => `${e.node} +${e.t} ms`),
+      stepDownsAsCutOff(events),
       [],
       'no leader stepped down as cut off from PostgreSQL while PostgreSQL answered its sessions',
     );
@@ -134,7 +104,7 @@ test(
       fixture,
       [1, 2].map((i) => ({ name: `ta-${i}`, extra: { HELIOS_ROLES: 'scheduler,api' }, wait: {} })),
     );
-    await Promise.any(nodes.map(({ node }) => node.waitForLog((l) => l.msg === 'became leader', 30_000)));
+    await firstToLead(nodes);
     await waitFor(
       'the leader to write',
       async () =>
@@ -153,19 +123,12 @@ test(
       holder.release();
     }
     await sleep(1000);
-    const events = nodes
-      .flatMap(({ node }) =>
-        node.logs
-          .filter((l) => at(l) >= lockedAt && (l.msg === 'stepped down' || l.part === 'stall-watch'))
-          .map((l) => `+${at(l) - lockedAt} ${node.name} ${String(l.reason ?? l.msg).slice(0, 60)}`),
-      )
-      .sort();
-    console.log(`# track_activities off, fence locked 10 s: ${events.join('; ') || 'no events'}`);
-    const cutOff = nodes.flatMap(({ node }) =>
-      node.logs.filter(
-        (l) => at(l) >= lockedAt && l.msg === 'stepped down' && l.reason === 'database-unreachable',
-      ),
+    const events = leaderEvents(nodes, lockedAt);
+    console.log(`# track_activities off, fence locked 10 s: ${describeLeaderEvents(events)}`);
+    assert.deepEqual(
+      stepDownsAsCutOff(events),
+      [],
+      'no leader stepped down as cut off while its dispatcher waited on a lock',
     );
-    assert.equal(cutOff.length, 0, 'no leader stepped down as cut off while its dispatcher waited on a lock');
   },
 );

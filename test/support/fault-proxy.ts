@@ -50,6 +50,18 @@ export class FaultProxy {
     this.server = createServer((client) => this.accept(client));
   }
 
+  /** `count` proxies in front of the server of `databaseUrl`, listening. */
+  static async inFrontOf(databaseUrl: string, count: number): Promise<FaultProxy[]> {
+    const url = new URL(databaseUrl);
+    const proxies: FaultProxy[] = [];
+    for (let i = 0; i < count; i++) {
+      const proxy = new FaultProxy(url.hostname, Number(url.port || 5432));
+      await proxy.listen();
+      proxies.push(proxy);
+    }
+    return proxies;
+  }
+
   async listen(): Promise<number> {
     await new Promise<void>((resolve) => this.server.listen(0, '127.0.0.1', resolve));
     return this.port;
