@@ -121,8 +121,8 @@ export interface LeaderConfig {
   /** HELIOS_REAPER_INTERVAL_MS: longest pause between the leader's passes over expired claims; default 1000. */
   readonly reaperIntervalMs: number;
   /**
-   * HELIOS_LEADER_STALL_MS: a leader that has committed no dispatch pass for this long probes
-   * PostgreSQL on a new connection, and steps down (for as long again) when that fails too or
+   * HELIOS_LEADER_STALL_MS: a leader none of whose dispatch passes PostgreSQL answered for this
+   * long probes it on a new connection, and steps down (for as long again) when that fails too or
    * finds none of its sessions at work there, so that a node that can use the database leads;
    * default 4000 (see coordination/leader-stall.ts). With the default lookahead and misfire
    * threshold, a leader cut off from PostgreSQL is replaced before an occurrence misfires.

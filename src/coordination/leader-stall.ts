@@ -2,11 +2,17 @@ import { performance } from 'node:perf_hooks';
 import type { Logger } from '../observability/logger.js';
 import { toError } from '../errors.js';
 
+/**
+ * What the probe found: PostgreSQL answers and the leader's sessions are at work there (or it
+ * answered with an error of its own), or it answers but none of them is.
+ */
+export type StallVerdict = 'answering' | 'sessions-lost';
+
 /** Options of {@link LeaderStallWatch}. */
 export interface LeaderStallWatchOptions {
   /** The epoch watched: the watch ends when it aborts. */
   readonly signal: AbortSignal;
-  /** How long the leader may go without committing a dispatch pass before PostgreSQL is probed. */
+  /** How long the leader may go without PostgreSQL answering a dispatch pass before it is probed. */
   readonly stallMs: number;
   /**
    * Asks PostgreSQL on a new connection (a statement the dispatcher waits for may sit on a
@@ -14,7 +20,7 @@ export interface LeaderStallWatchOptions {
    * when it answers and the leader's own sessions are at work there, `sessions-lost` when it
    * answers but none of them is; rejects when it cannot be reached within its own timeout.
    */
-  readonly probe: () => Promise<'answering' | 'sessions-lost'>;
+  readonly probe: () => Promise<StallVerdict>;
   /**
    * Called once when the probe failed after a stall, or found the leader's sessions lost: this
    * node cannot use PostgreSQL.
@@ -30,12 +36,13 @@ export interface LeaderStallWatchOptions {
  * creating a run until its connections broke, and the occurrences meanwhile would be missed, then
  * handled as misfires. The dispatcher reports each pass PostgreSQL answered (`progressed`: it
  * committed, at least once a second while it leads, or the server refused it with an error of its
- * own, such as read-only, which every node would meet). When none has been answered for `stallMs`,
- * the watch asks PostgreSQL on a new connection. If that fails, or PostgreSQL answers but none of the leader's own sessions is
- * at work there, `stepDown` ends the epoch, so that a node with working connections
- * leads. A database that answers while the leader's sessions work (a slow statement, a lock
- * wait), or that answers with an error of its own (too many connections), keeps its leader:
- * another node would meet the same database, and stepping down would only cost work.
+ * own, such as read-only, which every node would meet). When none has been answered for
+ * `stallMs`, the watch asks PostgreSQL on a new connection. If that fails, or PostgreSQL answers
+ * but none of the leader's own sessions is at work there, `stepDown` ends the epoch, so that a
+ * node with working connections leads. A database that answers while the leader's sessions work
+ * (a slow statement, a lock wait), or that answers with an error of its own (too many
+ * connections), keeps its leader: another node would meet the same database, and stepping down
+ * would only cost work.
  */
 export class LeaderStallWatch {
   private lastProgress = performance.now();
@@ -74,7 +81,7 @@ export class LeaderStallWatch {
     // (the leader's sessions, at work when the stall was seen, may be idle by the time it looks).
     const stale = () => signal.aborted || this.lastProgress > askedAt;
     try {
-      let verdict: 'answering' | 'sessions-lost';
+      let verdict: StallVerdict;
       try {
         verdict = await this.options.probe();
       } catch (err) {

@@ -78,54 +78,50 @@ export class Dispatcher {
     if (!leadership.isValid()) throw new NotLeaderError('leadership ended before dispatch');
     await this.options.beforeWrite?.();
     const stopTimer = metrics.dispatchDuration.startTimer();
-    const result = await this.answered(
-      inFencedTransaction(pool, leadership, async (client) => {
-        const { now, jobs } = await selectDueJobs(client, lookaheadMs, batchSize);
-        if (jobs.length === 0) return { jobs: 0, created: 0, parked: 0, misfired: new Map<string, number>() };
-        const horizon = new Date(now.getTime() + lookaheadMs);
-        const occurrences: { jobId: string; scheduledFor: Date }[] = [];
-        const advances: { id: string; nextRunAt: Date | null }[] = [];
-        const parked: { id: string; error: string }[] = [];
-        // Jobs sharing a schedule and a due instant (a herd) share one plan: the cron maths is the
-        // leader's main CPU cost inside the transaction, which holds row locks while it runs.
-        const plans = new Map<string, OccurrencePlan>();
-        // Jobs found late, by misfire policy; counted once the transaction commits (a pass that
-        // fails is done again and counts then).
-        const misfired = new Map<string, number>();
-        for (const job of jobs) {
-          let plan;
-          try {
-            const key = `${job.timezone}\u0000${job.schedule}\u0000${job.nextRunAt.getTime()}\u0000${job.misfire}\u0000${job.maxCatchUp}`;
-            plan = plans.get(key);
-            if (!plan) {
-              plan = planOccurrences(this.schedule(job), job, now, horizon, misfireThresholdMs);
-              plans.set(key, plan);
-            }
-          } catch (err) {
-            // A schedule that cannot be evaluated must not block every other job: park this one,
-            // with the reason on the job, where the API shows it (an edit or a resume unparks it).
-            const error = toError(err);
-            this.options.logger.error({ err: error, job: job.id }, 'cannot evaluate schedule; job parked');
-            parked.push({ id: job.id, error: error.message });
-            continue;
+    const pass = inFencedTransaction(pool, leadership, async (client) => {
+      const { now, jobs } = await selectDueJobs(client, lookaheadMs, batchSize);
+      if (jobs.length === 0) return { jobs: 0, created: 0, parked: 0, misfired: new Map<string, number>() };
+      const horizon = new Date(now.getTime() + lookaheadMs);
+      const occurrences: { jobId: string; scheduledFor: Date }[] = [];
+      const advances: { id: string; nextRunAt: Date | null }[] = [];
+      const parked: { id: string; error: string }[] = [];
+      // Jobs sharing a schedule and a due instant (a herd) share one plan: the cron maths is the
+      // leader's main CPU cost inside the transaction, which holds row locks while it runs.
+      const plans = new Map<string, OccurrencePlan>();
+      // Jobs found late, by misfire policy; counted once the transaction commits (a pass that
+      // fails is done again and counts then).
+      const misfired = new Map<string, number>();
+      for (const job of jobs) {
+        let plan;
+        try {
+          const key = `${job.timezone}\u0000${job.schedule}\u0000${job.nextRunAt.getTime()}\u0000${job.misfire}\u0000${job.maxCatchUp}`;
+          plan = plans.get(key);
+          if (!plan) {
+            plan = planOccurrences(this.schedule(job), job, now, horizon, misfireThresholdMs);
+            plans.set(key, plan);
           }
-          for (const at of plan.fire) occurrences.push({ jobId: job.id, scheduledFor: at });
-          advances.push({ id: job.id, nextRunAt: plan.nextRunAt });
-          if (plan.lateFired + plan.dropped > 0)
-            misfired.set(job.misfire, (misfired.get(job.misfire) ?? 0) + 1);
-          if (plan.dropped > 0) {
-            this.options.logger.info(
-              { job: job.id, dropped: plan.dropped, misfire: job.misfire },
-              'misfired',
-            );
-          }
+        } catch (err) {
+          // A schedule that cannot be evaluated must not block every other job: park this one,
+          // with the reason on the job, where the API shows it (an edit or a resume unparks it).
+          const error = toError(err);
+          this.options.logger.error({ err: error, job: job.id }, 'cannot evaluate schedule; job parked');
+          parked.push({ id: job.id, error: error.message });
+          continue;
         }
-        const created = await createRuns(client, occurrences, leadership.token, runsTopic);
-        await advanceJobs(client, advances);
-        await parkJobs(client, parked);
-        return { jobs: jobs.length, created, parked: parked.length, misfired };
-      }),
-    );
+        for (const at of plan.fire) occurrences.push({ jobId: job.id, scheduledFor: at });
+        advances.push({ id: job.id, nextRunAt: plan.nextRunAt });
+        if (plan.lateFired + plan.dropped > 0)
+          misfired.set(job.misfire, (misfired.get(job.misfire) ?? 0) + 1);
+        if (plan.dropped > 0) {
+          this.options.logger.info({ job: job.id, dropped: plan.dropped, misfire: job.misfire }, 'misfired');
+        }
+      }
+      const created = await createRuns(client, occurrences, leadership.token, runsTopic);
+      await advanceJobs(client, advances);
+      await parkJobs(client, parked);
+      return { jobs: jobs.length, created, parked: parked.length, misfired };
+    });
+    const result = await this.answered(pass);
     stopTimer();
     if (result.created > 0) metrics.runsCreated.inc({ state: 'queued' }, result.created);
     if (result.parked > 0) metrics.jobsParked.inc(result.parked);

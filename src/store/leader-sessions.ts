@@ -96,7 +96,8 @@ const LEADER_SESSIONS_AT_WORK = `
   WHERE datname = current_database() AND application_name = $1`;
 
 /**
- * What a new connection says about a leader whose dispatch has committed nothing for a while:
+ * What a new connection says about a leader none of whose dispatch passes PostgreSQL has answered
+ * for a while (the leader's stall watch, coordination/leader-stall.ts):
  * `answering`, PostgreSQL answers and the leader's sessions are at work there (a slow statement,
  * a lock wait: stepping down would not help), or answered with an error of its own (too many
  * connections, starting up: every node meets the same server); `sessions-lost`, it answers but
