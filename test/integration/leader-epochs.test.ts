@@ -2,7 +2,7 @@ import assert from 'node:assert/strict';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { after, before, test } from 'node:test';
 import { createEtcdClient } from '../../src/coordination/etcd.js';
-import { createTestDatabase, type TestDatabase } from '../support/database.js';
+import { type TestDatabase, createTestDatabase, fenceToken } from '../support/database.js';
 import { serverEnv, uniqueId } from '../support/env.js';
 import { waitFor } from '../support/execution.js';
 import { nodeEnvironment, spawnFixture, stopAll, type ManagedProcess } from '../support/processes.js';
@@ -23,11 +23,6 @@ after(async () => {
   etcd.close();
   await db.drop();
 });
-
-async function fenceToken(): Promise<bigint> {
-  const { rows } = await db.pool.query<{ token: string }>('SELECT token FROM leader_fence');
-  return BigInt(rows[0]!.token);
-}
 
 test("a stale dispatcher of the node's previous epoch is fenced out without ending the node's new epoch", async () => {
   const env = { databaseUrl: db.url, etcdPrefix: prefix, topic: `helios.test.${uniqueId()}` };
@@ -53,7 +48,7 @@ test("a stale dispatcher of the node's previous epoch is fenced out without endi
     15_000,
   );
   const newToken = BigInt(second.token as string);
-  await waitFor('epoch N+1 to raise the fence', async () => (await fenceToken()) === newToken, 10_000);
+  await waitFor('epoch N+1 to raise the fence', async () => (await fenceToken(db.pool)) === newToken, 10_000);
 
   // Epoch N's held write goes on: the fence rejects it and its task asks to step down.
   node.child.send({ release: 'write' });
@@ -71,5 +66,5 @@ test("a stale dispatcher of the node's previous epoch is fenced out without endi
   );
   const leader = (await etcd.get(`${prefix}/leader`).exec()).kvs[0];
   assert.equal(leader?.create_revision, newToken.toString(), 'epoch N+1 still holds the leader key');
-  assert.equal(await fenceToken(), newToken);
+  assert.equal(await fenceToken(db.pool), newToken);
 });

@@ -3,7 +3,7 @@ import { performance } from 'node:perf_hooks';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { after, before, test } from 'node:test';
 import { createEtcdClient } from '../../src/coordination/etcd.js';
-import { createTestDatabase, type TestDatabase } from '../support/database.js';
+import { type TestDatabase, createTestDatabase, fenceToken } from '../support/database.js';
 import { serverEnv, uniqueId } from '../support/env.js';
 import { waitFor } from '../support/execution.js';
 import { spawnNode, stopAll, type ManagedProcess } from '../support/processes.js';
@@ -36,11 +36,6 @@ after(async () => {
   await db.drop();
 });
 
-async function fenceToken(): Promise<bigint> {
-  const { rows } = await db.pool.query<{ token: string }>('SELECT token FROM leader_fence');
-  return BigInt(rows[0]!.token);
-}
-
 test(
   "an ended epoch's pending stall probe, failing after the node won its next epoch, does not end that epoch",
   { timeout: 120_000 },
@@ -55,7 +50,7 @@ test(
     processes.push(node);
     const first = await node.waitForLog((l) => l.msg === 'became leader', 30_000);
     const oldToken = BigInt(first.token as string);
-    await waitFor('epoch N to write', async () => (await fenceToken()) === oldToken, 10_000);
+    await waitFor('epoch N to write', async () => (await fenceToken(db.pool)) === oldToken, 10_000);
 
     // Cut; when the stall probe of epoch N connects, revoke epoch N's lease at etcd.
     let probeAt = 0;
@@ -92,7 +87,7 @@ test(
 
     // Heal: epoch N's probe connection is closed under it and fails now, inside epoch N+1.
     proxy.heal({ closeExisting: true });
-    await waitFor('epoch N+1 to write', async () => (await fenceToken()) === newToken, 10_000);
+    await waitFor('epoch N+1 to write', async () => (await fenceToken(db.pool)) === newToken, 10_000);
     await sleep(6000);
 
     const endedNew = node.logs.find((l) => l.msg === 'stepped down' && l.token === newToken.toString());

@@ -12,6 +12,7 @@ import { waitFor } from '../support/execution.js';
 import { integrationFixture, type IntegrationFixture } from '../support/fixture.js';
 import { startTogether } from '../support/start-together.js';
 import { FaultProxy } from '../support/fault-proxy.js';
+import { fenceToken } from '../support/database.js';
 
 // Review of 8058db5, suspicion 1: the leader is cut off from PostgreSQL with its bytes *held*
 // (not dropped): what it had in flight, and what it sends while cut, reach PostgreSQL only when
@@ -70,12 +71,7 @@ test(
     const newToken = BigInt(String(became.token));
     await waitFor(
       'the new leader to write',
-      async () => {
-        const { rows } = await fixture.db.pool.query<{ token: string }>(
-          `SELECT token::text FROM leader_fence`,
-        );
-        return BigInt(rows[0]!.token) === newToken;
-      },
+      async () => (await fenceToken(fixture.db.pool)) === newToken,
       20_000,
     );
     // A few passes of the new leader, then the held bytes of the old one arrive.

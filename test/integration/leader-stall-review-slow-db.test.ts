@@ -1,7 +1,6 @@
 import assert from 'node:assert/strict';
 import { afterEach, beforeEach, test } from 'node:test';
 import { setTimeout as sleep } from 'node:timers/promises';
-import type pg from 'pg';
 import {
   createEverySecondJob,
   describeLeaderEvents,
@@ -13,6 +12,7 @@ import { waitFor } from '../support/execution.js';
 import { integrationFixture, type IntegrationFixture } from '../support/fixture.js';
 import { startTogether } from '../support/start-together.js';
 import { FaultProxy } from '../support/fault-proxy.js';
+import { withFenceLocked } from '../support/database.js';
 
 // Review of 8058db5, suspicion 4. README: "A database that answers, only slowly, keeps its
 // leader: another node would meet the same database." The dispatcher is held for 12 s by a lock
@@ -53,26 +53,22 @@ async function slowDatabase(kind: 'slow-connect' | 'refused'): Promise<void> {
   });
   await waitFor('two calls before the lock', () => fixture.target.forJob(job.id).length >= 2, 20_000);
 
-  const holder: pg.PoolClient = await fixture.db.pool.connect();
   const lockedAt = Date.now();
-  let releasedAt = 0;
-  try {
-    await holder.query('BEGIN');
-    await holder.query('SELECT token FROM leader_fence WHERE id FOR UPDATE');
+  await withFenceLocked(fixture.db.pool, async () => {
     if (kind === 'slow-connect') for (const proxy of proxies) proxy.newConnectionDelayMs = 2500;
     if (kind === 'refused')
       for (const proxy of proxies)
         proxy.refuseNew = { code: '53300', message: 'sorry, too many clients already' };
-    await sleep(12_000);
-  } finally {
-    for (const proxy of proxies) {
-      proxy.newConnectionDelayMs = 0;
-      proxy.refuseNew = undefined;
+    try {
+      await sleep(12_000);
+    } finally {
+      for (const proxy of proxies) {
+        proxy.newConnectionDelayMs = 0;
+        proxy.refuseNew = undefined;
+      }
     }
-    await holder.query('COMMIT').catch(() => undefined);
-    holder.release();
-    releasedAt = Date.now();
-  }
+  });
+  const releasedAt = Date.now();
   await sleep(6000);
 
   const events = leaderEvents(nodes, lockedAt);

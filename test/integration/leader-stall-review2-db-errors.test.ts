@@ -11,6 +11,7 @@ import {
 import { waitFor } from '../support/execution.js';
 import { integrationFixture, type IntegrationFixture } from '../support/fixture.js';
 import { startTogether } from '../support/start-together.js';
+import { fenceToken, withFenceLocked } from '../support/database.js';
 
 // Review of 2f3694b (stall watch: "sessions lost" when none of the leader pool's sessions is at
 // work). Interleaving: PostgreSQL answers every session, the leader's connections are fine, but
@@ -105,23 +106,9 @@ test(
       [1, 2].map((i) => ({ name: `ta-${i}`, extra: { HELIOS_ROLES: 'scheduler,api' }, wait: {} })),
     );
     await firstToLead(nodes);
-    await waitFor(
-      'the leader to write',
-      async () =>
-        (await fixture.db.pool.query<{ n: string }>('SELECT token::text AS n FROM leader_fence')).rows[0]!
-          .n !== '0',
-      10_000,
-    );
-    const holder = await fixture.db.pool.connect();
+    await waitFor('the leader to write', async () => (await fenceToken(fixture.db.pool)) !== 0n, 10_000);
     const lockedAt = Date.now();
-    try {
-      await holder.query('BEGIN');
-      await holder.query('SELECT token FROM leader_fence WHERE id FOR UPDATE');
-      await sleep(10_000);
-    } finally {
-      await holder.query('COMMIT').catch(() => undefined);
-      holder.release();
-    }
+    await withFenceLocked(fixture.db.pool, () => sleep(10_000));
     await sleep(1000);
     const events = leaderEvents(nodes, lockedAt);
     console.log(`# track_activities off, fence locked 10 s: ${describeLeaderEvents(events)}`);

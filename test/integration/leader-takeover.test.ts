@@ -7,6 +7,7 @@ import { silentLogger } from '../../src/observability/logger.js';
 import { insertJob, waitFor } from '../support/execution.js';
 import { integrationFixture, type IntegrationFixture } from '../support/fixture.js';
 import { nodeEnvironment, spawnFixture, type ManagedProcess } from '../support/processes.js';
+import { fenceToken } from '../support/database.js';
 
 // A leader cut off inside its transaction (partitioned away, paused) leaves that transaction open
 // in PostgreSQL, holding the fence row and the jobs it locked, until PostgreSQL ends it. Its
@@ -54,8 +55,7 @@ async function openTransaction(applicationName: string, ...statements: string[])
 
 // Runs before any node of this file starts: its leader pool's sessions would be ended too.
 test('a leader whose token is below the fence (a newer leader wrote) ends no session', async () => {
-  const { rows } = await fx.db.pool.query<{ token: string }>('SELECT token::text AS token FROM leader_fence');
-  const fenced = BigInt(rows[0]!.token);
+  const fenced = await fenceToken(fx.db.pool);
   const other = await openTransaction(leaderApplicationName('newer-leader'), 'SELECT 1');
   const pool = new pg.Pool({
     connectionString: fx.db.url,
@@ -76,12 +76,6 @@ test('a leader whose token is below the fence (a newer leader wrote) ends no ses
   }
 });
 
-/** The token the fence holds (the highest epoch that has committed a write). */
-async function fenceToken(): Promise<bigint> {
-  const { rows } = await fx.db.pool.query<{ token: string }>('SELECT token::text AS token FROM leader_fence');
-  return BigInt(rows[0]!.token);
-}
-
 // PostgreSQL keeps 63 bytes of an application_name. Node ids may have 64 characters (a default id
 // is the host name and the pid, at its end), so two nodes whose ids share their first 49 would
 // both be `helios-leader:<the same 49>` and each would take the other's sessions for its own.
@@ -94,13 +88,13 @@ test('leaders whose node ids differ only past 63 bytes of application_name are t
     application_name: leaderApplicationName(`${shared}-2`),
   });
   try {
-    const ended = await endPredecessorSessions(pool, await fenceToken(), leading);
+    const ended = await endPredecessorSessions(pool, await fenceToken(fx.db.pool), leading);
     assert.equal(await gone.alive(), false, "the other node's session was ended");
     assert.equal(ended?.length, 1);
     // And a leader still never ends its own pool's sessions.
     const own = await openTransaction(leaderApplicationName(`${shared}-2`), 'SELECT 1');
     try {
-      assert.deepEqual(await endPredecessorSessions(pool, await fenceToken(), leading), []);
+      assert.deepEqual(await endPredecessorSessions(pool, await fenceToken(fx.db.pool), leading), []);
       assert.equal(await own.alive(), true);
     } finally {
       await own.close();
@@ -132,7 +126,7 @@ test('an application_name in the database URL does not hide a leader pool from t
   client.on('error', () => undefined); // the session is meant to be ended
   try {
     await client.query('BEGIN');
-    const ended = await endPredecessorSessions(pool, await fenceToken(), leading);
+    const ended = await endPredecessorSessions(pool, await fenceToken(fx.db.pool), leading);
     assert.deepEqual(ended, [leaderApplicationName('gone-by-url')]);
   } finally {
     client.release(true);
@@ -194,7 +188,7 @@ test("a leader paused right after winning ends none of its successor's sessions 
       `UPDATE leader_fence SET token = ${newerToken}, node_id = 'newer' WHERE id AND token <= ${newerToken}`,
     );
     assert.ok(
-      (await fenceToken()) <= BigInt(staleLead.token as string),
+      (await fenceToken(fx.db.pool)) <= BigInt(staleLead.token as string),
       'the newer leader has not committed',
     );
 

@@ -85,3 +85,25 @@ export async function createTestDatabase(options: { empty?: boolean } = {}): Pro
     },
   };
 }
+
+/** The token the fence holds: the highest epoch that has committed a leader write. */
+export async function fenceToken(pool: pg.Pool): Promise<bigint> {
+  const { rows } = await pool.query<{ token: string }>('SELECT token::text AS token FROM leader_fence');
+  return BigInt(rows[0]!.token);
+}
+
+/**
+ * Holds the fence row locked, as an operator's long transaction would, while `during` runs: every
+ * leader write waits behind it. Returns once the lock is released.
+ */
+export async function withFenceLocked(pool: pg.Pool, during: () => Promise<void>): Promise<void> {
+  const holder = await pool.connect();
+  try {
+    await holder.query('BEGIN');
+    await holder.query('SELECT token FROM leader_fence WHERE id FOR UPDATE');
+    await during();
+  } finally {
+    await holder.query('COMMIT').catch(() => undefined);
+    holder.release();
+  }
+}
