@@ -1,3 +1,5 @@
+import { performance } from 'node:perf_hooks';
+import { setImmediate as nextTurn } from 'node:timers/promises';
 import { isServerError, type Database } from '../store/db.js';
 import type { Leadership } from '../coordination/election.js';
 import type { Logger } from '../observability/logger.js';
@@ -42,6 +44,21 @@ export interface DispatcherOptions {
 const MAX_SLEEP_MS = 1000;
 
 /**
+ * Once a pass has planned this many runs it takes no further job: a catch-up is cut between jobs
+ * into passes of at most this many runs plus one job's plan. A plan is at most maxCatchUp (10,000)
+ * + 1,000 occurrences; 500 jobs of them would be 5.5 million rows in one statement, and minutes of
+ * cron maths (20–110 µs an occurrence here).
+ */
+export const MAX_RUNS_PER_PASS = 10_000;
+
+/**
+ * Longest stretch of cron maths before the event loop gets a turn. The leader's lease keep-alives
+ * go out on the same loop (a third of the TTL apart): a pass planning a catch-up without a turn
+ * outlasted the lease, and every next leader met the same pass.
+ */
+const PLAN_SLICE_MS = 20;
+
+/**
  * The leader's loop: turns due occurrences into runs and outbox rows, in fenced transactions,
  * then sleeps until the next job is due (minus the lookahead) or a job changes.
  */
@@ -79,8 +96,9 @@ export class Dispatcher {
     await this.options.beforeWrite?.();
     const stopTimer = metrics.dispatchDuration.startTimer();
     const pass = inFencedTransaction(pool, leadership, async (client) => {
-      const { now, jobs } = await selectDueJobs(client, lookaheadMs, batchSize);
-      if (jobs.length === 0) return { jobs: 0, created: 0, parked: 0, misfired: new Map<string, number>() };
+      const { now, jobs } = await selectDueJobs(client, lookaheadMs, batchSize, misfireThresholdMs);
+      if (jobs.length === 0)
+        return { jobs: 0, created: 0, parked: 0, misfired: new Map<string, number>(), cutShort: false };
       const horizon = new Date(now.getTime() + lookaheadMs);
       const occurrences: { jobId: string; scheduledFor: Date }[] = [];
       const advances: { id: string; nextRunAt: Date | null }[] = [];
@@ -91,7 +109,19 @@ export class Dispatcher {
       // Jobs found late, by misfire policy; counted once the transaction commits (a pass that
       // fails is done again and counts then).
       const misfired = new Map<string, number>();
+      let cutShort = false;
+      let sliceFrom = performance.now();
       for (const job of jobs) {
+        // The jobs left out stay due, locked until this commits; the next pass takes them first.
+        if (occurrences.length >= MAX_RUNS_PER_PASS) {
+          cutShort = true;
+          break;
+        }
+        if (performance.now() - sliceFrom > PLAN_SLICE_MS) {
+          await nextTurn();
+          if (!leadership.isValid()) throw new NotLeaderError('leadership ended while planning a dispatch');
+          sliceFrom = performance.now();
+        }
         let plan;
         try {
           const key = `${job.timezone}\u0000${job.schedule}\u0000${job.nextRunAt.getTime()}\u0000${job.misfire}\u0000${job.maxCatchUp}`;
@@ -119,14 +149,14 @@ export class Dispatcher {
       const created = await createRuns(client, occurrences, leadership.token, runsTopic);
       await advanceJobs(client, advances);
       await parkJobs(client, parked);
-      return { jobs: jobs.length, created, parked: parked.length, misfired };
+      return { jobs: jobs.length, created, parked: parked.length, misfired, cutShort };
     });
     const result = await this.answered(pass);
     stopTimer();
     if (result.created > 0) metrics.runsCreated.inc({ state: 'queued' }, result.created);
     if (result.parked > 0) metrics.jobsParked.inc(result.parked);
     for (const [policy, count] of result.misfired) metrics.misfires.inc({ policy }, count);
-    return { jobs: result.jobs, full: result.jobs === batchSize };
+    return { jobs: result.jobs, full: result.jobs === batchSize || result.cutShort };
   }
 
   /** Reports to onDatabaseAnswered when the transaction committed or PostgreSQL refused it itself. */

@@ -11,21 +11,54 @@ export interface DueJob {
   readonly nextRunAt: Date;
 }
 
-/** Enabled jobs due within the lookahead, locked, oldest first. $1 = lookahead ms, $2 = batch size. */
-const SELECT_DUE = `
-  SELECT id, schedule, timezone, misfire, max_catch_up AS "maxCatchUp", next_run_at AS "nextRunAt",
-         now() AS "dbNow"
+const DUE_JOB_COLUMNS = `id, schedule, timezone, misfire, max_catch_up AS "maxCatchUp", next_run_at AS "nextRunAt",
+         now() AS "dbNow"`;
+
+/**
+ * Enabled jobs due within the lookahead and not yet late (next_run_at within the misfire
+ * threshold of now()), locked, oldest first. $1 = lookahead ms, $2 = batch size, $3 = threshold ms.
+ */
+const SELECT_DUE_ON_TIME = `
+  SELECT ${DUE_JOB_COLUMNS}
   FROM jobs
   WHERE enabled AND next_run_at <= now() + $1 * interval '1 millisecond'
+    AND next_run_at >= now() - $3 * interval '1 millisecond'
   ORDER BY next_run_at
   LIMIT $2
   FOR UPDATE SKIP LOCKED`;
 
-/** Returns due jobs and the database's clock, the one clock for scheduling decisions. */
-export async function selectDueJobs(db: Queryable, lookaheadMs: number, limit: number) {
-  const { rows } = await db.query<DueJob & { dbNow: Date }>(SELECT_DUE, [lookaheadMs, limit]);
-  const now = rows[0]?.dbNow ?? (await databaseNow(db));
-  return { now, jobs: rows };
+/** Enabled jobs whose next_run_at is later than the threshold: a catch-up. $1 = batch size, $2 = threshold ms. */
+const SELECT_DUE_LATE = `
+  SELECT ${DUE_JOB_COLUMNS}
+  FROM jobs
+  WHERE enabled AND next_run_at < now() - $2 * interval '1 millisecond'
+  ORDER BY next_run_at
+  LIMIT $1
+  FOR UPDATE SKIP LOCKED`;
+
+/**
+ * Returns at most `limit` due jobs, locked, and the database's clock, the one clock for
+ * scheduling decisions. Jobs still on time come first, then late ones (a catch-up after an
+ * outage), each oldest first: a catch-up goes in passes (see Dispatcher), and an order by
+ * next_run_at alone put every pass of it before a job falling due meanwhile, which then waited
+ * for the whole catch-up and was itself late, a misfire while a leader led. now() is the
+ * transaction's: both statements draw the same line, and the planner its `cutoff` from it.
+ */
+export async function selectDueJobs(
+  db: Queryable,
+  lookaheadMs: number,
+  limit: number,
+  misfireThresholdMs: number,
+) {
+  type Row = DueJob & { dbNow: Date };
+  const onTime = (await db.query<Row>(SELECT_DUE_ON_TIME, [lookaheadMs, limit, misfireThresholdMs])).rows;
+  const late =
+    onTime.length < limit
+      ? (await db.query<Row>(SELECT_DUE_LATE, [limit - onTime.length, misfireThresholdMs])).rows
+      : [];
+  const jobs = [...onTime, ...late];
+  const now = jobs[0]?.dbNow ?? (await databaseNow(db));
+  return { now, jobs };
 }
 
 export async function databaseNow(db: Queryable): Promise<Date> {

@@ -192,3 +192,81 @@ test('a schedule that cannot be evaluated parks its job, with the reason in the 
   assert.notEqual(after.nextRunAt, null);
   await node.stop();
 });
+
+test(
+  'a catch-up of 60,000 occurrences goes in passes of about 10,000 runs; the leader keeps its lease, and a job due meanwhile gets its runs ahead of time',
+  { timeout: 120_000 },
+  async () => {
+    // 60 jobs firing on the second Friday of each month in New York, each 1,000 missed occurrences
+    // to fire (fire-all), each with its own next_run_at so that no two share a plan: ≈110 µs of
+    // cron maths an occurrence on our machine, ≈6.5 s for all of them, twice the lease's TTL. One
+    // pass planned them all without a turn of the event loop: the leader's keep-alives waited, its
+    // lease ran out before the pass committed, the fence refused the pass, and every next leader
+    // met the same pass.
+    await fx.db.pool.query('UPDATE jobs SET enabled = false');
+    const jobs = 60;
+    const { rows } = await fx.db.pool.query<{ id: string }>(
+      `INSERT INTO jobs (name, schedule, timezone, target, misfire, max_catch_up, next_run_at)
+       SELECT 'catch-up-' || i, '0 0 * * 5#2', 'America/New_York', '{"url":"http://127.0.0.1:9/"}', 'fire-all', 1000,
+              timestamptz '1900-01-01 05:00:00Z' + i * interval '1 millisecond'
+       FROM generate_series(1, $1) AS i
+       RETURNING id`,
+      [jobs],
+    );
+    const ids = rows.map((r) => r.id);
+    // Due from 2 s on, every second, while the catch-up goes: its runs must be created ahead of
+    // their time, as the lookahead promises (passes ordered by next_run_at alone kept it behind
+    // every pass of the catch-up: late, then a misfire).
+    const everySecond = await insertJob('during-catch-up', '* * * * * *', {
+      nextRunAt: new Date(Date.now() + 2000).toISOString(),
+    });
+    // The default lookahead and misfire threshold (5 s).
+    const node = fx.spawn('catch-up', { HELIOS_ROLES: 'scheduler' });
+    await node.waitForLog((l) => l.msg === 'became leader', 15_000);
+    const counts = async () =>
+      (
+        await fx.db.pool.query<{ runs: number; late: number; pending: number }>(
+          `SELECT (SELECT count(*)::int FROM runs WHERE job_id = ANY($1::uuid[])) AS runs,
+                  (SELECT count(*)::int FROM runs WHERE job_id = ANY($1::uuid[])
+                     AND created_at - scheduled_for > interval '5 seconds') AS late,
+                  (SELECT count(*)::int FROM jobs WHERE id = ANY($1::uuid[]) AND next_run_at < now()) AS pending`,
+          [ids],
+        )
+      ).rows[0]!;
+    await waitFor('every job to be caught up', async () => (await counts()).pending === 0, 60_000).catch(
+      async (err: unknown) => {
+        const steps = node.logs.filter((l) => l.msg === 'stepped down').map((l) => String(l.reason));
+        throw new Error(`${String(err)}: ${JSON.stringify(await counts())}, step-downs: ${steps.join(', ')}`);
+      },
+    );
+    await node.stop();
+    const { runs, late } = await counts();
+    assert.equal(late, jobs * 1000, 'each job fires its 1,000 latest missed occurrences');
+    assert.ok(runs - late <= jobs, `${runs - late} on-time runs: at most one midnight each`);
+    const { rows: passes } = await fx.db.pool.query<{ runs: number }>(
+      `SELECT count(*)::int AS runs FROM runs WHERE job_id = ANY($1::uuid[]) GROUP BY created_at`,
+      [ids],
+    );
+    // created_at is the dispatch transaction's now(): one group per pass.
+    assert.ok(passes.length >= 6, `${passes.length} passes`);
+    const largest = Math.max(...passes.map((p) => p.runs));
+    assert.ok(largest <= 10_000 + 1001, `a pass created ${largest} runs`);
+    assert.deepEqual(
+      node.logs.filter((l) => l.msg === 'became leader' || l.msg === 'stepped down').map((l) => l.msg),
+      ['became leader', 'stepped down'],
+      'one epoch, ended by the stop',
+    );
+    assert.equal(node.logs.find((l) => l.msg === 'stepped down')?.reason, 'shutdown');
+
+    const { rows: during } = await fx.db.pool.query<{ at: Date; lagMs: number }>(
+      `SELECT scheduled_for AS at, extract(epoch FROM created_at - scheduled_for) * 1000 AS "lagMs"
+       FROM runs WHERE job_id = $1 ORDER BY scheduled_for`,
+      [everySecond],
+    );
+    const stats = await runStats(everySecond);
+    assert.ok(stats.runs >= 5, `${stats.runs} runs of the job due during the catch-up`);
+    assert.equal(stats.span, stats.runs, 'the job due during the catch-up lost a second');
+    const behind = during.filter((r) => r.lagMs > 0);
+    assert.deepEqual(behind, [], 'runs of the job due during the catch-up created after their time');
+  },
+);

@@ -30,7 +30,7 @@ after(() => db.drop());
 /** One dispatcher pass (without the fence), as Dispatcher.dispatchBatch does it. */
 async function dispatchOnce(): Promise<void> {
   await inTransaction(db.pool, async (client) => {
-    const { now, jobs } = await selectDueJobs(client, LOOKAHEAD_MS, 100);
+    const { now, jobs } = await selectDueJobs(client, LOOKAHEAD_MS, 100, COMMANDS.misfireThresholdMs);
     const horizon = new Date(now.getTime() + LOOKAHEAD_MS);
     const occurrences: { jobId: string; scheduledFor: Date }[] = [];
     const advances: { id: string; nextRunAt: Date | null }[] = [];
