@@ -70,3 +70,27 @@ test('runs are unique per (job, scheduled_for) and the fence row exists', async 
   await db.pool.query(insertRun, [job.rows[0]!.id]);
   await assert.rejects(db.pool.query(insertRun, [job.rows[0]!.id]), /runs_one_per_occurrence/);
 });
+
+test('every foreign key has an index led by its columns, without a predicate, for its cascades', async () => {
+  // A delete of a referenced row (the pruner's runs, a job) looks up the referencing rows by these
+  // columns; without such an index each one scans the whole table. dead_letters.run_id had only a
+  // partial index: the pruner's statements grew with the dead letters until they timed out.
+  const { rows } = await db.pool.query<{ constraint: string; indexed: boolean }>(
+    `SELECT c.conrelid::regclass || '.' || c.conname AS constraint,
+            EXISTS (
+              SELECT 1 FROM pg_index i
+              WHERE i.indrelid = c.conrelid AND i.indpred IS NULL
+                AND (i.indkey::int2[])[0:cardinality(c.conkey) - 1] = c.conkey
+            ) AS indexed
+     FROM pg_constraint c
+     JOIN pg_namespace n ON n.oid = c.connamespace
+     WHERE c.contype = 'f' AND n.nspname = current_schema()
+     ORDER BY 1`,
+  );
+  assert.ok(rows.length >= 4, `foreign keys found: ${rows.map((r) => r.constraint).join(', ')}`);
+  assert.deepEqual(
+    rows.filter((r) => !r.indexed).map((r) => r.constraint),
+    [],
+    'foreign keys without an index led by their columns',
+  );
+});
