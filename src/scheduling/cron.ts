@@ -15,8 +15,14 @@ export interface CronSchedule {
   next(after: Date): Date | null;
   /** Up to `n` fire instants strictly after `after`, oldest first. */
   nextN(after: Date, n: number): Date[];
-  /** Every fire instant in `(from, to]`, oldest first, at most `limit` of them (misfire catch-up). */
+  /** Every fire instant in `(from, to]`, oldest first, at most `limit` of them. */
   between(from: Date, to: Date, limit: number): Date[];
+  /**
+   * The latest `limit` fire instants in `[from, before)`, oldest first (all of them if fewer): a
+   * misfire catch-up. Walks back from `before`, so it costs what it returns, however many
+   * instants lie between `from` and the latest ones (a dense schedule after a quiet stretch).
+   */
+  latest(from: Date, before: Date, limit: number): Date[];
 }
 
 /** A cron expression or timezone was rejected; `field` names the job field to report (RFC 9457). */
@@ -140,6 +146,41 @@ class ZonedSchedule implements CronSchedule {
     checkCount(limit, 'limit');
     if (Number.isNaN(to.getTime())) throw new RangeError('to is an invalid Date');
     return this.collect(toWholeSecond(from, 'from'), to.getTime(), limit);
+  }
+
+  latest(from: Date, before: Date, limit: number): Date[] {
+    checkCount(limit, 'limit');
+    const lo = from.getTime();
+    const hi = before.getTime();
+    if (Number.isNaN(lo)) throw new RangeError('from is an invalid Date');
+    if (Number.isNaN(hi)) throw new RangeError('before is an invalid Date');
+    const zone = this.zone;
+    // Fire instants are wallToInstant(wall) over the cron's wall times, which never decreases
+    // with the wall time (a gap's wall times share one instant; an overlap's take its first
+    // reading): walking the wall times back walks the instants back, equal ones next to each
+    // other. A wall time past `hi` + the largest offset around `hi` fires at or after `hi`.
+    const toInstant = (wall: number) =>
+      zone.fixedOffset !== null ? wall - zone.fixedOffset : zone.wallToInstant(wall);
+    const largestOffset =
+      zone.fixedOffset ?? Math.max(zone.offsetAt(hi - DAY_MS), zone.offsetAt(hi), zone.offsetAt(hi + DAY_MS));
+    let reference = hi + largestOffset + SECOND_MS;
+    const out: number[] = [];
+    let done = limit === 0;
+    while (!done) {
+      // previousRuns: wall times strictly before `reference` (whole seconds), latest first.
+      const walls = this.cron.previousRuns(Math.min(1000, limit - out.length + 16), new Date(reference));
+      if (walls.length === 0) break;
+      for (const wall of walls) {
+        const at = toInstant(wall.getTime());
+        if (at >= hi || at === out[out.length - 1]) continue;
+        if (at < lo || out.push(at) === limit) {
+          done = true;
+          break;
+        }
+      }
+      reference = walls[walls.length - 1]!.getTime();
+    }
+    return out.reverse().map((at) => new Date(at));
   }
 
   private collect(from: number, to: number, limit: number): Date[] {

@@ -46,10 +46,11 @@ const MAX_SLEEP_MS = 1000;
 /**
  * Once a pass has planned this many runs it takes no further job: a catch-up is cut between jobs
  * into passes of at most this many runs plus one job's plan. A plan is at most maxCatchUp (10,000)
- * + 1,000 occurrences; 500 jobs of them would be 5.5 million rows in one statement, and minutes of
- * cron maths (20–110 µs an occurrence here). The planning happens between two statements of the
- * pass's transaction, which PostgreSQL ends after 5 s idle (idle_in_transaction_session_timeout,
- * store/db.ts): 5,000 runs and one largest plan are ≈1.8 s here, leaving room for a loaded machine.
+ * + 1,000 occurrences; 500 jobs of them would be 5.5 million rows in one statement, and tens of
+ * seconds of cron maths (3–40 µs an occurrence here). The planning happens between two statements
+ * of the pass's transaction, which PostgreSQL ends after 5 s idle
+ * (idle_in_transaction_session_timeout, store/db.ts): 5,000 runs and one largest plan are well
+ * under a second here, leaving room for a loaded machine.
  */
 export const MAX_RUNS_PER_PASS = 5_000;
 

@@ -296,3 +296,76 @@ test('documented differences from cron-parser, which the random expressions avoi
     ['rejected', 'TUE6 WED'],
   );
 });
+
+test('latest() walked back from `before` is the tail of the forward walk, in every zone, DST days included', () => {
+  // The misfire catch-up's backward walk (CronSchedule.latest) against the forward one, which the
+  // tests above hold against cron-parser and against a wall-clock simulation around transitions.
+  let compared = 0;
+  fc.assert(
+    fc.property(
+      expression,
+      fc.constantFrom(...ZONES),
+      fc.oneof(
+        start,
+        // Within a day of a 2026 transition of a DST zone, where the backward walk must skip the
+        // wall times a gap shares and an overlap repeats.
+        fc
+          .record({ zone: fc.constantFrom(...ZONES), day: fc.integer({ min: 0, max: 364 }) })
+          .map(({ day }) => Date.UTC(2026, 2, 1) + (day % 2 === 0 ? 0 : 210) * 86_400_000 + day * 3_600_000),
+      ),
+      fc.integer({ min: 1, max: 40 }),
+      fc.integer({ min: 0, max: 59 }),
+      fc.integer({ min: 0, max: 2_000 }),
+      (expr, timezone, from, limit, j, jitterMs) => {
+        let schedule;
+        try {
+          schedule = parseCron(expr, timezone);
+        } catch (err) {
+          if (err instanceof InvalidCronError) return;
+          throw err;
+        }
+        const lo = Math.ceil(from / 1000) * 1000;
+        const forward = schedule.nextN(new Date(lo - 1000), 60).map(Number);
+        if (forward.length < 60) return;
+        const before = Math.min(forward[j]! + jitterMs, forward[59]!);
+        const expected = forward.filter((t) => t < before).slice(-limit);
+        const actual = schedule.latest(new Date(lo), new Date(before), limit).map(Number);
+        assert.deepEqual(
+          actual.map((t) => new Date(t).toISOString()),
+          expected.map((t) => new Date(t).toISOString()),
+          `${expr} in ${timezone}, [${new Date(lo).toISOString()}, ${new Date(before).toISOString()}) limit ${limit}`,
+        );
+        compared += 1;
+      },
+    ),
+    { numRuns: 1500, seed: 20261205 },
+  );
+  assert.ok(compared > 500, `${compared} compared`);
+});
+
+test('latest() over each month of 2026 with a DST transition is the tail of the forward walk', () => {
+  for (const timezone of ['Europe/Berlin', 'America/New_York', 'Australia/Lord_Howe', 'America/Santiago']) {
+    for (const expression of [
+      '*/15 * * * *',
+      '30 2 * * *',
+      '0 0 * * *',
+      '45 1 * * *',
+      '10,40 0-3 * * *',
+      '* 2 * * *',
+    ]) {
+      const schedule = parseCron(expression, timezone);
+      for (const month of [0, 1, 2, 3, 8, 9, 10]) {
+        const lo = Date.UTC(2026, month, 1);
+        const hi = Date.UTC(2026, month + 1, 1);
+        const forward = schedule.between(new Date(lo - 1000), new Date(hi - 1000), 100_000).map(Number);
+        for (const limit of [1, 7, 100, 100_000]) {
+          assert.deepEqual(
+            schedule.latest(new Date(lo), new Date(hi), limit).map(Number),
+            forward.slice(-limit),
+            `${expression} in ${timezone}, 2026-${month + 1}, limit ${limit}`,
+          );
+        }
+      }
+    }
+  }
+});
