@@ -3,7 +3,7 @@ import type { Logger } from '../observability/logger.js';
 import { parseCron } from '../scheduling/cron.js';
 import { planOccurrences } from '../scheduling/occurrences.js';
 import type { Queryable } from '../store/db.js';
-import { createRuns } from '../store/dispatch.js';
+import { createRuns, runsPerStatement } from '../store/dispatch.js';
 import type { JobRecord } from '../store/jobs.js';
 
 /** What creating a job's due runs outside the dispatcher needs. */
@@ -45,6 +45,8 @@ export async function createDueRuns(
     return job.nextRunAt;
   }
   const occurrences = plan.fire.map((scheduledFor) => ({ jobId: job.id, scheduledFor }));
-  await createRuns(db, occurrences, null, options.runsTopic);
+  // A catch-up of a job with a large target goes in several statements, each within its timeout.
+  const targetBytes = Buffer.byteLength(JSON.stringify(job.target));
+  await createRuns(db, occurrences, null, options.runsTopic, runsPerStatement(targetBytes));
   return plan.nextRunAt;
 }

@@ -8,7 +8,15 @@ import type { Notifications } from '../store/notifications.js';
 import { NotLeaderError, toError, type StaleFencingTokenError } from '../errors.js';
 import { runLeaderLoop } from '../coordination/leader-loop.js';
 import { inFencedTransaction } from '../store/fence.js';
-import { advanceJobs, createRuns, msUntilNextDue, parkJobs, selectDueJobs } from '../store/dispatch.js';
+import {
+  advanceJobs,
+  createRuns,
+  MAX_INSERT_BYTES,
+  msUntilNextDue,
+  parkJobs,
+  RUN_ROW_BYTES,
+  selectDueJobs,
+} from '../store/dispatch.js';
 import { parseCron, type CronSchedule } from './cron.js';
 import { planOccurrences, type OccurrencePlan } from './occurrences.js';
 
@@ -44,13 +52,14 @@ export interface DispatcherOptions {
 const MAX_SLEEP_MS = 1000;
 
 /**
- * Once a pass has planned this many runs it takes no further job: a catch-up is cut between jobs
- * into passes of at most this many runs plus one job's plan. A plan is at most maxCatchUp (10,000)
- * + 1,000 occurrences; 500 jobs of them would be 5.5 million rows in one statement, and tens of
- * seconds of cron maths (3–40 µs an occurrence here). The planning happens between two statements
- * of the pass's transaction, which PostgreSQL ends after 5 s idle
- * (idle_in_transaction_session_timeout, store/db.ts): 5,000 runs and one largest plan are well
- * under a second here, leaving room for a loaded machine.
+ * Most runs one pass creates: a catch-up is cut into passes of at most this many runs, and of at
+ * most MAX_INSERT_BYTES counting each run's copy of its job's target; a job's plan that does not
+ * fit is cut too, its next_run_at left at its first occurrence not created. A plan is at most
+ * maxCatchUp (10,000) + 1,000 occurrences; 500 jobs of them would be 5.5 million rows in one
+ * statement, and tens of seconds of cron maths (3–40 µs an occurrence here). The planning happens
+ * between two statements of the pass's transaction, which PostgreSQL ends after 5 s idle
+ * (idle_in_transaction_session_timeout, store/db.ts): 5,000 runs are well under a second here,
+ * leaving room for a loaded machine.
  */
 export const MAX_RUNS_PER_PASS = 5_000;
 
@@ -113,10 +122,16 @@ export class Dispatcher {
       // fails is done again and counts then).
       const misfired = new Map<string, number>();
       let cutShort = false;
+      let passBytes = 0;
       let sliceFrom = performance.now();
       for (const job of jobs) {
+        const runBytes = RUN_ROW_BYTES + job.targetBytes;
+        const room = Math.min(
+          MAX_RUNS_PER_PASS - occurrences.length,
+          Math.floor((MAX_INSERT_BYTES - passBytes) / runBytes),
+        );
         // The jobs left out stay due, locked until this commits; the next pass takes them first.
-        if (occurrences.length >= MAX_RUNS_PER_PASS) {
+        if (room < 1 && occurrences.length > 0) {
           cutShort = true;
           break;
         }
@@ -141,12 +156,27 @@ export class Dispatcher {
           parked.push({ id: job.id, error: error.message });
           continue;
         }
-        for (const at of plan.fire) occurrences.push({ jobId: job.id, scheduledFor: at });
-        advances.push({ id: job.id, nextRunAt: plan.nextRunAt });
-        if (plan.lateFired + plan.dropped > 0)
+        // A plan that does not fit is cut: the job stays due from its first occurrence not created
+        // (fire is oldest first), and the next pass plans it again from there.
+        const take = Math.min(plan.fire.length, Math.max(1, room));
+        for (let i = 0; i < take; i++) occurrences.push({ jobId: job.id, scheduledFor: plan.fire[i]! });
+        passBytes += take * runBytes;
+        const whole = take === plan.fire.length;
+        advances.push({ id: job.id, nextRunAt: whole ? plan.nextRunAt : plan.fire[take]! });
+        // A misfire counts once: in the pass that creates the last of its late runs (a plan cut
+        // before them is planned again from a late occurrence, and counts then).
+        if (plan.lateFired + plan.dropped > 0 && take >= plan.lateFired) {
           misfired.set(job.misfire, (misfired.get(job.misfire) ?? 0) + 1);
-        if (plan.dropped > 0) {
-          this.options.logger.info({ job: job.id, dropped: plan.dropped, misfire: job.misfire }, 'misfired');
+          if (plan.dropped > 0) {
+            this.options.logger.info(
+              { job: job.id, dropped: plan.dropped, misfire: job.misfire },
+              'misfired',
+            );
+          }
+        }
+        if (!whole) {
+          cutShort = true;
+          break;
         }
       }
       const created = await createRuns(client, occurrences, leadership.token, runsTopic);

@@ -270,3 +270,42 @@ test(
     assert.deepEqual(behind, [], 'runs of the job due during the catch-up created after their time');
   },
 );
+
+test('a catch-up of a job with a 64 KiB target goes in passes of at most 16 MiB, and its misfire counts once', async () => {
+  await fx.db.pool.query('UPDATE jobs SET enabled = false');
+  // Every run copies its job's target: 1,000 runs of this one are 64 MB. In one statement, a
+  // larger target or catch-up outlasted the 30 s statement timeout on every try.
+  const { rows } = await fx.db.pool.query<{ id: string; bytes: number }>(
+    `INSERT INTO jobs (name, schedule, timezone, target, misfire, max_catch_up, next_run_at)
+     VALUES ('large-target', '0 * * * *', 'UTC',
+             jsonb_build_object('url', 'http://127.0.0.1:9/', 'method', 'POST',
+                                'body', (SELECT string_agg(md5(random()::text), '') FROM generate_series(1, 2048))),
+             'fire-all', 1000, timestamptz '2020-01-01 00:00:00Z')
+     RETURNING id, pg_column_size(target) AS bytes`,
+  );
+  const job = rows[0]!;
+  assert.ok(job.bytes > 60_000, `the target takes ${job.bytes} bytes: compressed`);
+  const node = await startLeader('large-target');
+  const started = await node.waitForLog((l) => l.msg === 'node started');
+  await waitFor(
+    'the catch-up',
+    async () =>
+      (await fx.db.pool.query('SELECT 1 FROM jobs WHERE id = $1 AND next_run_at > now()', [job.id])).rowCount,
+    60_000,
+  );
+  const metrics = await (await fetch(`${started.apiUrl as string}/metrics`)).text();
+  await node.stop();
+  const { rows: passes } = await fx.db.pool.query<{ runs: number; bytes: string }>(
+    `SELECT count(*)::int AS runs, sum(pg_column_size(target))::text AS bytes
+     FROM runs WHERE job_id = $1 GROUP BY created_at ORDER BY created_at`,
+    [job.id],
+  );
+  const runs = passes.reduce((sum, p) => sum + p.runs, 0);
+  assert.equal(runs, 1000, 'the 1,000 latest missed occurrences, each once');
+  assert.equal((await runStats(job.id)).distinct, 1000);
+  assert.ok(passes.length >= 4, `${passes.length} passes of ${passes.map((p) => p.runs).join(', ')} runs`);
+  for (const pass of passes)
+    assert.ok(Number(pass.bytes) <= 16 * 1024 * 1024, `a pass wrote ${pass.bytes} bytes`);
+  const misfires = /^helios_misfires_total\{[^}]*policy="fire-all"[^}]*\} (\d+)$/m.exec(metrics)?.[1];
+  assert.equal(misfires, '1', 'the misfire counted once, not once a pass');
+});
