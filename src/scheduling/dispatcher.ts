@@ -15,6 +15,7 @@ import {
   msUntilNextDue,
   parkJobs,
   RUN_ROW_BYTES,
+  runsPerStatement,
   selectDueJobs,
 } from '../store/dispatch.js';
 import { parseCron, type CronSchedule } from './cron.js';
@@ -52,12 +53,12 @@ export interface DispatcherOptions {
 const MAX_SLEEP_MS = 1000;
 
 /**
- * Most runs one pass creates: a catch-up is cut into passes of at most this many runs, and of at
- * most MAX_INSERT_BYTES counting each run's copy of its job's target; a job's plan that does not
- * fit is cut too, its next_run_at left at its first occurrence not created. A plan is at most
- * maxCatchUp (10,000) + 1,000 occurrences; 500 jobs of them would be 5.5 million rows in one
- * statement, and tens of seconds of cron maths (3–40 µs an occurrence here). The planning happens
- * between two statements of the pass's transaction, which PostgreSQL ends after 5 s idle
+ * Most runs one pass creates: a catch-up is cut between jobs into passes of at most this many
+ * runs, and of at most MAX_INSERT_BYTES counting each run's copy of its job's target; a job whose
+ * plan alone is larger goes alone, in statements of that size. A plan is at most maxCatchUp
+ * (10,000) + 1,000 occurrences; 500 jobs of them would be 5.5 million rows in one statement, and
+ * tens of seconds of cron maths (3–40 µs an occurrence here). The planning happens between two
+ * statements of the pass's transaction, which PostgreSQL ends after 5 s idle
  * (idle_in_transaction_session_timeout, store/db.ts): 5,000 runs are well under a second here,
  * leaving room for a loaded machine.
  */
@@ -123,15 +124,12 @@ export class Dispatcher {
       const misfired = new Map<string, number>();
       let cutShort = false;
       let passBytes = 0;
+      let largestTarget = 0;
+      let lateTaken = false;
       let sliceFrom = performance.now();
       for (const job of jobs) {
-        const runBytes = RUN_ROW_BYTES + job.targetBytes;
-        const room = Math.min(
-          MAX_RUNS_PER_PASS - occurrences.length,
-          Math.floor((MAX_INSERT_BYTES - passBytes) / runBytes),
-        );
         // The jobs left out stay due, locked until this commits; the next pass takes them first.
-        if (room < 1 && occurrences.length > 0) {
+        if (occurrences.length >= MAX_RUNS_PER_PASS || passBytes >= MAX_INSERT_BYTES) {
           cutShort = true;
           break;
         }
@@ -156,30 +154,44 @@ export class Dispatcher {
           parked.push({ id: job.id, error: error.message });
           continue;
         }
-        // A plan that does not fit is cut: the job stays due from its first occurrence not created
-        // (fire is oldest first), and the next pass plans it again from there.
-        const take = Math.min(plan.fire.length, Math.max(1, room));
-        for (let i = 0; i < take; i++) occurrences.push({ jobId: job.id, scheduledFor: plan.fire[i]! });
-        passBytes += take * runBytes;
-        const whole = take === plan.fire.length;
-        advances.push({ id: job.id, nextRunAt: whole ? plan.nextRunAt : plan.fire[take]! });
-        // A misfire counts once: in the pass that creates the last of its late runs (a plan cut
-        // before them is planned again from a late occurrence, and counts then).
-        if (plan.lateFired + plan.dropped > 0 && take >= plan.lateFired) {
-          misfired.set(job.misfire, (misfired.get(job.misfire) ?? 0) + 1);
-          if (plan.dropped > 0) {
-            this.options.logger.info(
-              { job: job.id, dropped: plan.dropped, misfire: job.misfire },
-              'misfired',
-            );
-          }
-        }
-        if (!whole) {
+        // A plan that does not fit is left for the next pass. There it is the first job of its
+        // kind (on-time jobs come first, then late ones, each oldest first), and the first of each
+        // kind goes whole, however large (its statements cut to size below): on-time jobs ahead of
+        // a late one cannot keep it out pass after pass. Cutting a plan instead, the job due again
+        // from its first occurrence not created, lost occurrences: that one was then late, queued
+        // behind every older late job, and planned again by the misfire rule from a later cutoff.
+        const runBytes = RUN_ROW_BYTES + job.targetBytes;
+        const planBytes = plan.fire.length * runBytes;
+        const late = job.nextRunAt.getTime() < now.getTime() - misfireThresholdMs;
+        const firstOfItsKind = late ? !lateTaken : occurrences.length === 0;
+        if (
+          !firstOfItsKind &&
+          (occurrences.length + plan.fire.length > MAX_RUNS_PER_PASS ||
+            passBytes + planBytes > MAX_INSERT_BYTES)
+        ) {
           cutShort = true;
           break;
         }
+        if (late) lateTaken = true;
+        for (const at of plan.fire) occurrences.push({ jobId: job.id, scheduledFor: at });
+        passBytes += planBytes;
+        largestTarget = Math.max(largestTarget, job.targetBytes);
+        advances.push({ id: job.id, nextRunAt: plan.nextRunAt });
+        if (plan.lateFired + plan.dropped > 0)
+          misfired.set(job.misfire, (misfired.get(job.misfire) ?? 0) + 1);
+        if (plan.dropped > 0) {
+          this.options.logger.info({ job: job.id, dropped: plan.dropped, misfire: job.misfire }, 'misfired');
+        }
       }
-      const created = await createRuns(client, occurrences, leadership.token, runsTopic);
+      // One statement unless the pass is a single job larger than a pass (a big catch-up of a big
+      // target): its runs then go in statements of MAX_INSERT_BYTES, each within its timeout.
+      const created = await createRuns(
+        client,
+        occurrences,
+        leadership.token,
+        runsTopic,
+        runsPerStatement(largestTarget),
+      );
       await advanceJobs(client, advances);
       await parkJobs(client, parked);
       return { jobs: jobs.length, created, parked: parked.length, misfired, cutShort };
