@@ -1,5 +1,6 @@
 import { Type, type Static, type TLiteral, type TUnion } from 'typebox';
 import { CONCURRENCY_POLICIES, MISFIRE_POLICIES, RUN_STATES } from '../model.js';
+import { CLUSTER_COUNT_CAP } from '../observability/cluster-signals.js';
 
 // Request and response schemas of /api/v1. They validate requests (src/api/validation.ts),
 // serialise responses, and are the OpenAPI document. Objects never accept unknown properties.
@@ -199,6 +200,8 @@ export const DeadLetter = Type.Object(
 );
 export type DeadLetter = Static<typeof DeadLetter>;
 
+const CAPPED_COUNT = `at most ${CLUSTER_COUNT_CAP}: counting stops there, so a huge backlog costs no more to read`;
+
 export const Cluster = Type.Object(
   {
     leader: Nullable(
@@ -217,8 +220,14 @@ export const Cluster = Type.Object(
         closed,
       ),
     ),
-    outbox: Type.Object({ pending: Type.Integer() }, closed),
-    runs: Type.Object({ queued: Type.Integer(), running: Type.Integer() }, closed),
+    outbox: Type.Object({ pending: Type.Integer({ description: CAPPED_COUNT }) }, closed),
+    runs: Type.Object(
+      {
+        queued: Type.Integer({ description: CAPPED_COUNT }),
+        running: Type.Integer({ description: CAPPED_COUNT }),
+      },
+      closed,
+    ),
   },
   { ...closed, title: 'Cluster' },
 );

@@ -56,11 +56,3 @@ export async function msUntilNextOutboxRow(db: Queryable): Promise<number | null
   const { rows } = await db.query<{ inMs: number | null }>(NEXT_DUE);
   return rows[0]?.inMs ?? null;
 }
-
-/** Rows not yet published (for the cluster view). */
-export async function countPendingOutbox(db: Queryable): Promise<number> {
-  const { rows } = await db.query<{ n: number }>(
-    'SELECT count(*)::int AS n FROM outbox WHERE published_at IS NULL',
-  );
-  return rows[0]?.n ?? 0;
-}

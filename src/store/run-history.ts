@@ -94,14 +94,3 @@ export async function findRun(
   const attempts = await db.query<AttemptRecord>(SELECT_ATTEMPTS, [id]);
   return { run, attempts: attempts.rows };
 }
-
-/** Runs waiting and executing, cluster-wide (served by the partial indexes on state). */
-const COUNT_ACTIVE = `
-  SELECT count(*) FILTER (WHERE state = 'queued')::int AS queued,
-         count(*) FILTER (WHERE state = 'running')::int AS running
-  FROM runs WHERE state IN ('queued', 'running')`;
-
-export async function countActiveRuns(db: Queryable): Promise<{ queued: number; running: number }> {
-  const { rows } = await db.query<{ queued: number; running: number }>(COUNT_ACTIVE);
-  return rows[0] ?? { queued: 0, running: 0 };
-}

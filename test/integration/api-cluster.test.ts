@@ -2,6 +2,7 @@ import assert from 'node:assert/strict';
 import { after, before, test } from 'node:test';
 import { LeaderElection, type Leadership } from '../../src/coordination/election.js';
 import { NodeRegistry } from '../../src/coordination/registry.js';
+import { CLUSTER_COUNT_CAP } from '../../src/observability/cluster-signals.js';
 import { silentLogger } from '../../src/observability/logger.js';
 import { jobBody, startTestApi, type TestApi } from '../support/api.js';
 
@@ -102,5 +103,34 @@ test('GET /cluster answers 503 problem when etcd does not answer', async () => {
     assert.match(JSON.stringify(response.body), /etcd/);
   } finally {
     await blind.close();
+  }
+});
+
+test('GET /cluster stops each count at the cap, so a huge backlog costs a call no more than the cap', async () => {
+  const job = (await api.call('POST', '/api/v1/jobs', { body: jobBody('cluster-backlog') })).body as {
+    id: string;
+  };
+  await api.db.pool.query(`DELETE FROM runs`); // the test before left one running
+  const over = CLUSTER_COUNT_CAP + 1;
+  await api.db.pool.query(
+    `INSERT INTO outbox (topic, key, payload) SELECT 'helios.runs', 'k', '{}' FROM generate_series(1, $1)`,
+    [over],
+  );
+  await api.db.pool.query(
+    `INSERT INTO runs (job_id, scheduled_for, state, max_attempts, target, timeout_ms, backoff_ms,
+                       backoff_multiplier, not_before)
+     SELECT j.id, now() + s * interval '1 second', 'queued', 3, j.target, 1000, 0, 1, now() + interval '1 hour'
+     FROM jobs j, generate_series(1, $2) s WHERE j.id = $1`,
+    [job.id, over],
+  );
+  try {
+    const response = await api.call('GET', '/api/v1/cluster');
+    assert.equal(response.status, 200);
+    const cluster = response.body as Cluster;
+    assert.deepEqual(cluster.outbox, { pending: CLUSTER_COUNT_CAP });
+    assert.deepEqual(cluster.runs, { queued: CLUSTER_COUNT_CAP, running: 0 });
+  } finally {
+    await api.db.pool.query(`DELETE FROM outbox`);
+    await api.call('DELETE', `/api/v1/jobs/${job.id}`);
   }
 });

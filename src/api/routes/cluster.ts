@@ -1,7 +1,7 @@
 import type { Api, ApiOptions } from '../context.js';
 import { COMMON_PROBLEMS, problems } from '../context.js';
-import { countPendingOutbox } from '../../store/outbox.js';
-import { countActiveRuns } from '../../store/run-history.js';
+import { CLUSTER_COUNT_CAP } from '../../observability/cluster-signals.js';
+import { readClusterCounts } from '../../store/signals.js';
 import { withTimeout } from '../../errors.js';
 import { ProblemError } from '../problems.js';
 import { Cluster } from '../schemas.js';
@@ -9,6 +9,7 @@ import { Cluster } from '../schemas.js';
 /** GET /cluster: who leads (etcd), which nodes are alive (etcd), and the queues (PostgreSQL). */
 export function clusterRoutes(app: Api, options: ApiOptions): void {
   const { pool, cluster } = options;
+  const overdueMs = options.misfireThresholdMs ?? 5000;
 
   app.get(
     '/cluster',
@@ -31,10 +32,11 @@ export function clusterRoutes(app: Api, options: ApiOptions): void {
           throw new ProblemError(503, 'unavailable', 'Service unavailable', 'etcd did not answer');
         }
       };
-      const [[leader, nodes], pending, runs] = await Promise.all([
+      // The gauges' statement: each count stops at the cap, so a backlog of millions costs a call
+      // what one of the cap costs.
+      const [[leader, nodes], counts] = await Promise.all([
         fromEtcd(),
-        countPendingOutbox(pool),
-        countActiveRuns(pool),
+        readClusterCounts(pool, overdueMs, CLUSTER_COUNT_CAP),
       ]);
       return {
         leader: leader && {
@@ -50,8 +52,8 @@ export function clusterRoutes(app: Api, options: ApiOptions): void {
           roles: [...n.roles],
           lastSeen: n.lastSeen,
         })),
-        outbox: { pending },
-        runs,
+        outbox: { pending: counts.outboxPending },
+        runs: { queued: counts.runsQueued, running: counts.runsRunning },
       };
     },
   );
