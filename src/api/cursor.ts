@@ -44,34 +44,51 @@ export function decodeCursor(text: string | undefined): CursorPosition | null {
 }
 
 /**
- * Largest page body, as JSON: a page ends early (with a cursor) rather than grow past it. Jobs
- * may carry 64 KiB bodies each, so 500 of them would otherwise be a 32 MiB response held in
- * memory at once.
+ * Largest page body, as JSON: a page ends early (with a cursor) rather than grow past it. A job
+ * carries its target, up to the request body limit (256 KiB by default), so 500 of them would
+ * otherwise be a 125 MiB response held in memory at once.
  */
 export const MAX_PAGE_BYTES = 1024 * 1024;
 
+/** Reads up to `count` rows after a position (null: from the start), in the list's order. */
+export type PageFetch<R> = (after: CursorPosition | null, count: number) => Promise<R[]>;
+
 /**
- * Cuts a list fetched with `limit + 1` rows into a page: the extra row only proves there is a
- * next page, whose cursor is the last row shown. A page also ends once its items reach
- * `maxBytes` as JSON (it always has at least one item), so its size is bounded by bytes too.
+ * Reads one page: at most `limit` items, ending early (with a cursor) once its items reach
+ * `maxBytes` as JSON; it always has at least one item. A row past the page only proves there is a
+ * next page, whose cursor is the page's last row.
+ *
+ * Rows are read `chunk` at a time (default: all `limit + 1` at once), and reading stops as soon as
+ * the page is full. A list of large rows (a job carries its target, up to the request body limit)
+ * reads in small chunks: 501 such rows read at once could be 125 MiB held in memory before the
+ * byte bound cut the page to its first few.
  */
-export function toPage<R extends { cursorTs: string; id: string }, V>(
-  rows: R[],
+export async function readPage<R extends { cursorTs: string; id: string }, V>(
+  fetch: PageFetch<R>,
+  after: CursorPosition | null,
   limit: number,
   view: (row: R) => V,
-  maxBytes = MAX_PAGE_BYTES,
-): { items: V[]; nextCursor: string | null } {
+  options: { readonly chunk?: number; readonly maxBytes?: number } = {},
+): Promise<{ items: V[]; nextCursor: string | null }> {
+  const { chunk = limit + 1, maxBytes = MAX_PAGE_BYTES } = options;
   const items: V[] = [];
   let bytes = 0;
-  for (const row of rows.slice(0, limit)) {
-    const item = view(row);
-    bytes += Buffer.byteLength(JSON.stringify(item) ?? '');
-    if (items.length > 0 && bytes > maxBytes) break;
-    items.push(item);
+  let last: R | undefined;
+  for (;;) {
+    const count = Math.min(chunk, limit + 1 - items.length);
+    const rows = await fetch(last ? { ts: last.cursorTs, id: last.id } : after, count);
+    for (const row of rows) {
+      if (items.length === limit) return { items, nextCursor: cursorAfter(last!) };
+      const item = view(row);
+      bytes += Buffer.byteLength(JSON.stringify(item) ?? '');
+      if (items.length > 0 && bytes > maxBytes) return { items, nextCursor: cursorAfter(last!) };
+      items.push(item);
+      last = row;
+    }
+    if (rows.length < count) return { items, nextCursor: null };
   }
-  const last = rows[items.length - 1];
-  return {
-    items,
-    nextCursor: rows.length > items.length && last ? encodeCursor({ ts: last.cursorTs, id: last.id }) : null,
-  };
+}
+
+function cursorAfter(row: { readonly cursorTs: string; readonly id: string }): string {
+  return encodeCursor({ ts: row.cursorTs, id: row.id });
 }

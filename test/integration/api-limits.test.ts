@@ -3,6 +3,7 @@ import { after, before, test } from 'node:test';
 import { Registry } from 'prom-client';
 import { buildApiServer } from '../../src/api/server.js';
 import { MAX_PAGE_BYTES } from '../../src/api/cursor.js';
+import { JOB_PAGE_CHUNK } from '../../src/api/routes/jobs.js';
 import { createLogger } from '../../src/observability/logger.js';
 import { jobBody, startTestApi, type TestApi } from '../support/api.js';
 
@@ -40,6 +41,54 @@ test('GET /jobs is bounded by bytes as well as by count, and its cursor still re
   } while (cursor && pages < 10);
   assert.ok(pages >= 2, 'the byte bound cut the list into pages');
   assert.equal(names.size, 20, 'every job is reached through the cursors');
+});
+
+test('GET /jobs reads large jobs from PostgreSQL in chunks and stops once the page is full', async () => {
+  // 100 jobs of ~20 KiB (besides the 20 above): a page of limit 500 holds about 50 of them. Read
+  // all at once, the node would hold every one of the 120 (up to 501 of up to 256 KiB each).
+  const body = { big: 'y'.repeat(20 * 1024) };
+  for (let i = 0; i < 100; i++) {
+    const created = await api.call('POST', '/api/v1/jobs', {
+      body: jobBody(`chunk-${i}`, { target: { url: 'http://127.0.0.1:9/', body } }),
+    });
+    assert.equal(created.status, 201);
+  }
+  const pool = api.db.pool;
+  const query = pool.query.bind(pool) as (...args: unknown[]) => Promise<{ rowCount: number | null }>;
+  let rowsRead = 0;
+  pool.query = (async (...args: unknown[]) => {
+    const result = await query(...args);
+    if (typeof args[0] === 'string' && /FROM jobs\s+WHERE \$1::timestamptz IS NULL/.test(args[0])) {
+      rowsRead += result.rowCount ?? 0;
+    }
+    return result;
+  }) as typeof pool.query;
+  try {
+    const names: string[] = [];
+    let cursor: string | null = null;
+    let firstPage = 0;
+    let firstRead = 0;
+    do {
+      const page = await api.call(
+        'GET',
+        `/api/v1/jobs?limit=500${cursor ? `&cursor=${encodeURIComponent(cursor)}` : ''}`,
+      );
+      assert.equal(page.status, 200);
+      const list = page.body as { items: { name: string }[]; nextCursor: string | null };
+      names.push(...list.items.map((item) => item.name));
+      if (firstPage === 0) [firstPage, firstRead] = [list.items.length, rowsRead];
+      cursor = list.nextCursor;
+    } while (cursor && names.length < 1000);
+    assert.ok(firstPage < 120, `the first page holds ${firstPage} jobs`);
+    assert.ok(
+      firstRead <= firstPage + JOB_PAGE_CHUNK,
+      `the first page of ${firstPage} jobs read ${firstRead} rows (chunks of ${JOB_PAGE_CHUNK})`,
+    );
+    assert.equal(names.length, 120);
+    assert.equal(new Set(names).size, 120, 'every job once, through the cursors');
+  } finally {
+    pool.query = query as typeof pool.query;
+  }
 });
 
 test('/readyz makes at most one round trip per server per second, whatever the request rate', async () => {

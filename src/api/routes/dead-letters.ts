@@ -3,7 +3,7 @@ import type { Api, ApiOptions } from '../context.js';
 import { COMMON_PROBLEMS, problems } from '../context.js';
 import { replayDeadLetter } from '../../jobs/commands.js';
 import { listDeadLetters, type DeadLetterRecord } from '../../store/dead-letter-list.js';
-import { decodeCursor, DEFAULT_LIMIT, toPage } from '../cursor.js';
+import { decodeCursor, DEFAULT_LIMIT, readPage } from '../cursor.js';
 import { conflict, notFound } from '../problems.js';
 import { DeadLetter, IdParams, Page, PageQuery, RunCreated } from '../schemas.js';
 
@@ -46,12 +46,13 @@ export function deadLetterRoutes(app: Api, options: ApiOptions): void {
     },
     async (request) => {
       const limit = request.query.limit ?? DEFAULT_LIMIT;
-      const rows = await listDeadLetters(pool, {
-        before: decodeCursor(request.query.cursor),
-        open: request.query.open ?? null,
-        limit: limit + 1,
-      });
-      return toPage(rows, limit, deadLetterView);
+      const open = request.query.open ?? null;
+      return readPage(
+        (before, count) => listDeadLetters(pool, { before, open, limit: count }),
+        decodeCursor(request.query.cursor),
+        limit,
+        deadLetterView,
+      );
     },
   );
 

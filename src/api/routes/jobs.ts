@@ -4,11 +4,17 @@ import { commandOptions, COMMON_PROBLEMS, problems } from '../context.js';
 import { createJob, deleteJob, patchJob } from '../../jobs/commands.js';
 import { listJobs } from '../../store/jobs.js';
 import { compileJob, inputOf } from '../job-input.js';
-import { decodeCursor, DEFAULT_LIMIT, toPage } from '../cursor.js';
+import { decodeCursor, DEFAULT_LIMIT, readPage } from '../cursor.js';
 import { IdParams, Job, JobInput, JobPatch, Page, PageQuery } from '../schemas.js';
 import { jobView } from '../views.js';
 import { jobRef, requireJob } from './job-ref.js';
 import { notFound } from '../problems.js';
+
+/**
+ * Jobs a page reads from PostgreSQL at a time: each carries its target, up to the request body
+ * limit, so a page of 500 is read in steps and stops once its bytes are reached (api/cursor.ts).
+ */
+export const JOB_PAGE_CHUNK = 32;
 
 /** POST /jobs, GET /jobs, GET/PATCH/DELETE /jobs/{id}. */
 export function jobRoutes(app: Api, options: ApiOptions): void {
@@ -46,7 +52,9 @@ export function jobRoutes(app: Api, options: ApiOptions): void {
     async (request) => {
       const limit = request.query.limit ?? DEFAULT_LIMIT;
       const after = decodeCursor(request.query.cursor);
-      return toPage(await listJobs(pool, after, limit + 1), limit, view);
+      return readPage((from, count) => listJobs(pool, from, count), after, limit, view, {
+        chunk: JOB_PAGE_CHUNK,
+      });
     },
   );
 

@@ -1,7 +1,7 @@
 import type { Api, ApiOptions } from '../context.js';
 import { COMMON_PROBLEMS, problems } from '../context.js';
 import { findRun, listRunsOfJob } from '../../store/run-history.js';
-import { decodeCursor, DEFAULT_LIMIT, toPage } from '../cursor.js';
+import { decodeCursor, DEFAULT_LIMIT, readPage } from '../cursor.js';
 import { isUuid } from '../job-input.js';
 import { notFound } from '../problems.js';
 import { IdParams, Page, Run, RunDetail, RunsQuery } from '../schemas.js';
@@ -26,12 +26,13 @@ export function runRoutes(app: Api, options: ApiOptions): void {
     async (request) => {
       const job = await requireJob(pool, request.params.id);
       const limit = request.query.limit ?? DEFAULT_LIMIT;
-      const rows = await listRunsOfJob(pool, job.id, {
-        before: decodeCursor(request.query.cursor),
-        state: request.query.state ?? null,
-        limit: limit + 1,
-      });
-      return toPage(rows, limit, runView);
+      const state = request.query.state ?? null;
+      return readPage(
+        (before, count) => listRunsOfJob(pool, job.id, { before, state, limit: count }),
+        decodeCursor(request.query.cursor),
+        limit,
+        runView,
+      );
     },
   );
 
