@@ -1,6 +1,7 @@
 import type { FastifyError, FastifyReply, FastifyRequest } from 'fastify';
 import type { Logger } from '../observability/logger.js';
 import { toError } from '../errors.js';
+import { JobDeleteInterruptedError } from '../jobs/commands.js';
 import { DuplicateJobNameError } from '../store/jobs.js';
 
 /** One failing input field; `field` is a dotted path such as `target.url` or `limit`. */
@@ -73,6 +74,12 @@ const FASTIFY_ERRORS: Record<string, { status: number; slug: string; title: stri
 export function toProblem(error: unknown): ProblemError {
   if (error instanceof ProblemError) return error;
   if (error instanceof DuplicateJobNameError) return conflict('name', error.message);
+  if (error instanceof JobDeleteInterruptedError) {
+    // Answered as what stopped it, saying what had been written (its statements are its own).
+    const cause = toProblem(error.cause);
+    const detail = `${error.message}; the job and its other runs are as they were: send the delete again to finish it`;
+    return new ProblemError(cause.status, cause.slug, cause.title, detail, cause.errors, cause.headers);
+  }
   const e = error as Partial<FastifyError> & { validation?: ValidationIssue[]; code?: string };
   if (Array.isArray(e.validation)) {
     const part = e.validationContext ?? 'body';

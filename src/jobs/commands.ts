@@ -7,6 +7,7 @@ import { deadLetterState } from '../store/dead-letter-list.js';
 import { replayDeadLetter as requeueDeadLetter, type ReplayResult } from '../store/dead-letters.js';
 import { databaseClock, databaseNow } from '../store/dispatch.js';
 import {
+  deleteFinishedRuns,
   deleteJob as deleteJobRow,
   findJob,
   insertJob,
@@ -132,12 +133,56 @@ export async function createJob(db: Database, change: JobChange): Promise<JobRec
   });
 }
 
-/** Deletes a job with its runs (cascading). False when there was no such job. */
+/**
+ * Finished runs a job's delete removes per statement before it deletes the job: an every-second
+ * job kept 30 days has 2.6M of them, and one statement cascading them all (with their attempts)
+ * comes near the 30 s statement timeout while it holds every row.
+ */
+export const DELETE_HISTORY_BATCH = 10_000;
+
+/**
+ * A job's delete failed after some of its history was deleted: the job and its other runs are as
+ * they were. `cause` is what failed.
+ */
+export class JobDeleteInterruptedError extends Error {
+  constructor(
+    readonly runsDeleted: number,
+    options: { cause: unknown },
+  ) {
+    super(`the delete stopped after ${runsDeleted} finished runs of the job were deleted`, options);
+    this.name = 'JobDeleteInterruptedError';
+  }
+}
+
+/**
+ * Deletes a job with its runs. False when there was no such job. Its history goes first, in
+ * statements of {@link DELETE_HISTORY_BATCH} finished runs, each its own transaction; then the job
+ * row, in one transaction with what is left (its runs waiting or executing, and runs finished
+ * meanwhile), cascading. A job named by its name is deleted only if it still has that name then;
+ * if another job has taken the name meanwhile, that one is deleted the same way.
+ * @throws JobDeleteInterruptedError when it failed after deleting some history (the job stays).
+ */
 export async function deleteJob(db: Database, ref: JobRef): Promise<boolean> {
-  return inTransaction(db, async (client) => {
-    const job = await findJob(client, ref);
-    return job !== null && (await deleteJobRow(client, job.id));
-  });
+  let runsDeleted = 0;
+  try {
+    for (;;) {
+      const found = await findJob(db, ref);
+      if (!found) return false;
+      for (;;) {
+        const went = await inTransaction(db, (client) =>
+          deleteFinishedRuns(client, found.id, DELETE_HISTORY_BATCH),
+        );
+        runsDeleted += went ?? 0;
+        if (went === null || went < DELETE_HISTORY_BATCH) break;
+      }
+      const deleted = await inTransaction(db, (client) => deleteJobRow(client, found.id, ref.name ?? null));
+      // Not deleted: gone, or renamed (a job named by its name): look the name up again.
+      if (deleted || ref.id !== undefined) return deleted;
+    }
+  } catch (err) {
+    if (runsDeleted > 0) throw new JobDeleteInterruptedError(runsDeleted, { cause: err });
+    throw err;
+  }
 }
 
 /** What a trigger did: the new run, or why none was created. */

@@ -136,19 +136,50 @@ export async function listJobs(
   return rows;
 }
 
-/** Deletes job $1 (its runs, attempts and dead letters cascade). */
-const DELETE = `DELETE FROM jobs WHERE id = $1`;
+/**
+ * Deletes up to $2 finished runs of job $1, oldest occurrence first (their attempts and dead
+ * letters cascade), through the (job_id, scheduled_for) unique index. Skips what another statement
+ * holds; the state is checked again on each locked row, so a run a replay re-queued meanwhile stays.
+ */
+const DELETE_FINISHED_RUNS = `
+  DELETE FROM runs WHERE id IN (
+    SELECT id FROM runs
+    WHERE job_id = $1 AND state IN ('succeeded', 'failed', 'dead', 'skipped')
+    ORDER BY scheduled_for
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED)`;
 
 /**
- * True when a job was deleted. Inside the command's transaction, as one yielding try
+ * Deletes up to `limit` finished runs of a job, inside the caller's transaction. The job's row is
+ * locked first, as its delete locks it: a replay (which locks the job, then its dead letter, then
+ * the run) then waits for this batch or this batch for it, never each for the other's row. Null
+ * when the job is gone; else how many runs went.
+ */
+export async function deleteFinishedRuns(db: DbClient, jobId: string, limit: number): Promise<number | null> {
+  return lockYielding(db, async () => {
+    const job = await db.query(`SELECT 1 FROM jobs WHERE id = $1 FOR UPDATE`, [jobId]);
+    if (job.rowCount === 0) return null;
+    const { rowCount } = await db.query(DELETE_FINISHED_RUNS, [jobId, limit]);
+    return rowCount ?? 0;
+  });
+}
+
+/**
+ * Deletes job $1 (its runs, attempts and dead letters cascade), if it is still named $2 (NULL: any
+ * name): the name is checked again on the locked row.
+ */
+const DELETE = `DELETE FROM jobs WHERE id = $1 AND ($2::text IS NULL OR name = $2)`;
+
+/**
+ * True when the job was deleted (false when it was gone or renamed). Inside the command's transaction, as one yielding try
  * (lockYielding): the delete locks the job's row, then its cascade locks the runs in its plan's
  * order, and a worker's batch may hold one of them while it waits for another the cascade took
  * (or for one a writer finished while the batch waited for it: the batch keeps that row locked).
  * A try that waits too long lets go of all of it and starts again.
  */
-export async function deleteJob(db: DbClient, id: string): Promise<boolean> {
+export async function deleteJob(db: DbClient, id: string, name: string | null = null): Promise<boolean> {
   return lockYielding(db, async () => {
-    const { rowCount } = await db.query(DELETE, [id]);
+    const { rowCount } = await db.query(DELETE, [id, name]);
     return (rowCount ?? 0) > 0;
   });
 }

@@ -4,6 +4,7 @@ import { Registry } from 'prom-client';
 import { buildApiServer } from '../../src/api/server.js';
 import { MAX_PAGE_BYTES } from '../../src/api/cursor.js';
 import { JOB_PAGE_CHUNK } from '../../src/api/routes/jobs.js';
+import { DELETE_HISTORY_BATCH } from '../../src/jobs/commands.js';
 import { createLogger } from '../../src/observability/logger.js';
 import { jobBody, startTestApi, type TestApi } from '../support/api.js';
 
@@ -88,6 +89,78 @@ test('GET /jobs reads large jobs from PostgreSQL in chunks and stops once the pa
     assert.equal(new Set(names).size, 120, 'every job once, through the cursors');
   } finally {
     pool.query = query as typeof pool.query;
+  }
+});
+
+test('DELETE /jobs removes a long history in statements of a bounded size, then the job and the rest', async () => {
+  const ids: string[] = [];
+  for (const name of ['long-history', 'kept-history']) {
+    const created = await api.call('POST', '/api/v1/jobs', { body: jobBody(name, { enabled: false }) });
+    assert.equal(created.status, 201);
+    ids.push((created.body as { id: string }).id);
+  }
+  const [doomed, kept] = ids as [string, string];
+  const history = DELETE_HISTORY_BATCH * 2 + 500;
+  const db = api.db.pool;
+  // Finished runs with an attempt each, one dead run with an open dead letter and one queued run;
+  // the other job gets a few finished runs of its own.
+  await db.query(
+    `INSERT INTO runs (job_id, scheduled_for, state, attempt, max_attempts, target, timeout_ms, backoff_ms,
+                       backoff_multiplier, not_before, finished_at)
+     SELECT j.id, now() - s * interval '1 second', CASE WHEN s = 1 THEN 'dead' ELSE 'succeeded' END, 1, 1,
+            j.target, 1000, 0, 1, now() - s * interval '1 second', now()
+     FROM jobs j, generate_series(1, CASE WHEN j.id = $1 THEN $2::int ELSE 50 END) s WHERE j.id IN ($1, $3)`,
+    [doomed, history, kept],
+  );
+  await db.query(
+    `INSERT INTO runs (job_id, scheduled_for, state, max_attempts, target, timeout_ms, backoff_ms,
+                       backoff_multiplier, not_before)
+     SELECT id, now() + interval '1 hour', 'queued', 1, target, 1000, 0, 1, now() + interval '1 hour'
+     FROM jobs WHERE id = $1`,
+    [doomed],
+  );
+  await db.query(
+    `INSERT INTO run_attempts (run_id, attempt, node_id, finished_at, outcome)
+     SELECT id, 1, 'n1', now(), 'succeeded' FROM runs WHERE state <> 'queued'`,
+  );
+  await db.query(
+    `INSERT INTO dead_letters (run_id, job_id, attempt) SELECT id, job_id, 1 FROM runs WHERE state = 'dead'`,
+  );
+  // Counts the runs each statement deleted, cascades included (a cascade is one statement).
+  await db.query(`CREATE TABLE deleted_runs_per_statement (n int)`);
+  await db.query(`CREATE FUNCTION count_deleted_runs() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN INSERT INTO deleted_runs_per_statement SELECT count(*) FROM gone; RETURN NULL; END $$`);
+  await db.query(`CREATE TRIGGER count_deleted_runs AFTER DELETE ON runs REFERENCING OLD TABLE AS gone
+    FOR EACH STATEMENT EXECUTE FUNCTION count_deleted_runs()`);
+  try {
+    const deleted = await api.call('DELETE', `/api/v1/jobs/${doomed}`);
+    assert.equal(deleted.status, 204);
+    const { rows } = await db.query<{ n: number }>(`SELECT n FROM deleted_runs_per_statement WHERE n > 0`);
+    const perStatement = rows.map((r) => r.n);
+    assert.equal(
+      perStatement.reduce((a, b) => a + b, 0),
+      history + 1,
+      'every run of the job was deleted, once',
+    );
+    assert.ok(
+      perStatement.every((n) => n <= DELETE_HISTORY_BATCH),
+      `runs deleted per statement: ${perStatement.join(', ')}`,
+    );
+    const left = await db.query<{ runs: number; letters: number; job: number }>(
+      `SELECT (SELECT count(*) FROM runs WHERE job_id = $1)::int AS runs,
+              (SELECT count(*) FROM dead_letters WHERE job_id = $1)::int AS letters,
+              (SELECT count(*) FROM jobs WHERE id = $1)::int AS job`,
+      [doomed],
+    );
+    assert.deepEqual(left.rows[0], { runs: 0, letters: 0, job: 0 });
+    const other = await db.query<{ n: number }>(`SELECT count(*)::int AS n FROM runs WHERE job_id = $1`, [
+      kept,
+    ]);
+    assert.equal(other.rows[0]!.n, 50, "the other job's history stays");
+    assert.equal((await api.call('DELETE', `/api/v1/jobs/${doomed}`)).status, 404);
+  } finally {
+    await db.query(`DROP TRIGGER count_deleted_runs ON runs`);
+    await db.query(`DROP FUNCTION count_deleted_runs(); DROP TABLE deleted_runs_per_statement`);
   }
 });
 
