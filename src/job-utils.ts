@@ -70,7 +70,7 @@ export class JobUtils {
     const job = await patchJob(
       this.db,
       jobRef(idOrName),
-      (current) => compileJob({ ...inputOf(current), ...valid }, this.rules, current.target),
+      (current) => compileJob({ ...inputOf(current), ...valid }, this.rules, current),
       this.commands,
     );
     if (!job) throw notFound(`job "${idOrName}"`);

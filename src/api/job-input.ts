@@ -1,9 +1,11 @@
+import { isDeepStrictEqual } from 'node:util';
 import { InvalidCronError, parseCron, type CronSchedule } from '../scheduling/cron.js';
 import { checkTargetUrl, type TargetPolicy } from '../security/target-policy.js';
 import { REDACTED } from '../security/sensitive-headers.js';
 import { headerProblem, isReservedHeader } from '../security/http-headers.js';
 import { isUuid, type StoredTarget } from '../model.js';
 import type { JobFields, JobRecord } from '../store/jobs.js';
+import { MAX_INSERT_BYTES, RUN_ROW_BYTES } from '../store/dispatch.js';
 import { badRequest, type FieldError } from './problems.js';
 import { JOB_DEFAULTS, type JobInput } from './schemas.js';
 
@@ -22,6 +24,22 @@ const unstorable = (text: string) => text.includes('\u0000') || LONE_SURROGATE.t
 /** Largest JSON-encoded `target.body`, and its deepest nesting (PostgreSQL's jsonb parser recurses). */
 const MAX_BODY_BYTES = 65_536;
 const MAX_BODY_DEPTH = 32;
+
+/**
+ * Most bytes a `fire-all` catch-up may write, counting each run's copy of the job's target (as
+ * JSON text, which is never smaller than what PostgreSQL stores): two of the dispatcher's 16 MiB
+ * statements. A catch-up goes whole in one dispatch pass while on-time jobs wait for it, and
+ * 10,000 runs of a 250 KiB target would be 2.5 GB: minutes of inserts.
+ */
+export const MAX_CATCH_UP_BYTES = 2 * MAX_INSERT_BYTES;
+
+/**
+ * The most occurrences a `fire-all` job may catch up when its target takes `targetBytes` as
+ * JSON: a 400 on `maxCatchUp` past it.
+ */
+export function maxCatchUpFor(targetBytes: number): number {
+  return Math.max(1, Math.floor(MAX_CATCH_UP_BYTES / (RUN_ROW_BYTES + targetBytes)));
+}
 
 /** Nesting depth of a JSON value, counted without recursion and given up past `max`. */
 function depthExceeds(value: unknown, max: number): boolean {
@@ -118,13 +136,15 @@ function checkHeaders(
 
 /**
  * Checks what the schema cannot (cron, zone, URL and target policy, headers) and fills defaults.
- * `stored` is the job's current target on an update, for "***" header values.
+ * `current` is the job as stored, on an update: its target for "***" header values, and its
+ * catch-up bound, which an update that keeps target, misfire and maxCatchUp as they are does not
+ * check again (a job stored before the bound may still be paused or renamed).
  * @throws ProblemError (400) listing every failing field.
  */
 export function compileJob(
   input: JobInput,
   rules: JobRules,
-  stored?: StoredTarget,
+  current?: Pick<JobRecord, 'target' | 'misfire' | 'maxCatchUp'>,
 ): { fields: Omit<JobFields, 'nextRunAt'>; schedule: CronSchedule } {
   const errors: FieldError[] = [];
   // The body is checked on its own (bounded depth first); everything else has a fixed shape.
@@ -142,20 +162,38 @@ export function compileJob(
   }
   const urlProblem = checkTargetUrl(input.target.url, rules.targetPolicy);
   if (urlProblem) errors.push({ field: 'target.url', message: urlProblem });
-  const headers = checkHeaders(input.target.headers ?? {}, input.target.url, rules, stored, errors);
+  const headers = checkHeaders(input.target.headers ?? {}, input.target.url, rules, current?.target, errors);
   const method =
     input.target.method ?? (body === undefined ? JOB_DEFAULTS.method : JOB_DEFAULTS.methodWithBody);
   checkBody(body, method, errors);
-  if (errors.length > 0 || !schedule) throw badRequest(errors);
-
   const target: StoredTarget = {
     // Stored as parsed (lower-case host, default port dropped, path and query percent-encoded):
     // what is shown and what the worker connects to are then the same string.
-    url: new URL(input.target.url).href,
+    url: urlProblem ? input.target.url : new URL(input.target.url).href,
     method,
     headers,
     ...(body !== undefined ? { body } : {}),
   };
+  const misfire = input.misfire ?? JOB_DEFAULTS.misfire;
+  const maxCatchUp = input.maxCatchUp ?? JOB_DEFAULTS.maxCatchUp;
+  const catchUpKept =
+    current !== undefined &&
+    current.misfire === misfire &&
+    current.maxCatchUp === maxCatchUp &&
+    isDeepStrictEqual(current.target, target);
+  if (misfire === 'fire-all' && !catchUpKept) {
+    // Measured as stored, so an update that keeps the target measures what its create measured.
+    const targetBytes = Buffer.byteLength(JSON.stringify(target));
+    const fits = maxCatchUpFor(targetBytes);
+    if (maxCatchUp > fits) {
+      errors.push({
+        field: 'maxCatchUp',
+        message: `with fire-all and a target of ${Math.ceil(targetBytes / 1024)} KiB, at most ${fits} (each run keeps a copy of the target, and a catch-up may write ${MAX_CATCH_UP_BYTES / 1024 / 1024} MiB)`,
+      });
+    }
+  }
+  if (errors.length > 0 || !schedule) throw badRequest(errors);
+
   const retry = { ...JOB_DEFAULTS.retry, ...input.retry };
   const fields = {
     name: input.name,
@@ -167,8 +205,8 @@ export function compileJob(
     backoffMs: retry.backoffMs,
     backoffMultiplier: retry.backoffMultiplier,
     concurrency: input.concurrency ?? JOB_DEFAULTS.concurrency,
-    misfire: input.misfire ?? JOB_DEFAULTS.misfire,
-    maxCatchUp: input.maxCatchUp ?? JOB_DEFAULTS.maxCatchUp,
+    misfire,
+    maxCatchUp,
     enabled: input.enabled ?? JOB_DEFAULTS.enabled,
   };
   return { fields, schedule };

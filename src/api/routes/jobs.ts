@@ -88,7 +88,7 @@ export function jobRoutes(app: Api, options: ApiOptions): void {
       const job = await patchJob(
         pool,
         jobRef(request.params.id),
-        (current) => compileJob({ ...inputOf(current), ...request.body }, options, current.target),
+        (current) => compileJob({ ...inputOf(current), ...request.body }, options, current),
         commands,
       );
       if (!job) throw notFound(`job "${request.params.id}"`);
