@@ -31,6 +31,11 @@ type UncheckedBody = Readonly<Record<string, unknown>>;
 
 const seg = (value: string) => encodeURIComponent(value);
 
+/** How long the CLI waits for an answer before it calls the API unreachable. */
+const REQUEST_TIMEOUT_MS = 30_000;
+/** A job's delete removes its history first, 10,000 runs a statement: give it ten minutes. */
+const DELETE_TIMEOUT_MS = 600_000;
+
 /**
  * A small typed JSON client of /api/v1, used by the CLI and exported by the programmatic API:
  * bearer token, problem bodies become ApiError. A job is named by its id or its name.
@@ -52,7 +57,8 @@ export class ApiClient {
     return this.request<Job>('PATCH', `/jobs/${seg(ref)}`, patch);
   }
   async deleteJob(ref: string): Promise<void> {
-    await this.request('DELETE', `/jobs/${seg(ref)}`);
+    // A job with a long history takes its time: 2M finished runs ≈ 40 s (docs/api.md, Jobs).
+    await this.request('DELETE', `/jobs/${seg(ref)}`, undefined, DELETE_TIMEOUT_MS);
   }
   triggerJob(ref: string): Promise<{ runId: string }> {
     return this.request<{ runId: string }>('POST', `/jobs/${seg(ref)}/trigger`);
@@ -81,7 +87,7 @@ export class ApiClient {
     return this.request<Cluster>('GET', '/cluster');
   }
 
-  async request<T>(method: string, path: string, body?: unknown): Promise<T> {
+  async request<T>(method: string, path: string, body?: unknown, timeoutMs = REQUEST_TIMEOUT_MS): Promise<T> {
     // x-helios-client: an API without tokens takes writes only with a header a cross-site page
     // cannot send without a CORS preflight (a bodiless POST has no content-type to show).
     const headers: Record<string, string> = { accept: 'application/json', 'x-helios-client': 'cli' };
@@ -93,7 +99,7 @@ export class ApiClient {
         method,
         headers,
         body: body === undefined ? undefined : JSON.stringify(body),
-        signal: AbortSignal.timeout(30_000),
+        signal: AbortSignal.timeout(timeoutMs),
       });
     } catch (err) {
       const cause = err instanceof Error && err.cause instanceof Error ? `: ${err.cause.message}` : '';

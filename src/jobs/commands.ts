@@ -168,12 +168,16 @@ export async function deleteJob(db: Database, ref: JobRef): Promise<boolean> {
     for (;;) {
       const found = await findJob(db, ref);
       if (!found) return false;
+      // Each batch starts after the last one's occurrence; runs that finish behind it meanwhile go
+      // with the job.
+      let after: Date | null = null;
       for (;;) {
-        const went = await inTransaction(db, (client) =>
-          deleteFinishedRuns(client, found.id, DELETE_HISTORY_BATCH),
+        const batch = await inTransaction(db, (client) =>
+          deleteFinishedRuns(client, found.id, DELETE_HISTORY_BATCH, after),
         );
-        runsDeleted += went ?? 0;
-        if (went === null || went < DELETE_HISTORY_BATCH) break;
+        runsDeleted += batch?.deleted ?? 0;
+        if (batch === null || batch.deleted < DELETE_HISTORY_BATCH) break;
+        after = batch.last;
       }
       const deleted = await inTransaction(db, (client) => deleteJobRow(client, found.id, ref.name ?? null));
       // Not deleted: gone, or renamed (a job named by its name): look the name up again.

@@ -137,30 +137,49 @@ export async function listJobs(
 }
 
 /**
- * Deletes up to $2 finished runs of job $1, oldest occurrence first (their attempts and dead
- * letters cascade), through the (job_id, scheduled_for) unique index. Skips what another statement
- * holds; the state is checked again on each locked row, so a run a replay re-queued meanwhile stays.
+ * Deletes up to $2 finished runs of job $1 due after $3 (NULL: from the first), oldest occurrence
+ * first (their attempts and dead letters cascade); returns how many went and the last one's
+ * occurrence, where the next batch starts. Starting each batch at the start of the job's runs
+ * instead walked the index entries of every batch before it (2M runs: 43 s instead of 29). The
+ * ids come from the (job_id, scheduled_for) unique index and the delete looks them up by primary
+ * key: written as `id IN (subquery)`, the planner hashed the batch and scanned all of `runs` for
+ * each one. The state is checked again on each row the delete locks, so a run a replay re-queued
+ * meanwhile stays.
  */
 const DELETE_FINISHED_RUNS = `
-  DELETE FROM runs WHERE id IN (
-    SELECT id FROM runs
-    WHERE job_id = $1 AND state IN ('succeeded', 'failed', 'dead', 'skipped')
-    ORDER BY scheduled_for
-    LIMIT $2
-    FOR UPDATE SKIP LOCKED)`;
+  WITH gone AS (
+    DELETE FROM runs
+    WHERE id = ANY (ARRAY(
+        SELECT id FROM runs
+        WHERE job_id = $1 AND ($3::timestamptz IS NULL OR scheduled_for > $3)
+          AND state IN ('succeeded', 'failed', 'dead', 'skipped')
+        ORDER BY scheduled_for
+        LIMIT $2))
+      AND state IN ('succeeded', 'failed', 'dead', 'skipped')
+    RETURNING scheduled_for)
+  SELECT count(*)::int AS deleted, max(scheduled_for) AS last FROM gone`;
 
 /**
- * Deletes up to `limit` finished runs of a job, inside the caller's transaction. The job's row is
- * locked first, as its delete locks it: a replay (which locks the job, then its dead letter, then
- * the run) then waits for this batch or this batch for it, never each for the other's row. Null
- * when the job is gone; else how many runs went.
+ * Deletes up to `limit` finished runs of a job due after `after`, inside the caller's transaction
+ * (see DELETE_FINISHED_RUNS). The job's row is locked first, as its delete locks it: a replay
+ * (which locks the job, then its dead letter, then the run) then waits for this batch or this
+ * batch for it, never each for the other's row. Null when the job is gone.
  */
-export async function deleteFinishedRuns(db: DbClient, jobId: string, limit: number): Promise<number | null> {
+export async function deleteFinishedRuns(
+  db: DbClient,
+  jobId: string,
+  limit: number,
+  after: Date | null,
+): Promise<{ deleted: number; last: Date | null } | null> {
   return lockYielding(db, async () => {
     const job = await db.query(`SELECT 1 FROM jobs WHERE id = $1 FOR UPDATE`, [jobId]);
     if (job.rowCount === 0) return null;
-    const { rowCount } = await db.query(DELETE_FINISHED_RUNS, [jobId, limit]);
-    return rowCount ?? 0;
+    const { rows } = await db.query<{ deleted: number; last: Date | null }>(DELETE_FINISHED_RUNS, [
+      jobId,
+      limit,
+      after,
+    ]);
+    return rows[0]!;
   });
 }
 
