@@ -139,12 +139,12 @@ export async function listJobs(
 /**
  * Deletes up to $2 finished runs of job $1 due after $3 (NULL: from the first), oldest occurrence
  * first (their attempts and dead letters cascade); returns how many went and the last one's
- * occurrence, where the next batch starts. Starting each batch at the start of the job's runs
- * instead walked the index entries of every batch before it (2M runs: 43 s instead of 29). The
- * ids come from the (job_id, scheduled_for) unique index and the delete looks them up by primary
- * key: written as `id IN (subquery)`, the planner hashed the batch and scanned all of `runs` for
- * each one. The state is checked again on each row the delete locks, so a run a replay re-queued
- * meanwhile stays.
+ * occurrence, where the next batch starts (rather than walking again the index entries of every
+ * batch before it). The ids come from the (job_id, scheduled_for) unique index and the delete looks
+ * them up by primary key (written as `id IN (subquery)`, the planner hashed the batch against a
+ * scan of all of `runs`). The state is checked again on each row the delete locks, so a run a
+ * replay re-queued meanwhile stays. A batch of 10,000 runs with an attempt each takes ≈165 ms,
+ * most of it the cascades' per-row triggers.
  */
 const DELETE_FINISHED_RUNS = `
   WITH gone AS (
