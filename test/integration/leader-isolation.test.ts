@@ -5,9 +5,14 @@ import { integrationFixture, type IntegrationFixture } from '../support/fixture.
 import { scrapeMetrics } from '../support/metrics.js';
 
 // Issue 13, leader work isolated: a herd of failing calls settling on one node must not starve
-// the leader's dispatch on that same node. The node's pool is made small and its worker wide, so
-// without isolation the herd's settle writes (each failure writes its retry or dead letter and an
-// outbox row) hold every connection and the dispatcher waits seconds for one.
+// the leader's dispatch on that same node. The node's pool is made small and its worker wide.
+// When this test was written each failure was its own transaction, and without isolation the
+// herd's writes held every connection while the dispatcher waited seconds for one. Failures are
+// written in batches since 6b885f2, and the herd now ends ≈3 s after it began: on 2026-12-06 this
+// test passed with the dispatcher moved to the node's pool and the worker allowed all 4 of its
+// connections, and again with every worker statement on runs made 300 ms slower (a trigger). So
+// it checks that a failing herd on the leader's node costs no misfire; it no longer shows that
+// the isolation is what prevents one.
 const POOL_SIZE = 4;
 const WORKER_CONCURRENCY = 500;
 /** The defaults: runs are created 5 s ahead, and an occurrence found 5 s late is a misfire. */
@@ -15,8 +20,8 @@ const MISFIRE_THRESHOLD_MS = 5000;
 const LOOKAHEAD_MS = 5000;
 const FAILING_RUNS = 2000;
 const HEALTHY_JOBS = 10;
-/** Seconds of every-second occurrences checked, from one second before the burst. */
-const WINDOW_S = 40;
+/** Seconds of every-second occurrences checked, from one second before the burst (the burst's calls end ≈3 s after it). */
+const WINDOW_S = 15;
 
 let fx: IntegrationFixture;
 let apiUrl: string;
@@ -87,9 +92,9 @@ test('a burst of 2,000 failing calls on the leader does not delay dispatch of ot
     250,
   );
   const windowS = WINDOW_S;
-  const failedCalls = fx.target.requests.filter(
-    (r) => r.path === '/fail' && r.arrivedAt < windowTo.getTime(),
-  ).length;
+  const failing = fx.target.requests.filter((r) => r.path === '/fail' && r.arrivedAt < windowTo.getTime());
+  const failedCalls = failing.length;
+  const lastFailS = (Math.max(...failing.map((r) => r.arrivedAt)) - burstAt.getTime()) / 1000;
 
   const { rows } = await fx.db.pool.query<{
     scheduledFor: Date;
@@ -106,7 +111,7 @@ test('a burst of 2,000 failing calls on the leader does not delay dispatch of ot
   const metrics = await scrapeMetrics(apiUrl);
   const startLate = rows.flatMap((r) => (r.startLateMs === null ? [] : [r.startLateMs]));
   console.log(
-    `# ${failedCalls} failing calls in ${windowS} s; healthy occurrences ${rows.length}/${HEALTHY_JOBS * windowS}; ` +
+    `# ${failedCalls} failing calls in ${windowS} s, the last ${lastFailS.toFixed(1)} s after the burst; healthy occurrences ${rows.length}/${HEALTHY_JOBS * windowS}; ` +
       `dispatch lateness max ${Math.round(Math.max(...rows.map((r) => r.lateMs)))} ms ` +
       `(-${LOOKAHEAD_MS} when created as early as the lookahead); ` +
       `start lateness p50 ${Math.round(percentile(startLate, 50))} ms, p99 ${Math.round(percentile(startLate, 99))} ms; ` +
