@@ -1,6 +1,7 @@
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
 import { toProblem } from '../../src/api/problems.js';
+import { JobDeleteInterruptedError } from '../../src/jobs/commands.js';
 
 // PostgreSQL rolls a whole transaction back on these codes, so the request wrote nothing and may
 // be tried again: a 409 the caller can act on, not a 500.
@@ -14,4 +15,20 @@ test('a deadlock, a serialization failure and a lock wait given up are a 409 con
 
 test('another PostgreSQL error is still a 500', () => {
   assert.equal(toProblem(Object.assign(new Error('x'), { code: '42P01' })).status, 500);
+});
+
+test("a job's delete stopped after some of its history went says so, never that nothing was written", () => {
+  const stopped = new JobDeleteInterruptedError(20_000, {
+    cause: Object.assign(new Error('from PostgreSQL'), { code: '55P03' }),
+  });
+  const problem = toProblem(stopped);
+  assert.equal(problem.status, 409);
+  assert.equal(problem.slug, 'concurrent-change');
+  assert.match(problem.detail ?? '', /after 20000 finished runs of the job were deleted/);
+  assert.match(problem.detail ?? '', /send the delete again/);
+  assert.doesNotMatch(problem.detail ?? '', /nothing was written/);
+  // Whatever stopped it keeps its own status.
+  const failed = toProblem(new JobDeleteInterruptedError(1, { cause: new Error('socket hang up') }));
+  assert.equal(failed.status, 500);
+  assert.match(failed.detail ?? '', /after 1 finished runs/);
 });
