@@ -10,7 +10,8 @@ import { scrapeMetrics } from '../support/metrics.js';
 // herd's writes held every connection while the dispatcher waited seconds for one. Failures are
 // written in batches since 6b885f2, and the herd now ends ≈3 s after it began: on 2026-12-06 this
 // test passed with the dispatcher moved to the node's pool and no gate in front of the worker
-// (PoolShare), and with every worker statement on runs made 300 ms slower (a trigger). So
+// (PoolShare), and, with the worker's gate at all 4 connections, with every worker statement on
+// runs made 300 ms slower (a trigger). So
 // it checks that a failing herd on the leader's node costs no misfire; it no longer shows that
 // the isolation is what prevents one.
 const POOL_SIZE = 4;
