@@ -46,6 +46,22 @@ const LOG_LEVELS = ['fatal', 'error', 'warn', 'info', 'debug', 'trace', 'silent'
  */
 export const DEFAULT_WORKER_CONCURRENCY = 64;
 
+/**
+ * Cron occurrences fall on whole seconds, and so do the calls they make. The leader dispatches runs
+ * a lookahead before they are due: with a whole number of seconds, the dispatch of a later second
+ * (and its announcements, and the workers taking them in) lands on the very millisecond of this
+ * second's calls. Half a second more puts it between two seconds' calls: at 500 every-second
+ * runs/s on two cores, p99 lateness 100 and 104 ms against 139–150 ms (p50 47–49 against 58–68)
+ * for the same CPU per run (docs/performance.md, 2026-12-06).
+ */
+export const DEFAULT_DISPATCH_LOOKAHEAD_MS = 5500;
+/**
+ * HELIOS_CLAIM_LEAD_MS's default. 1500 (the claims of the next second half a second into this one)
+ * lowered lateness at 500 runs/s further, but completed fewer runs at an offered 5,000/s (3,456 and
+ * 3,933 against 4,362 and 4,857 runs/s), so it stays 1000 (docs/performance.md, 2026-12-06).
+ */
+export const DEFAULT_CLAIM_LEAD_MS = 1000;
+
 /** Validates and freezes the configuration; throws ConfigError naming the first bad variable. */
 export function loadConfig(env: Env = process.env): HeliosConfig {
   const leader = leaderConfig(env);
@@ -184,7 +200,7 @@ function leaderConfig(env: Env): LeaderConfig {
   return Object.freeze({
     leaseTtlMs,
     safetyMarginMs,
-    lookaheadMs: int(env, 'HELIOS_DISPATCH_LOOKAHEAD_MS', 5000, 0, 60_000),
+    lookaheadMs: int(env, 'HELIOS_DISPATCH_LOOKAHEAD_MS', DEFAULT_DISPATCH_LOOKAHEAD_MS, 0, 60_000),
     misfireThresholdMs: int(env, 'HELIOS_MISFIRE_THRESHOLD_MS', 5000, 0, 86_400_000),
     batchSize: int(env, 'HELIOS_DISPATCH_BATCH', 500, 1, 10_000),
     poolSize: int(env, 'HELIOS_LEADER_POOL_SIZE', 5, 1, 100),
@@ -206,7 +222,7 @@ function workerConfig(env: Env, databasePoolSize: number): WorkerConfig {
     prefetch: int(env, 'HELIOS_WORKER_PREFETCH', 5000, 1, 100_000),
     claimGraceMs: int(env, 'HELIOS_CLAIM_GRACE_MS', 5000, 100, 3_600_000),
     skewToleranceMs: int(env, 'HELIOS_CLOCK_SKEW_TOLERANCE_MS', 10, 0, 10_000),
-    claimLeadMs: int(env, 'HELIOS_CLAIM_LEAD_MS', 1000, 0, 10_000),
+    claimLeadMs: int(env, 'HELIOS_CLAIM_LEAD_MS', DEFAULT_CLAIM_LEAD_MS, 0, 10_000),
     pollIntervalMs: int(env, 'HELIOS_POLL_INTERVAL_MS', 1000, 50, 600_000),
     pollOverdueMs: int(env, 'HELIOS_POLL_OVERDUE_MS', 2000, 0, 3_600_000),
     claimCheckIntervalMs: int(env, 'HELIOS_CLAIM_CHECK_INTERVAL_MS', 1000, 50, 600_000),

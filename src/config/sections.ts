@@ -100,8 +100,9 @@ export interface LeaderConfig {
   readonly safetyMarginMs: number;
   /**
    * HELIOS_DISPATCH_LOOKAHEAD_MS: runs are created (and published) up to this long before they are
-   * due, so workers hold them and fire on time; default 5000, enough to create a herd of 10,000
-   * jobs due in the same second before it is due on 2 cores. An edit of a job through the API
+   * due, so workers hold them and fire on time; default 5500, enough to create a herd of 10,000
+   * jobs due in the same second before it is due on 2 cores, and half a second off the whole seconds
+   * occurrences fall on (DEFAULT_DISPATCH_LOOKAHEAD_MS in config/index.ts). An edit of a job through the API
    * withdraws its runs created ahead (see PATCH /jobs/{id}).
    */
   readonly lookaheadMs: number;

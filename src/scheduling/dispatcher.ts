@@ -26,7 +26,7 @@ export interface DispatcherOptions {
   readonly leadership: Leadership;
   readonly notifications: Notifications;
   readonly runsTopic: string;
-  /** Runs are created this long before they are due (HELIOS_DISPATCH_LOOKAHEAD_MS, default 5000). */
+  /** Runs are created this long before they are due (HELIOS_DISPATCH_LOOKAHEAD_MS, default 5500). */
   readonly lookaheadMs: number;
   /** Jobs per dispatch transaction (HELIOS_DISPATCH_BATCH, default 500). */
   readonly batchSize: number;

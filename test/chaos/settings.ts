@@ -2,6 +2,7 @@
  * What the chaos checker accepts, shared by the chaos run (run.ts) and the live checker test
  * (checker-live.test.ts), so both judge by the same bounds.
  */
+import { DEFAULT_CLAIM_LEAD_MS, DEFAULT_DISPATCH_LOOKAHEAD_MS } from '../../src/config/index.js';
 import type { Settings } from './observations.js';
 
 /** The nodes' leader lease TTL (HELIOS_LEASE_TTL_MS, the default). */
@@ -9,7 +10,7 @@ export const TTL_MS = 3000;
 /** The nodes' HELIOS_CLAIM_GRACE_MS. */
 export const CLAIM_GRACE_MS = 3000;
 /** The nodes' HELIOS_CLAIM_LEAD_MS (the default's value). */
-export const CLAIM_LEAD_MS = 1000;
+export const CLAIM_LEAD_MS = DEFAULT_CLAIM_LEAD_MS;
 /** The nodes' HELIOS_REAPER_INTERVAL_MS (the default). */
 export const REAPER_INTERVAL_MS = 1000;
 
@@ -22,7 +23,7 @@ export const REAPER_INTERVAL_MS = 1000;
 export function chaosSettings(settleMs: number): Settings {
   return {
     misfireThresholdMs: 5000,
-    lookaheadMs: 5000,
+    lookaheadMs: DEFAULT_DISPATCH_LOOKAHEAD_MS,
     claimGraceMs: CLAIM_GRACE_MS,
     claimLeadMs: CLAIM_LEAD_MS,
     reaperIntervalMs: REAPER_INTERVAL_MS,

@@ -4,6 +4,7 @@
 // every older late job and was planned again by the misfire rule from a later cutoff: both tests
 // failed there (occurrences of the first plan lost; on-time occurrences dropped).
 import assert from 'node:assert/strict';
+import { DEFAULT_DISPATCH_LOOKAHEAD_MS } from '../../src/config/index.js';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { after, before, test } from 'node:test';
 import { waitFor } from '../support/execution.js';
@@ -77,7 +78,7 @@ async function probeReport(probe: string) {
     [probe],
   );
   const firstPass = runs[0]!.createdAt.getTime();
-  const horizon = firstPass + 5000; // the default lookahead
+  const horizon = firstPass + DEFAULT_DISPATCH_LOOKAHEAD_MS;
   const have = new Set(runs.map((r) => r.at.getTime()));
   const missing: string[] = [];
   for (let t = runs[0]!.at.getTime(); t <= horizon; t += 1000)

@@ -15,7 +15,7 @@ import { startTogether } from '../support/start-together.js';
 //
 // The survivor consumes another topic, so it can only reach these runs through the polling
 // fallback, the worst case: in the same consumer group it could only get them sooner, from Kafka.
-// The settings are the defaults (poll every 1 s, 2 s overdue, 5 s lookahead).
+// The settings are the defaults (poll every 1 s, 2 s overdue, 5.5 s lookahead).
 
 const POLL_OVERDUE_MS = 2000;
 const POLL_INTERVAL_MS = 1000;

@@ -16,7 +16,7 @@ import { FaultProxy } from '../support/fault-proxy.js';
 // alone keeps its etcd lease, so etcd never replaces it. Its dispatcher commits nothing; after
 // HELIOS_LEADER_STALL_MS it probes PostgreSQL on a new connection, and when that fails too it
 // steps down, so that the node that can reach the database leads. With the default lookahead
-// (5 s), misfire threshold (5 s) and stall limit (4 s) no occurrence misfires meanwhile, which a
+// (5.5 s), misfire threshold (5 s) and stall limit (4 s) no occurrence misfires meanwhile, which a
 // misfire `skip` job shows: a missed occurrence would leave no run at all.
 
 let fixture: IntegrationFixture;

@@ -1,4 +1,5 @@
 import assert from 'node:assert/strict';
+import { DEFAULT_DISPATCH_LOOKAHEAD_MS } from '../../src/config/index.js';
 import { after, before, test } from 'node:test';
 import { nextWholeSecond, oncePerMinuteAt, percentile, waitFor } from '../support/execution.js';
 import { integrationFixture, type IntegrationFixture } from '../support/fixture.js';
@@ -16,9 +17,9 @@ import { scrapeMetrics } from '../support/metrics.js';
 // the isolation is what prevents one.
 const POOL_SIZE = 4;
 const WORKER_CONCURRENCY = 500;
-/** The defaults: runs are created 5 s ahead, and an occurrence found 5 s late is a misfire. */
+/** The defaults: runs are created 5.5 s ahead, and an occurrence found 5 s late is a misfire. */
 const MISFIRE_THRESHOLD_MS = 5000;
-const LOOKAHEAD_MS = 5000;
+const LOOKAHEAD_MS = DEFAULT_DISPATCH_LOOKAHEAD_MS;
 const FAILING_RUNS = 2000;
 const HEALTHY_JOBS = 10;
 /** Seconds of every-second occurrences checked, from one second before the burst (the burst's calls end ≈3 s after it). */

@@ -26,7 +26,7 @@ test('the worker and leader sections have documented defaults', () => {
   assert.deepEqual(config.leader, {
     leaseTtlMs: 3000,
     safetyMarginMs: 500,
-    lookaheadMs: 5000,
+    lookaheadMs: 5500,
     misfireThresholdMs: 5000,
     batchSize: 500,
     poolSize: 5,
