@@ -60,6 +60,9 @@ const DISABLE_FENCE = `
   CREATE TRIGGER checker_live_fence_off BEFORE UPDATE ON leader_fence
     FOR EACH ROW EXECUTE FUNCTION checker_live_fence_off()`;
 
+/** The nodes' HELIOS_DISPATCH_LOOKAHEAD_MS here (see pausedLeaderScenario). */
+const LOOKAHEAD_MS = 5000;
+
 /** Runs created under one epoch. $1 = token. */
 const RUNS_OF_EPOCH = 'SELECT count(*)::int AS n FROM runs WHERE created_epoch = $1';
 
@@ -76,7 +79,14 @@ async function pausedLeaderScenario(fence: 'intact' | 'disabled'): Promise<Findi
     databaseUrl: db.url,
     etcdPrefix: `/helios-test/${uniqueId()}`,
     topic: `helios.test.${uniqueId()}`,
-    extra: { HELIOS_CLAIM_GRACE_MS: String(CLAIM_GRACE_MS), HELIOS_CLAIM_LEAD_MS: String(CLAIM_LEAD_MS) },
+    extra: {
+      HELIOS_CLAIM_GRACE_MS: String(CLAIM_GRACE_MS),
+      HELIOS_CLAIM_LEAD_MS: String(CLAIM_LEAD_MS),
+      // The lookahead this scenario was written with. With the default 5.5 s, A's write after its
+      // resume created no run in 2 of 2 runs (2026-12-06), so the disabled fence had nothing to let
+      // through and the checker nothing to find; why was not found.
+      HELIOS_DISPATCH_LOOKAHEAD_MS: String(LOOKAHEAD_MS),
+    },
   };
   const target = new TargetServer(targetBehaviour(new Set()));
   const processes: ManagedProcess[] = [];
@@ -153,7 +163,7 @@ async function pausedLeaderScenario(fence: 'intact' | 'disabled'): Promise<Findi
       faults: [fault],
       processes,
       ops: nemesis.ops,
-      settings: chaosSettings(4000),
+      settings: { ...chaosSettings(4000), lookaheadMs: LOOKAHEAD_MS },
     });
   } finally {
     await stopAll(processes);
