@@ -34,6 +34,7 @@ import { deciles, machine, max, median, ms, percentile } from './lib/stats.js';
 import { envArgs } from './lib/args.js';
 import { HERD_SETTLE_MS } from './lib/herd-rounds.js';
 import type { RecordingTarget } from './lib/target.js';
+import { DEFAULT_DISPATCH_LOOKAHEAD_MS } from '../src/config/index.js';
 
 /** The first herd of a run, on freshly started nodes. */
 export interface ColdHerd {
@@ -154,7 +155,7 @@ function onceADayAt(at: Date): string {
 
 /**
  * Inserts `jobs` jobs named `${prefix}-n`, due at one whole second; returns that instant (ms).
- * Far enough ahead that the insert is done before the dispatcher looks (the lookahead, 5 s by
+ * Far enough ahead that the insert is done before the dispatcher looks (the lookahead, 5.5 s by
  * default, before due).
  */
 async function insertHerd(cluster: BenchCluster, jobs: number, prefix: string, lookaheadMs: number) {
@@ -199,7 +200,7 @@ export async function herdOnce(
   const untilRecorded = new CpuMeter(cluster.cpuGroups());
   let cpuReport = '';
   try {
-    const lookaheadMs = Number(options.env?.HELIOS_DISPATCH_LOOKAHEAD_MS ?? 5000);
+    const lookaheadMs = Number(options.env?.HELIOS_DISPATCH_LOOKAHEAD_MS ?? DEFAULT_DISPATCH_LOOKAHEAD_MS);
     // Cold: the first herd these processes see, JIT warm-up included. Its jobs fire once a day,
     // so they stay out of the warm herd.
     const coldDue = await insertHerd(cluster, jobs, 'cold', lookaheadMs);

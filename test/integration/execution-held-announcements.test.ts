@@ -62,7 +62,7 @@ test(
       schedule: '* * * * * *',
       target: { url: `${fixture.target.url}/held`, method: 'POST' },
     });
-    // The holder executes the job's runs as they fall due and holds the next ones (up to 5 s ahead).
+    // The holder executes the job's runs as they fall due and holds the next ones (up to 5.5 s ahead).
     await waitFor('a call by the holder', () => fixture.target.forJob(job.id).length > 0, 20_000);
     const held = await waitFor('the holder to hold announcements of 3 runs', async () => {
       const value = (await scrapeMetrics(holder.apiUrl)).value('helios_worker_held_runs') ?? 0;
@@ -90,7 +90,7 @@ test(
           ? rows
           : null;
       },
-      // The last one is due up to 5 s after the kill, then 2-3 s overdue: 20 s is ample.
+      // The last one is due up to 5.5 s after the kill, then 2-3 s overdue: 20 s is ample.
       20_000,
     );
     const problems: string[] = [];

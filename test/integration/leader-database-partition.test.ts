@@ -62,7 +62,7 @@ test(
     );
     assert.equal(steppedDown.reason, 'database-unreachable');
 
-    // Occurrences well past the runs the cut-off leader had created ahead (5 s), then heal and stop.
+    // Occurrences well past the runs the cut-off leader had created ahead (5.5 s), then heal and stop.
     await waitFor(
       'calls of occurrences created by the new leader',
       () =>
