@@ -190,11 +190,12 @@ export async function deleteFinishedRuns(
 const DELETE = `DELETE FROM jobs WHERE id = $1 AND ($2::text IS NULL OR name = $2)`;
 
 /**
- * True when the job was deleted (false when it was gone or renamed). Inside the command's transaction, as one yielding try
- * (lockYielding): the delete locks the job's row, then its cascade locks the runs in its plan's
- * order, and a worker's batch may hold one of them while it waits for another the cascade took
- * (or for one a writer finished while the batch waited for it: the batch keeps that row locked).
- * A try that waits too long lets go of all of it and starts again.
+ * True when the job was deleted (false when it was gone or renamed). Inside the command's
+ * transaction, as one yielding try (lockYielding): the delete locks the job's row, then its
+ * cascade locks the runs in its plan's order, and a worker's batch may hold one of them while it
+ * waits for another the cascade took (or for one a writer finished while the batch waited for it:
+ * the batch keeps that row locked). A try that waits too long lets go of all of it and starts
+ * again.
  */
 export async function deleteJob(db: DbClient, id: string, name: string | null = null): Promise<boolean> {
   return lockYielding(db, async () => {
