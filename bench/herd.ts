@@ -248,6 +248,13 @@ export async function herdOnce(
       started: Date | null;
     }>(PHASES, [new Date(due)]);
     const at = (d: Date | null | undefined) => (d ? d.getTime() - due : NaN);
+    if (at(rows[0]?.created) > 0) {
+      // Dispatch is seconds ahead of the herd: runs created after it fell due mean an incident.
+      console.log(
+        `  the warm herd's last run was created ${Math.round(at(rows[0]?.created))} ms after due; the nodes said:`,
+      );
+      for (const line of cluster.incidents(due - lookaheadMs - 5000)) console.log(`    ${line}`);
+    }
     const { rows: nodes } = await cluster.db.pool.query<{ node: string; calls: number; lastStarted: Date }>(
       BY_NODE,
       [new Date(due)],

@@ -173,6 +173,24 @@ export class BenchCluster {
   }
 
   /**
+   * The nodes' log lines since `since` (ms since the epoch) that say something went wrong or who
+   * leads: warnings and errors, and elections. Printed when a figure comes out far off, so that the
+   * run says why.
+   */
+  incidents(since = 0): string[] {
+    const lines: string[] = [];
+    for (const node of this.nodes) {
+      for (const line of node.logs) {
+        const at = typeof line.time === 'string' ? Date.parse(line.time) : Number(line.time ?? NaN);
+        if (at < since) continue;
+        const leadership = /leader|step|elect|epoch/i.test(String(line.msg));
+        if (Number(line.level ?? 0) >= 40 || leadership) lines.push(`${node.name} ${JSON.stringify(line)}`);
+      }
+    }
+    return lines;
+  }
+
+  /**
    * A Prometheus histogram of all live nodes, summed: count, mean, and the cumulative count per
    * bucket bound (seconds). Read from each node's /metrics (open: the bench sets no API tokens).
    */

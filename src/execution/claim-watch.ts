@@ -42,8 +42,10 @@ export async function watchClaims(options: ClaimWatchOptions): Promise<void> {
     if (watched.length === 0) continue;
     try {
       const lost = await findLostClaims(pool, watched, nodeId);
+      // By run id: a pause or delete in a herd loses thousands of claims in one check.
+      const byRun = lost.length > 0 ? new Map(watched.map((w) => [w.runId, w])) : undefined;
       for (const claim of lost) {
-        const entry = watched.find((w) => w.runId === claim.id);
+        const entry = byRun?.get(claim.id);
         const why =
           claim.state === null ? 'deleted' : `now ${claim.state}${claim.reason ? ` (${claim.reason})` : ''}`;
         entry?.controller.abort(new ClaimLostError(`run ${claim.id} is ${why}`));
