@@ -171,7 +171,7 @@ export interface WorkerConfig {
    * HELIOS_CLAIM_LEAD_MS: a worker claims an `allow` run up to this long before it is due and
    * starts the HTTP call exactly when due, so a herd's claims are made before it is due (forbid and
    * replace runs are claimed only when due). A run claimed ahead is marked started just before its
-   * call; until then a pause or an edit withdraws it. Default 1000.
+   * call; until then a pause or an edit withdraws it. Default 750 (see DEFAULT_CLAIM_LEAD_MS).
    */
   readonly claimLeadMs: number;
   /** HELIOS_POLL_INTERVAL_MS: period of the workers' polling fallback; default 1000. */

@@ -388,9 +388,9 @@ export class RunQueue {
    * Claims for the claim watch: those being executed, and those waiting for their time or a slot
    * unless their START is still to come. A run claimed ahead is checked by its START (leaving the
    * thousands a herd or a second of steady load claims ahead out of every check: at 2,000 runs/s
-   * with the 1 s lead the watch's statement cost ≈50 µs per run). Not those settling: their call
-   * is over, so there is nothing left to abort, and their write is conditional on the claim (a
-   * herd's writes held back while calls wait are thousands).
+   * with a 1 s lead, the default then, the watch's statement cost ≈50 µs per run). Not those
+   * settling: their call is over, so there is nothing left to abort, and their write is conditional
+   * on the claim (a herd's writes held back while calls wait are thousands).
    */
   *claims(): Iterable<{ runId: string; attempt: number; controller: AbortController }> {
     for (const execution of this.executing.values())

@@ -15,7 +15,7 @@ test('the worker and leader sections have documented defaults', () => {
     prefetch: 5000,
     claimGraceMs: 5000,
     skewToleranceMs: 10,
-    claimLeadMs: 1000,
+    claimLeadMs: 750,
     pollIntervalMs: 1000,
     pollOverdueMs: 2000,
     claimCheckIntervalMs: 1000,

@@ -25,7 +25,7 @@ import { fakeClaimedRun } from '../support/claimed-run.js';
 
 const RUN_ID = '00000000-0000-4000-8000-0000000000a1';
 const SKEW_MS = 10; // HELIOS_CLOCK_SKEW_TOLERANCE_MS default
-const LEAD_MS = 50; // HELIOS_CLAIM_LEAD_MS default
+const LEAD_MS = 50; // a short HELIOS_CLAIM_LEAD_MS, so the tests wait little
 
 /**
  * A draining RunQueue driven by the real RunClaimer, whose database is faked to answer as
