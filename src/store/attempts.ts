@@ -520,14 +520,19 @@ const SELECT_EXPIRED = `
     -- after a herd's worker died) on each pass. Unsorted, the scan stops at the limit, and the
     -- filter skips the runs of held jobs before they count against it: otherwise runs of jobs
     -- that commands hold, ahead in the scan, kept the others from ever being taken.
+    -- The candidates in an array, looked up by primary key: the array's subquery runs once. As
+    -- "r.id IN (subquery)", with statistics taken while every run was queued (an autovacuum
+    -- analyze between a herd's dispatch and its claims), the planner estimated one running run
+    -- and ran the subquery again for each running run it scanned: 8,000 runs claimed ahead took
+    -- 12 s, holding the fence row (inFencedTransaction) and with it every dispatch pass.
     SELECT ${EXPIRED_COLUMNS}
     FROM runs r
-    WHERE r.id IN (
+    WHERE r.id = ANY (ARRAY(
         SELECT c.id FROM runs c
         WHERE $2::int IS NOT NULL AND (SELECT count(*) FROM past_deadline) < $1
           AND c.state = 'running' AND c.started_at IS NULL AND c.claim_expires_at >= now()
           AND c.not_before < now() - $2::int * interval '1 millisecond' AND ${jobFree('c')}
-        LIMIT $3)
+        LIMIT $3))
       -- Their jobs were key-share locked by the candidates' filter (row locks last until the end
       -- of the transaction). Not again here: a join that scans the running runs would lock the
       -- job of every one of them (planned as a hash join, 1,000 jobs for 100 runs taken).
