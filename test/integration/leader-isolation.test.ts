@@ -1,7 +1,13 @@
 import assert from 'node:assert/strict';
 import { DEFAULT_DISPATCH_LOOKAHEAD_MS } from '../../src/config/index.js';
 import { after, before, test } from 'node:test';
-import { nextWholeSecond, oncePerMinuteAt, percentile, waitFor } from '../support/execution.js';
+import {
+  insertEverySecondJobs,
+  nextWholeSecond,
+  oncePerMinuteAt,
+  percentile,
+  waitFor,
+} from '../support/execution.js';
 import { integrationFixture, type IntegrationFixture } from '../support/fixture.js';
 import { scrapeMetrics } from '../support/metrics.js';
 
@@ -61,13 +67,7 @@ test('a burst of 2,000 failing calls on the leader does not delay dispatch of ot
   const burstAt = await nextWholeSecond(fx.db.pool, LOOKAHEAD_MS + 3000);
   const windowFrom = new Date(burstAt.getTime() - 1000);
   // Healthy every-second jobs, already running before the burst.
-  const { rows: healthy } = await fx.db.pool.query<{ id: string }>(
-    `INSERT INTO jobs (name, schedule, target, timeout_ms, max_attempts, next_run_at)
-     SELECT 'healthy-' || i, '* * * * * *', jsonb_build_object('url', $1::text), 5000, 1,
-            date_trunc('second', now()) + interval '1 second'
-     FROM generate_series(1, $2::int) AS i RETURNING id`,
-    [`${fx.target.url}/ok`, HEALTHY_JOBS],
-  );
+  const healthy = await insertEverySecondJobs(fx.db.pool, `${fx.target.url}/ok`, HEALTHY_JOBS);
   // The herd: every failing job fires once, at the same second, and is retried once. A long
   // timeout keeps the claims of attempts waiting to settle from expiring (that would repeat calls).
   await fx.db.pool.query(
@@ -107,7 +107,7 @@ test('a burst of 2,000 failing calls on the leader does not delay dispatch of ot
             (extract(epoch FROM created_at - scheduled_for) * 1000)::float8 AS "lateMs",
             (extract(epoch FROM started_at - scheduled_for) * 1000)::float8 AS "startLateMs"
      FROM runs WHERE job_id = ANY($1::uuid[]) AND scheduled_for >= $2 AND scheduled_for < $3`,
-    [healthy.map((h) => h.id), windowFrom, windowTo],
+    [healthy, windowFrom, windowTo],
   );
   const late = rows.filter((r) => r.lateMs > MISFIRE_THRESHOLD_MS);
   const metrics = await scrapeMetrics(apiUrl);

@@ -2,7 +2,7 @@ import assert from 'node:assert/strict';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { fileURLToPath } from 'node:url';
 import { describe, test } from 'node:test';
-import { waitFor } from '../support/execution.js';
+import { insertEverySecondJobs, waitFor } from '../support/execution.js';
 import { integrationFixture } from '../support/fixture.js';
 import { scrapeMetrics } from '../support/metrics.js';
 
@@ -45,14 +45,7 @@ async function blockTheWorker(name: string, extra: Record<string, string> = {}):
       { HELIOS_DATABASE_POOL_SIZE: String(POOL_SIZE), ...extra },
       { leader: true, worker: true },
     );
-    const { rows: jobs } = await fx.db.pool.query<{ id: string }>(
-      `INSERT INTO jobs (name, schedule, target, timeout_ms, max_attempts, next_run_at)
-       SELECT 'healthy-' || i, '* * * * * *', jsonb_build_object('url', $1::text), 5000, 1,
-              date_trunc('second', now()) + interval '1 second'
-       FROM generate_series(1, $2::int) AS i RETURNING id`,
-      [`${fx.target.url}/ok`, HEALTHY_JOBS],
-    );
-    const jobIds = jobs.map((j) => j.id);
+    const jobIds = await insertEverySecondJobs(fx.db.pool, `${fx.target.url}/ok`, HEALTHY_JOBS);
     await waitFor(
       'calls of the healthy jobs',
       () => fx.target.requests.length >= HEALTHY_JOBS * 3,

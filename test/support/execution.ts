@@ -154,6 +154,21 @@ export async function insertJob(db: pg.Pool, spec: JobSpec): Promise<string> {
 }
 
 /**
+ * Inserts `count` every-second jobs named `healthy-N` calling `url` (one attempt, 5 s timeout),
+ * first due at the next whole second; returns their ids.
+ */
+export async function insertEverySecondJobs(db: pg.Pool, url: string, count: number): Promise<string[]> {
+  const { rows } = await db.query<{ id: string }>(
+    `INSERT INTO jobs (name, schedule, target, timeout_ms, max_attempts, next_run_at)
+     SELECT 'healthy-' || i, '* * * * * *', jsonb_build_object('url', $1::text), 5000, 1,
+            date_trunc('second', now()) + interval '1 second'
+     FROM generate_series(1, $2::int) AS i RETURNING id`,
+    [url, count],
+  );
+  return rows.map((r) => r.id);
+}
+
+/**
  * Stops jobs as an edit through the API would: disabled, and their runs created ahead of their
  * time (the dispatch lookahead) withdrawn, so nothing of theirs fires afterwards.
  */
