@@ -248,10 +248,11 @@ export async function herdOnce(
       started: Date | null;
     }>(PHASES, [new Date(due)]);
     const at = (d: Date | null | undefined) => (d ? d.getTime() - due : NaN);
-    if (at(rows[0]?.created) > 0) {
+    const lastCreatedMs = at(rows[0]?.created);
+    if (lastCreatedMs > 0) {
       // Dispatch is seconds ahead of the herd: runs created after it fell due mean an incident.
       console.log(
-        `  the warm herd's last run was created ${Math.round(at(rows[0]?.created))} ms after due; the nodes said:`,
+        `  the warm herd's last run was created ${Math.round(lastCreatedMs)} ms after due; the nodes said:`,
       );
       for (const line of cluster.incidents(due - lookaheadMs - 5000)) console.log(`    ${line}`);
     }
@@ -267,7 +268,7 @@ export async function herdOnce(
       arrived: arrivals.length,
       duplicates: cluster.target.duplicatesFor(due),
       phases: {
-        created: at(rows[0]?.created),
+        created: lastCreatedMs,
         published: at(rows[0]?.published),
         started: at(rows[0]?.started),
       },

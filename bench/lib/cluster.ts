@@ -8,7 +8,13 @@ import { silentLogger } from '../../src/observability/logger.js';
 import { createTestDatabase, type TestDatabase } from '../../test/support/database.js';
 import { REPO_ROOT, serverEnv, uniqueId } from '../../test/support/env.js';
 import { spawn } from 'node:child_process';
-import { ManagedProcess, nodeEnvironment, stopAll, type NodeEnv } from '../../test/support/processes.js';
+import {
+  ManagedProcess,
+  nodeEnvironment,
+  stopAll,
+  type LogLine,
+  type NodeEnv,
+} from '../../test/support/processes.js';
 import type { CpuGroups } from './profile.js';
 import { RecordingTarget } from './target.js';
 
@@ -22,6 +28,11 @@ export interface ClusterOptions {
   readonly nodeArgs?: string[];
   /** Wait until every node's worker joined the consumer group; default true. */
   readonly waitForWorkers?: boolean;
+}
+
+/** When a node logged `line`, ms since the epoch (pino writes `time` as an ISO string here: stdTimeFunctions.isoTime). */
+function loggedAt(line: LogLine): number {
+  return typeof line.time === 'string' ? Date.parse(line.time) : Number(line.time ?? NaN);
 }
 
 /**
@@ -162,8 +173,7 @@ export class BenchCluster {
     let polled = 0;
     for (const node of this.nodes) {
       for (const line of node.logs) {
-        // pino writes `time` as an ISO string here (stdTimeFunctions.isoTime).
-        const at = typeof line.time === 'string' ? Date.parse(line.time) : Number(line.time ?? NaN);
+        const at = loggedAt(line);
         if (at < since) continue;
         if (line.msg === 'joined consumer group') joins++;
         if (line.msg === 'claimed overdue runs by polling') polled += Number(line.runs ?? 0);
@@ -181,7 +191,7 @@ export class BenchCluster {
     const lines: string[] = [];
     for (const node of this.nodes) {
       for (const line of node.logs) {
-        const at = typeof line.time === 'string' ? Date.parse(line.time) : Number(line.time ?? NaN);
+        const at = loggedAt(line);
         if (at < since) continue;
         const leadership = /leader|step|elect|epoch/i.test(String(line.msg));
         if (Number(line.level ?? 0) >= 40 || leadership) lines.push(`${node.name} ${JSON.stringify(line)}`);

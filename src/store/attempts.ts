@@ -520,11 +520,12 @@ const SELECT_EXPIRED = `
     -- after a herd's worker died) on each pass. Unsorted, the scan stops at the limit, and the
     -- filter skips the runs of held jobs before they count against it: otherwise runs of jobs
     -- that commands hold, ahead in the scan, kept the others from ever being taken.
-    -- The candidates in an array, looked up by primary key: the array's subquery runs once. As
-    -- "r.id IN (subquery)", with statistics taken while every run was queued (an autovacuum
-    -- analyze between a herd's dispatch and its claims), the planner estimated one running run
-    -- and ran the subquery again for each running run it scanned: 8,000 runs claimed ahead took
-    -- 12 s, holding the fence row (inFencedTransaction) and with it every dispatch pass.
+    -- The candidates in an array, which the running runs are matched against: the array's
+    -- subquery runs once, whatever the plan around it. As "r.id IN (subquery)", with statistics
+    -- taken while every run was queued (an autovacuum analyze between a herd's dispatch and its
+    -- claims), the planner estimated one running run and ran the subquery again for each running
+    -- run it scanned: 8,000 runs claimed ahead took 12 s, holding the fence row
+    -- (inFencedTransaction) and with it every dispatch pass.
     SELECT ${EXPIRED_COLUMNS}
     FROM runs r
     WHERE r.id = ANY (ARRAY(
