@@ -1,4 +1,4 @@
-import type { Database } from '../store/db.js';
+import { isStatementCancelled, type Database, type DbClient } from '../store/db.js';
 import { setTimeout as sleep } from 'node:timers/promises';
 import type { Leadership } from '../coordination/election.js';
 import { NotLeaderError, type StaleFencingTokenError } from '../errors.js';
@@ -28,6 +28,16 @@ export const FORGIVEN_EXPIRIES = 2;
 /** The sleep after a pass that left an expired claim to a later one (another transaction held it). */
 const HELD_RETRY_MS = 100;
 
+/**
+ * How long one statement of a reaper pass may run (ReaperOptions.statementTimeoutMs). A pass holds
+ * the fence row from its first statement to its commit, and every dispatch pass waits for it
+ * meanwhile: a statement slowed by a bad plan (12–21 s, see SELECT_EXPIRED), a lock or a struggling
+ * server delayed a herd's dispatch past its due time. Cancelled at 2 s, a pass gives the fence back
+ * while the lookahead (5.5 s) still covers the runs it delayed; the reaper tries again after its
+ * back-off. Its usual statements take milliseconds; re-queuing a thousand claims, tens.
+ */
+export const REAPER_STATEMENT_TIMEOUT_MS = 2000;
+
 /** Options of {@link Reaper}. */
 export interface ReaperOptions {
   readonly pool: Database;
@@ -49,6 +59,8 @@ export interface ReaperOptions {
    * only claims past their deadline.
    */
   readonly unstartedAfterMs?: number;
+  /** Each statement of a pass is cancelled past this; default REAPER_STATEMENT_TIMEOUT_MS. */
+  readonly statementTimeoutMs?: number;
   readonly logger: Logger;
   /** The node's budget of lines about single runs. Default: no limit. */
   readonly runLines?: RunLines;
@@ -122,56 +134,21 @@ export class Reaper {
    * were fewer, at most `unstartedBatchSize` never-started ones (selectExpiredRuns).
    */
   async reapBatch(): Promise<{ reaped: number; full: boolean }> {
-    const { pool, leadership, topics, metrics, logger } = this.options;
+    const { pool, leadership, metrics, logger } = this.options;
     const batchSize = this.options.batchSize ?? 100;
     if (!leadership.isValid()) throw new NotLeaderError('leadership ended before reaping');
-    const results = await inFencedTransaction(pool, leadership, async (client) => {
-      const expired = await selectExpiredRuns(client, batchSize, {
-        ...this.expiry(),
-        unstartedLimit: this.unstartedBatchSize(),
-      });
-      const outcomes: { id: string; claimedBy: string | null; to: 'queued' | 'dead'; charged: boolean }[] =
-        [];
-      const handOffs = new Map<string | null, RunMessage[]>();
-      const report = (run: ExpiredRun): AttemptReport => ({
-        outcome: 'expired',
-        statusCode: null,
-        durationMs: null,
-        error: run.unstarted
-          ? `claimed ahead by ${run.claimedBy ?? 'unknown node'}, its call not begun ${this.options.unstartedAfterMs} ms after it fell due`
-          : `claim of ${run.claimedBy ?? 'unknown node'} expired before the attempt completed`,
-        responseExcerpt: null,
-      });
-      // One statement for the runs forgiven (a crashed worker's: thousands in a herd), then one
-      // transaction's statements each for those charged.
-      const reports = expired.map(report);
-      const forgiven = await forgiveExpiredClaims(
-        client,
-        expired.map((run, k) => ({ run, error: reports[k]!.error! })),
-        FORGIVEN_EXPIRIES,
-        topics.runsTopic,
-        this.expiry(),
+    const statementTimeoutMs = this.options.statementTimeoutMs ?? REAPER_STATEMENT_TIMEOUT_MS;
+    const results = await inFencedTransaction(
+      pool,
+      leadership,
+      (client) => this.reapInTransaction(client, batchSize),
+      { statementTimeoutMs },
+    ).catch((err: unknown) => {
+      if (!isStatementCancelled(err)) throw err;
+      throw new Error(
+        `a reaper statement ran past ${statementTimeoutMs} ms and was cancelled, its pass rolled back (it held the fence row, which every dispatch pass waits for)`,
+        { cause: err },
       );
-      for (const [k, run] of expired.entries()) {
-        const next = forgiven[k];
-        if (next) {
-          outcomes.push({ id: run.id, claimedBy: run.claimedBy, to: 'queued', charged: false });
-          const sameClaimant = handOffs.get(run.claimedBy);
-          if (sameClaimant) sameClaimant.push(next);
-          else handOffs.set(run.claimedBy, [next]);
-          continue;
-        }
-        const result = await failAttempt(
-          client,
-          run,
-          { reaper: true },
-          reports[k]!,
-          retryDelayMs(run.attempt, run),
-          topics,
-        );
-        if (result) outcomes.push({ id: run.id, claimedBy: run.claimedBy, to: result.state, charged: true });
-      }
-      return { outcomes, selected: expired.length, handOffs };
     });
     for (const [claimedBy, messages] of results.handOffs) this.options.handOff?.(messages, claimedBy);
     for (const outcome of results.outcomes) {
@@ -183,5 +160,55 @@ export class Reaper {
     // Either kind may have more waiting: past their deadline (at most batchSize taken) or never
     // started (taken only when fewer than batchSize were past, at most unstartedBatchSize).
     return { reaped: results.outcomes.length, full: results.selected >= batchSize };
+  }
+
+  /** The statements of one pass, inside its fenced transaction. */
+  private async reapInTransaction(client: DbClient, batchSize: number) {
+    const { topics } = this.options;
+    const expired = await selectExpiredRuns(client, batchSize, {
+      ...this.expiry(),
+      unstartedLimit: this.unstartedBatchSize(),
+    });
+    const outcomes: { id: string; claimedBy: string | null; to: 'queued' | 'dead'; charged: boolean }[] = [];
+    const handOffs = new Map<string | null, RunMessage[]>();
+    const report = (run: ExpiredRun): AttemptReport => ({
+      outcome: 'expired',
+      statusCode: null,
+      durationMs: null,
+      error: run.unstarted
+        ? `claimed ahead by ${run.claimedBy ?? 'unknown node'}, its call not begun ${this.options.unstartedAfterMs} ms after it fell due`
+        : `claim of ${run.claimedBy ?? 'unknown node'} expired before the attempt completed`,
+      responseExcerpt: null,
+    });
+    // One statement for the runs forgiven (a crashed worker's: thousands in a herd), then one
+    // transaction's statements each for those charged.
+    const reports = expired.map(report);
+    const forgiven = await forgiveExpiredClaims(
+      client,
+      expired.map((run, k) => ({ run, error: reports[k]!.error! })),
+      FORGIVEN_EXPIRIES,
+      topics.runsTopic,
+      this.expiry(),
+    );
+    for (const [k, run] of expired.entries()) {
+      const next = forgiven[k];
+      if (next) {
+        outcomes.push({ id: run.id, claimedBy: run.claimedBy, to: 'queued', charged: false });
+        const sameClaimant = handOffs.get(run.claimedBy);
+        if (sameClaimant) sameClaimant.push(next);
+        else handOffs.set(run.claimedBy, [next]);
+        continue;
+      }
+      const result = await failAttempt(
+        client,
+        run,
+        { reaper: true },
+        reports[k]!,
+        retryDelayMs(run.attempt, run),
+        topics,
+      );
+      if (result) outcomes.push({ id: run.id, claimedBy: run.claimedBy, to: result.state, charged: true });
+    }
+    return { outcomes, selected: expired.length, handOffs };
   }
 }

@@ -1,6 +1,6 @@
 import type pg from 'pg';
 import { StaleFencingTokenError } from '../errors.js';
-import { inTransaction, type Queryable } from './db.js';
+import { inTransaction, type Queryable, type TransactionOptions } from './db.js';
 
 /** Raises the fence to our token unless a newer leader already wrote. $1 = token, $2 = node id. */
 const RAISE_FENCE = `
@@ -11,18 +11,24 @@ const RAISE_FENCE = `
  * Runs a leader write in one transaction that first raises the leader fence to `token`.
  * Zero rows updated means a leader with a newer token has written: the transaction rolls back and
  * StaleFencingTokenError is thrown, so a paused or partitioned old leader can write nothing.
- * The row lock taken by the UPDATE also serialises leader transactions of different epochs.
+ * The row lock taken by the UPDATE also serialises leader transactions of different epochs, and
+ * those of one epoch: while one runs, every other leader write waits for its commit.
  */
 export async function inFencedTransaction<T>(
   pool: pg.Pool,
   fence: { token: bigint; nodeId: string },
   work: (client: pg.PoolClient) => Promise<T>,
+  options: TransactionOptions = {},
 ): Promise<T> {
-  return inTransaction(pool, async (client) => {
-    const { rowCount } = await client.query(RAISE_FENCE, [fence.token.toString(), fence.nodeId]);
-    if (rowCount !== 1) throw new StaleFencingTokenError(fence.token);
-    return work(client);
-  });
+  return inTransaction(
+    pool,
+    async (client) => {
+      const { rowCount } = await client.query(RAISE_FENCE, [fence.token.toString(), fence.nodeId]);
+      if (rowCount !== 1) throw new StaleFencingTokenError(fence.token);
+      return work(client);
+    },
+    options,
+  );
 }
 
 /** The fence row. No parameters. */

@@ -11,6 +11,7 @@ import type { Logger } from '../../src/observability/logger.js';
 import { silentLogger } from '../../src/observability/logger.js';
 import { createMetrics } from '../../src/observability/metrics.js';
 import { selectExpiredRuns } from '../../src/store/attempts.js';
+import { inFencedTransaction } from '../../src/store/fence.js';
 import { replayDeadLetter } from '../../src/store/dead-letters.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
 import { waitFor } from '../support/execution.js';
@@ -125,13 +126,22 @@ function warnings(): { logger: Logger; messages: string[] } {
   return { logger: logger as unknown as Logger, messages };
 }
 
-function reaper(options: { batchSize?: number; pool?: pg.Pool; signal?: AbortSignal; logger?: Logger } = {}) {
+function reaper(
+  options: {
+    batchSize?: number;
+    pool?: pg.Pool;
+    signal?: AbortSignal;
+    logger?: Logger;
+    statementTimeoutMs?: number;
+  } = {},
+) {
   return new Reaper({
     pool: options.pool ?? pool,
     leadership: fakeLeadership(options.signal),
     topics,
     intervalMs: 1000,
     batchSize: options.batchSize,
+    statementTimeoutMs: options.statementTimeoutMs,
     logger: options.logger ?? silentLogger,
     metrics: createMetrics('test'),
     onFenced: () => assert.fail('fenced'),
@@ -466,4 +476,71 @@ test('a pass with a batch of runs past their deadline reads about that batch of 
     }
   }
   assert.deepEqual(found, []);
+});
+
+// A pass holds the fence row from its first statement to its commit, and every dispatch pass of
+// the epoch waits for that row meanwhile. A pass's statement that waits or runs long (a lock taken
+// by a migration or by hand; a bad plan, see reaper-stale-statistics.test.ts) must give the fence
+// back at the reaper's statement timeout, not at the pool's 30 s. Here the pass buries a run, and
+// its dead letter waits for a lock on dead_letters, which no dispatch pass touches.
+
+/** A leader write of the same epoch as the reaper's (a dispatch pass's fence and a statement). */
+const dispatchPass = () => inFencedTransaction(pool, fakeLeadership(), (c) => c.query('SELECT 1'));
+
+async function blockDeadLetters() {
+  const holder = await openTransaction();
+  await holder.client.query('LOCK TABLE dead_letters IN EXCLUSIVE MODE');
+  return holder;
+}
+
+async function untilWaitingOnDeadLetters() {
+  await waitFor(
+    'the pass waiting for the dead_letters lock',
+    async () =>
+      (
+        await pool.query<{ n: number }>(
+          `SELECT count(*)::int AS n FROM pg_locks
+           WHERE NOT granted AND relation = 'dead_letters'::regclass`,
+        )
+      ).rows[0]!.n > 0,
+    5000,
+    10,
+  );
+}
+
+test('a pass held up by a lock is cancelled at its statement timeout and gives the fence row back to dispatch; the run is buried once after', async () => {
+  const job = await makeJob(1);
+  const [dying] = await expiredRuns(job, 1, { agoMs: 1000, burial: true });
+  const holder = await blockDeadLetters();
+  const r = reaper({ statementTimeoutMs: 500 });
+  const pass = r.reapBatch().then(
+    () => assert.fail('the pass ended although its dead letter could not be written'),
+    (err: unknown) => err,
+  );
+  await untilWaitingOnDeadLetters();
+  const dispatch = await within(dispatchPass(), 2000, 'a dispatch pass behind the held reaper pass');
+  const err = await pass;
+  assert.match(String(err), /ran past 500 ms and was cancelled/);
+  assert.deepEqual(await states([dying!]), ['running'], 'the cancelled pass wrote nothing');
+  assert.equal((await lettersOf([dying!])).size, 0);
+  await holder.end();
+  assert.deepEqual(await r.reapBatch(), { reaped: 1, full: false });
+  assert.deepEqual(await states([dying!]), ['dead']);
+  assert.equal((await lettersOf([dying!])).get(dying!), 1, 'one dead letter');
+  assert.ok(dispatch.ms >= 300, `the dispatch pass waited ${dispatch.ms} ms: it did not meet the held pass`);
+});
+
+test("control: with the pool's statement timeout, a dispatch pass waits for the held reaper pass as long as the lock is held", async () => {
+  const job = await makeJob(1);
+  const [dying] = await expiredRuns(job, 1, { agoMs: 1000, burial: true });
+  const holder = await blockDeadLetters();
+  const pass = reaper({ statementTimeoutMs: 30_000 }).reapBatch();
+  await untilWaitingOnDeadLetters();
+  const dispatch = dispatchPass();
+  const stalled = await Promise.race([dispatch.then(() => false), sleep(2000).then(() => true)]);
+  await holder.end();
+  await within(dispatch, 3000, 'the dispatch pass once the lock was let go');
+  assert.deepEqual((await within(pass, 3000, 'the reaper pass')).value, { reaped: 1, full: false });
+  assert.deepEqual(await states([dying!]), ['dead']);
+  assert.ok(stalled, 'the dispatch pass did not wait for the held reaper pass: the first test shows nothing');
 });
