@@ -1,4 +1,5 @@
-import { isStatementCancelled, type Database, type DbClient } from '../store/db.js';
+import { isStatementTimeout, type Database, type DbClient } from '../store/db.js';
+import { performance } from 'node:perf_hooks';
 import { setTimeout as sleep } from 'node:timers/promises';
 import type { Leadership } from '../coordination/election.js';
 import { NotLeaderError, type StaleFencingTokenError } from '../errors.js';
@@ -12,6 +13,7 @@ import {
   selectExpiredRuns,
   type AttemptReport,
   type ExpiredRun,
+  type ExpiryOptions,
   type Topics,
 } from '../store/attempts.js';
 import { forgiveExpiredClaims } from '../store/releases.js';
@@ -37,6 +39,22 @@ const HELD_RETRY_MS = 100;
  * back-off. Its usual statements take milliseconds; re-queuing a thousand claims, tens.
  */
 export const REAPER_STATEMENT_TIMEOUT_MS = 2000;
+
+/**
+ * How long a pass sends the statements of charged runs (one transaction's statements each: about
+ * 1 ms apiece here, 100 runs 110–130 ms) before it commits what it did: the statement timeout
+ * bounds each statement, this the pass. The runs left stay expired; the next pass, at once, takes them.
+ */
+const PASS_BUDGET_MS = 1000;
+
+/**
+ * After a pass that took never-started claims was cancelled at its statement timeout (a plan gone
+ * bad, as SELECT_EXPIRED's once was), the passes leave them out for this long, doubled with each
+ * such pass in a row up to UNSTARTED_HOLD_MAX_MS: the claims past their deadline are still taken
+ * (never-started ones too, once their deadline passes), instead of every pass being cancelled.
+ */
+const UNSTARTED_HOLD_MS = 5000;
+const UNSTARTED_HOLD_MAX_MS = 60_000;
 
 /** Options of {@link Reaper}. */
 export interface ReaperOptions {
@@ -90,6 +108,10 @@ export interface ReaperOptions {
  * after being reaped finds its completion rejected (it is conditional on the claim).
  */
 export class Reaper {
+  /** Never-started claims are left out of the passes until then (performance.now()); see UNSTARTED_HOLD_MS. */
+  private unstartedHeldUntil = 0;
+  private unstartedHoldMs = 0;
+
   constructor(private readonly options: ReaperOptions) {}
 
   /** Runs until leadership ends; never rejects. */
@@ -121,8 +143,10 @@ export class Reaper {
     });
   }
 
+  /** Which claims are over (claimOver): never-started ones only while they are not held back. */
   private expiry() {
-    return { unstartedAfterMs: this.options.unstartedAfterMs };
+    const held = performance.now() < this.unstartedHeldUntil;
+    return { unstartedAfterMs: held ? undefined : this.options.unstartedAfterMs };
   }
 
   private unstartedBatchSize(): number {
@@ -138,18 +162,26 @@ export class Reaper {
     const batchSize = this.options.batchSize ?? 100;
     if (!leadership.isValid()) throw new NotLeaderError('leadership ended before reaping');
     const statementTimeoutMs = this.options.statementTimeoutMs ?? REAPER_STATEMENT_TIMEOUT_MS;
+    const expiry = this.expiry();
     const results = await inFencedTransaction(
       pool,
       leadership,
-      (client) => this.reapInTransaction(client, batchSize),
+      (client) => this.reapInTransaction(client, batchSize, expiry),
       { statementTimeoutMs },
     ).catch((err: unknown) => {
-      if (!isStatementCancelled(err)) throw err;
+      if (!isStatementTimeout(err)) throw err;
+      let held = '';
+      if (expiry.unstartedAfterMs !== undefined) {
+        this.unstartedHoldMs = Math.min(UNSTARTED_HOLD_MAX_MS, this.unstartedHoldMs * 2 || UNSTARTED_HOLD_MS);
+        this.unstartedHeldUntil = performance.now() + this.unstartedHoldMs;
+        held = `; claims never started are left out for ${this.unstartedHoldMs} ms (taken once past their deadline)`;
+      }
       throw new Error(
-        `a reaper statement ran past ${statementTimeoutMs} ms and was cancelled, its pass rolled back (it held the fence row, which every dispatch pass waits for)`,
+        `a reaper statement ran past ${statementTimeoutMs} ms and was cancelled, its pass rolled back (the pass held the fence row, which every dispatch pass waits for)${held}`,
         { cause: err },
       );
     });
+    if (expiry.unstartedAfterMs !== undefined) this.unstartedHoldMs = 0;
     for (const [claimedBy, messages] of results.handOffs) this.options.handOff?.(messages, claimedBy);
     for (const outcome of results.outcomes) {
       metrics.runsReaped.inc({ to: outcome.charged ? outcome.to : 'queued-uncharged' });
@@ -159,14 +191,15 @@ export class Reaper {
     }
     // Either kind may have more waiting: past their deadline (at most batchSize taken) or never
     // started (taken only when fewer than batchSize were past, at most unstartedBatchSize).
-    return { reaped: results.outcomes.length, full: results.selected >= batchSize };
+    return { reaped: results.outcomes.length, full: results.selected >= batchSize || results.cutShort };
   }
 
   /** The statements of one pass, inside its fenced transaction. */
-  private async reapInTransaction(client: DbClient, batchSize: number) {
+  private async reapInTransaction(client: DbClient, batchSize: number, expiry: ExpiryOptions) {
     const { topics } = this.options;
+    const budgetEnds = performance.now() + PASS_BUDGET_MS;
     const expired = await selectExpiredRuns(client, batchSize, {
-      ...this.expiry(),
+      ...expiry,
       unstartedLimit: this.unstartedBatchSize(),
     });
     const outcomes: { id: string; claimedBy: string | null; to: 'queued' | 'dead'; charged: boolean }[] = [];
@@ -188,8 +221,10 @@ export class Reaper {
       expired.map((run, k) => ({ run, error: reports[k]!.error! })),
       FORGIVEN_EXPIRIES,
       topics.runsTopic,
-      this.expiry(),
+      expiry,
     );
+    let charged = 0;
+    let cutShort = false;
     for (const [k, run] of expired.entries()) {
       const next = forgiven[k];
       if (next) {
@@ -199,6 +234,12 @@ export class Reaper {
         else handOffs.set(run.claimedBy, [next]);
         continue;
       }
+      // Past the budget the rest are left, locked until the commit, to the next pass.
+      if (charged > 0 && performance.now() > budgetEnds) {
+        cutShort = true;
+        continue;
+      }
+      charged += 1;
       const result = await failAttempt(
         client,
         run,
@@ -209,6 +250,6 @@ export class Reaper {
       );
       if (result) outcomes.push({ id: run.id, claimedBy: run.claimedBy, to: result.state, charged: true });
     }
-    return { outcomes, selected: expired.length, handOffs };
+    return { outcomes, selected: expired.length, handOffs, cutShort };
   }
 }

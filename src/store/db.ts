@@ -100,27 +100,14 @@ export function createPool(options: {
   return pool;
 }
 
-/** Options of {@link inTransaction}. */
-export interface TransactionOptions {
-  /**
-   * Each statement of the transaction is cancelled (SQLSTATE 57014) past this many milliseconds,
-   * instead of the pool's statement_timeout (30 s): for a transaction whose locks others wait for.
-   */
-  readonly statementTimeoutMs?: number;
-}
-
-/** BEGIN, and the transaction's own settings in the same round trip (a simple query). */
-function beginStatement(options: TransactionOptions): string {
-  const ms = options.statementTimeoutMs;
-  if (ms === undefined) return 'BEGIN';
-  if (!Number.isInteger(ms) || ms <= 0)
-    throw new RangeError(`statementTimeoutMs must be a positive integer, got ${ms}`);
-  return `BEGIN; SET LOCAL statement_timeout = ${ms}`;
-}
-
-/** True for PostgreSQL's "canceling statement due to statement timeout" (or a cancel request). */
-export function isStatementCancelled(err: unknown): boolean {
-  return isServerError(err) && err.code === '57014';
+/** True for PostgreSQL's "canceling statement due to statement timeout" (not a cancel request's). */
+export function isStatementTimeout(err: unknown): boolean {
+  return (
+    isServerError(err) &&
+    err.code === '57014' &&
+    err instanceof Error &&
+    /statement timeout/.test(err.message)
+  );
 }
 
 /**
@@ -134,9 +121,7 @@ export function isStatementCancelled(err: unknown): boolean {
 export async function inTransaction<T>(
   pool: Connections,
   work: (client: pg.PoolClient) => Promise<T>,
-  options: TransactionOptions = {},
 ): Promise<T> {
-  const begin = beginStatement(options);
   const client = await pool.connect();
   let connectionError: Error | undefined;
   const onConnectionError = (err: Error) => {
@@ -145,7 +130,7 @@ export async function inTransaction<T>(
   client.on('error', onConnectionError);
   let broken = false;
   try {
-    await client.query(begin);
+    await client.query('BEGIN');
     const result = await work(client);
     if (connectionError) throw connectionError;
     await client.query('COMMIT');

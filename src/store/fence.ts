@@ -1,6 +1,6 @@
 import type pg from 'pg';
 import { StaleFencingTokenError } from '../errors.js';
-import { inTransaction, type Queryable, type TransactionOptions } from './db.js';
+import { inTransaction, type Queryable } from './db.js';
 
 /** Raises the fence to our token unless a newer leader already wrote. $1 = token, $2 = node id. */
 const RAISE_FENCE = `
@@ -18,17 +18,30 @@ export async function inFencedTransaction<T>(
   pool: pg.Pool,
   fence: { token: bigint; nodeId: string },
   work: (client: pg.PoolClient) => Promise<T>,
-  options: TransactionOptions = {},
+  options: FencedTransactionOptions = {},
 ): Promise<T> {
-  return inTransaction(
-    pool,
-    async (client) => {
-      const { rowCount } = await client.query(RAISE_FENCE, [fence.token.toString(), fence.nodeId]);
-      if (rowCount !== 1) throw new StaleFencingTokenError(fence.token);
-      return work(client);
-    },
-    options,
-  );
+  const { statementTimeoutMs } = options;
+  if (statementTimeoutMs !== undefined && (!Number.isInteger(statementTimeoutMs) || statementTimeoutMs <= 0))
+    throw new RangeError(`statementTimeoutMs must be a positive integer, got ${statementTimeoutMs}`);
+  return inTransaction(pool, async (client) => {
+    const { rowCount } = await client.query(RAISE_FENCE, [fence.token.toString(), fence.nodeId]);
+    if (rowCount !== 1) throw new StaleFencingTokenError(fence.token);
+    if (statementTimeoutMs !== undefined)
+      await client.query(`SET LOCAL statement_timeout = ${statementTimeoutMs}`);
+    return work(client);
+  });
+}
+
+/** Options of {@link inFencedTransaction}. */
+export interface FencedTransactionOptions {
+  /**
+   * Each statement after the fence is raised is cancelled (SQLSTATE 57014) past this many
+   * milliseconds, instead of the pool's statement_timeout (30 s): the fence row stays locked until
+   * the transaction ends, and every other leader write waits for it. The wait for the fence row
+   * itself keeps the pool's limit: cancelling it would free nothing (it holds nothing yet), and at
+   * a takeover it waits for the old leader's transaction to end.
+   */
+  readonly statementTimeoutMs?: number;
 }
 
 /** The fence row. No parameters. */

@@ -133,6 +133,7 @@ function reaper(
     signal?: AbortSignal;
     logger?: Logger;
     statementTimeoutMs?: number;
+    unstartedAfterMs?: number;
   } = {},
 ) {
   return new Reaper({
@@ -142,6 +143,7 @@ function reaper(
     intervalMs: 1000,
     batchSize: options.batchSize,
     statementTimeoutMs: options.statementTimeoutMs,
+    unstartedAfterMs: options.unstartedAfterMs,
     logger: options.logger ?? silentLogger,
     metrics: createMetrics('test'),
     onFenced: () => assert.fail('fenced'),
@@ -543,4 +545,81 @@ test("control: with the pool's statement timeout, a dispatch pass waits for the 
   assert.deepEqual((await within(pass, 3000, 'the reaper pass')).value, { reaped: 1, full: false });
   assert.deepEqual(await states([dying!]), ['dead']);
   assert.ok(stalled, 'the dispatch pass did not wait for the held reaper pass: the first test shows nothing');
+});
+
+test('a pass charging runs commits what it did after its budget (1 s) instead of running on; the next passes take the rest', async () => {
+  const job = await makeJob(1);
+  const dying = await expiredRuns(job, 30, { agoMs: 1000, burial: true });
+  // Each dead letter takes 60 ms: 30 burials would hold the fence row 1.8 s.
+  await pool.query(`CREATE FUNCTION slow_letter() RETURNS trigger LANGUAGE plpgsql AS
+                      $$ BEGIN PERFORM pg_sleep(0.06); RETURN NEW; END $$`);
+  await pool.query(
+    `CREATE TRIGGER slow_letter BEFORE INSERT ON dead_letters FOR EACH ROW EXECUTE FUNCTION slow_letter()`,
+  );
+  try {
+    const r = reaper();
+    const first = await within(r.reapBatch(), 5000, 'the first pass');
+    assert.equal(first.value.full, true, 'the pass says more is waiting');
+    assert.ok(
+      first.value.reaped >= 10 && first.value.reaped < 30,
+      `the first pass buried ${first.value.reaped}`,
+    );
+    assert.ok(first.ms < 1500, `the first pass took ${Math.round(first.ms)} ms`);
+    while ((await r.reapBatch()).full);
+    assert.deepEqual(new Set(await states(dying)), new Set(['dead']));
+    const letters = await lettersOf(dying);
+    assert.deepEqual(
+      dying.map((id) => letters.get(id)),
+      dying.map(() => 1),
+      'one dead letter per run',
+    );
+  } finally {
+    await pool.query('DROP TRIGGER slow_letter ON dead_letters');
+    await pool.query('DROP FUNCTION slow_letter()');
+  }
+});
+
+test('after a pass cancelled while taking never-started claims, the passes leave those out for a while and recover the claims past their deadline', async () => {
+  // Claims ahead of a job a command holds: the candidates' scan tries each one's job and skips it,
+  // which takes longer than the 100 ms limit here (as a bad plan took seconds).
+  const held = await makeJob(3);
+  await pool.query(
+    `INSERT INTO runs (job_id, scheduled_for, state, attempt, max_attempts, target, timeout_ms, backoff_ms,
+                       backoff_multiplier, concurrency, not_before, claimed_by, claim_expires_at)
+     SELECT j.id, now() + g * interval '1 second', 'running', 1, 3, j.target, j.timeout_ms, 0, 1, 'allow',
+            now() - interval '1 minute', 'frozen-worker', now() + interval '1 hour'
+     FROM jobs j, generate_series(1, 100000) AS g WHERE j.id = $1`,
+    [held],
+  );
+  const command = await openTransaction();
+  await command.client.query('SELECT id FROM jobs WHERE id = $1 FOR UPDATE', [held]);
+  const free = await makeJob(3);
+  const [stranded] = await expiredRuns(free, 1, { agoMs: 1000, burial: false });
+
+  const r = reaper({ statementTimeoutMs: 100, unstartedAfterMs: 5000 });
+  await assert.rejects(
+    r.reapBatch(),
+    /ran past 100 ms and was cancelled.*never started are left out for 5000 ms/,
+  );
+  assert.deepEqual(await states([stranded!]), ['running'], 'the cancelled pass wrote nothing');
+  assert.deepEqual(await r.reapBatch(), { reaped: 1, full: false });
+  assert.deepEqual(await states([stranded!]), ['queued'], 'the claim past its deadline recovered');
+  // Control: a reaper that did not meet the timeout still takes the never-started claims, and its
+  // pass is cancelled as the first was.
+  await assert.rejects(
+    reaper({ statementTimeoutMs: 100, unstartedAfterMs: 5000 }).reapBatch(),
+    /ran past 100 ms/,
+  );
+});
+
+test("a pass's wait for the fence row is not cut by its statement timeout: it holds nothing yet, and at a takeover it waits for the old leader's transaction", async () => {
+  const holder = await openTransaction();
+  await holder.client.query('SELECT token FROM leader_fence WHERE id FOR UPDATE');
+  const pass = reaper({ statementTimeoutMs: 200 }).reapBatch();
+  await sleep(600);
+  await holder.end();
+  assert.deepEqual((await within(pass, 3000, 'the pass once the fence row was let go')).value, {
+    reaped: 0,
+    full: false,
+  });
 });
