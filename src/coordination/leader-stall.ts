@@ -8,6 +8,12 @@ import { toError } from '../errors.js';
  */
 export type StallVerdict = 'answering' | 'sessions-lost';
 
+/** The probe's verdict, and what the leader's sessions were doing there (logged as it is). */
+export interface StallFinding {
+  readonly verdict: StallVerdict;
+  readonly atWork?: readonly object[];
+}
+
 /** Options of {@link LeaderStallWatch}. */
 export interface LeaderStallWatchOptions {
   /** The epoch watched: the watch ends when it aborts. */
@@ -20,7 +26,7 @@ export interface LeaderStallWatchOptions {
    * when it answers and the leader's own sessions are at work there, `sessions-lost` when it
    * answers but none of them is; rejects when it cannot be reached within its own timeout.
    */
-  readonly probe: () => Promise<StallVerdict>;
+  readonly probe: () => Promise<StallFinding>;
   /**
    * Called once when the probe failed after a stall, or found the leader's sessions lost: this
    * node cannot use PostgreSQL.
@@ -81,9 +87,9 @@ export class LeaderStallWatch {
     // (the leader's sessions, at work when the stall was seen, may be idle by the time it looks).
     const stale = () => signal.aborted || this.lastProgress > askedAt;
     try {
-      let verdict: StallVerdict;
+      let finding: StallFinding;
       try {
-        verdict = await this.options.probe();
+        finding = await this.options.probe();
       } catch (err) {
         if (stale()) return;
         return this.giveUp(
@@ -93,7 +99,7 @@ export class LeaderStallWatch {
         );
       }
       if (stale()) return;
-      if (verdict === 'sessions-lost') {
+      if (finding.verdict === 'sessions-lost') {
         return this.giveUp(
           new Error("none of the leader pool's sessions is at work in PostgreSQL"),
           stalledMs,
@@ -101,7 +107,7 @@ export class LeaderStallWatch {
         );
       }
       logger.warn(
-        { stalledMs },
+        { stalledMs, atWork: finding.atWork },
         "no dispatch pass answered within the stall limit, but PostgreSQL answers and the leader's sessions are at work there; still leading",
       );
       // Look again one stall limit from now, not at every tick.

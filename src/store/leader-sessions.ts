@@ -10,6 +10,9 @@ import type { Connections } from './pool-share.js';
  */
 const LEADER_SESSION_PREFIX = 'helios-leader:';
 
+/** How much of a statement's text the stall watch logs. */
+const STATEMENT_CHARS = 160;
+
 /** PostgreSQL keeps this many bytes of an application_name (NAMEDATALEN - 1). */
 const APPLICATION_NAME_BYTES = 63;
 
@@ -80,30 +83,61 @@ export async function endPredecessorSessions(
 }
 
 /**
- * How many sessions of a leader pool are at work in PostgreSQL: running a statement (a lock wait
- * included), or inside a transaction whose last statement ended within the last second. A session
- * whose state cannot be seen counts as at work: NULL for another role's session, `disabled` where
- * track_activities is off. $1 = the pool's application_name.
+ * The sessions of a leader pool at work in PostgreSQL: running a statement (a lock wait included),
+ * or inside a transaction whose last statement ended within the last second. A session whose
+ * state cannot be seen counts as at work: NULL for another role's session, `disabled` where
+ * track_activities is off. For each, what it runs (the statement's text, which carries no values:
+ * every statement of ours sends them as parameters) and the sessions it waits for
+ * (pg_blocking_pids, only asked here, after a stall): their application name, state and how long
+ * their transaction has been open, and their statement only when it is ours (another client's
+ * could carry a literal secret). $1 = the pool's application_name.
  */
 const LEADER_SESSIONS_AT_WORK = `
-  SELECT count(*) FILTER (
-    WHERE state IS NULL
-       OR state = 'disabled'
-       OR state = 'active'
-       OR (state LIKE 'idle in transaction%' AND state_change > clock_timestamp() - interval '1 second')
-  )::int AS "atWork"
-  FROM pg_stat_activity
-  WHERE datname = current_database() AND application_name = $1`;
+  SELECT s.pid, s.state,
+         nullif(concat_ws(':', s.wait_event_type, s.wait_event), '') AS "waitEvent",
+         round(extract(epoch FROM clock_timestamp() - s.query_start) * 1000)::int AS "statementMs",
+         left(regexp_replace(s.query, '\\s+', ' ', 'g'), ${STATEMENT_CHARS}) AS statement,
+         (SELECT coalesce(json_agg(json_build_object(
+                   'pid', b.pid,
+                   'applicationName', b.application_name,
+                   'state', b.state,
+                   'transactionMs', round(extract(epoch FROM clock_timestamp() - b.xact_start) * 1000)::int,
+                   'statement', CASE WHEN b.application_name LIKE 'helios%'
+                                     THEN left(regexp_replace(b.query, '\\s+', ' ', 'g'), ${STATEMENT_CHARS}) END)),
+                   '[]')
+          FROM pg_stat_activity b WHERE b.pid = ANY (pg_blocking_pids(s.pid))) AS "blockedBy"
+  FROM pg_stat_activity s
+  WHERE s.datname = current_database() AND s.application_name = $1
+    AND (s.state IS NULL
+         OR s.state = 'disabled'
+         OR s.state = 'active'
+         OR (s.state LIKE 'idle in transaction%' AND s.state_change > clock_timestamp() - interval '1 second'))`;
+
+/** A leader-pool session at work, as the stall watch logs it (see LEADER_SESSIONS_AT_WORK). */
+export interface LeaderSessionAtWork {
+  readonly pid: number;
+  readonly state: string | null;
+  readonly waitEvent: string | null;
+  readonly statementMs: number | null;
+  readonly statement: string | null;
+  readonly blockedBy: readonly {
+    readonly pid: number;
+    readonly applicationName: string | null;
+    readonly state: string | null;
+    readonly transactionMs: number | null;
+    readonly statement: string | null;
+  }[];
+}
 
 /**
  * What a new connection says about a leader none of whose dispatch passes PostgreSQL has answered
  * for a while (the leader's stall watch, coordination/leader-stall.ts):
  * `answering`, PostgreSQL answers and the leader's sessions are at work there (a slow statement,
- * a lock wait: stepping down would not help), or answered with an error of its own (too many
- * connections, starting up: every node meets the same server); `sessions-lost`, it answers but
- * none of the leader pool's sessions is at work there, so the leader waits on connections whose
- * answers cannot come (its server moved, a firewall forgot them). Rejects when PostgreSQL cannot
- * be reached at all within `timeoutMs`.
+ * a lock wait: stepping down would not help; `atWork` says what each does and waits for), or
+ * answered with an error of its own (too many connections, starting up: every node meets the same
+ * server); `sessions-lost`, it answers but none of the leader pool's sessions is at work there, so
+ * the leader waits on connections whose answers cannot come (its server moved, a firewall forgot
+ * them). Rejects when PostgreSQL cannot be reached at all within `timeoutMs`.
  */
 export async function probeLeaderSessions(options: {
   connectionString: string;
@@ -112,7 +146,7 @@ export async function probeLeaderSessions(options: {
   /** The application_name of the leader pool whose sessions are looked for. */
   leaderApplicationName: string;
   timeoutMs: number;
-}): Promise<'answering' | 'sessions-lost'> {
+}): Promise<{ verdict: 'answering' | 'sessions-lost'; atWork?: readonly LeaderSessionAtWork[] }> {
   const client = new pg.Client({
     connectionString: options.connectionString,
     application_name: options.applicationName,
@@ -126,15 +160,15 @@ export async function probeLeaderSessions(options: {
     const { rows } = await withTimeout(
       (async () => {
         await client.connect();
-        return client.query<{ atWork: number }>(LEADER_SESSIONS_AT_WORK, [options.leaderApplicationName]);
+        return client.query<LeaderSessionAtWork>(LEADER_SESSIONS_AT_WORK, [options.leaderApplicationName]);
       })(),
       options.timeoutMs,
       'the leader stall probe',
     );
-    return rows[0]!.atWork > 0 ? 'answering' : 'sessions-lost';
+    return rows.length > 0 ? { verdict: 'answering', atWork: rows } : { verdict: 'sessions-lost' };
   } catch (err) {
     // An error PostgreSQL itself sent (a SQLSTATE) proves it is reachable.
-    if (isServerError(err)) return 'answering';
+    if (isServerError(err)) return { verdict: 'answering' };
     throw err;
   } finally {
     // Not awaited: a connection that never answered must not hold the caller (end() destroys it).

@@ -6,6 +6,7 @@ import {
   describeLeaderEvents,
   firstToLead,
   leaderEvents,
+  loggedAt as at,
   stepDownsAsCutOff,
 } from '../support/every-second-job.js';
 import { waitFor } from '../support/execution.js';
@@ -13,6 +14,7 @@ import { integrationFixture, type IntegrationFixture } from '../support/fixture.
 import { startTogether } from '../support/start-together.js';
 import { FaultProxy } from '../support/fault-proxy.js';
 import { withFenceLocked } from '../support/database.js';
+import type { LeaderSessionAtWork } from '../../src/store/leader-sessions.js';
 
 // Review of 8058db5, suspicion 4. README: "A database that answers, only slowly, keeps its
 // leader: another node would meet the same database." The dispatcher is held for 12 s by a lock
@@ -73,6 +75,30 @@ async function slowDatabase(kind: 'slow-connect' | 'refused'): Promise<void> {
 
   const events = leaderEvents(nodes, lockedAt);
   console.log(`# ${kind}: lock held ${releasedAt - lockedAt} ms; ${describeLeaderEvents(events)}`);
+  if (kind === 'slow-connect') {
+    // The probe names what the leader waits for: its dispatcher's fence update, blocked by the
+    // test's transaction (not ours: its statement is not shown), open for seconds.
+    const probes = nodes
+      .flatMap((n) => n.node.logs)
+      .filter((l) => at(l) >= lockedAt && at(l) <= releasedAt && /still leading/.test(l.msg ?? ''));
+    assert.ok(probes.length > 0, 'no "still leading" probe while the lock was held');
+    for (const probe of probes) {
+      const atWork = (probe.atWork as LeaderSessionAtWork[] | undefined) ?? [];
+      // The dispatcher's and the reaper's fence updates: each blocked by the test's transaction,
+      // or queued behind the other for the row.
+      const fenceWaits = atWork.filter((s) => /leader_fence/.test(s.statement ?? ''));
+      assert.ok(fenceWaits.length > 0, `the probe did not name the fence update: ${JSON.stringify(atWork)}`);
+      for (const wait of fenceWaits) assert.match(wait.waitEvent ?? '', /^Lock:/, JSON.stringify(wait));
+      const outside = fenceWaits
+        .flatMap((s) => s.blockedBy)
+        .filter((b) => !/^helios/.test(b.applicationName ?? ''));
+      assert.ok(outside.length > 0, `no blocker outside Helios named: ${JSON.stringify(fenceWaits)}`);
+      for (const blocker of outside) {
+        assert.ok((blocker.transactionMs ?? 0) >= 1000, JSON.stringify(blocker));
+        assert.equal(blocker.statement, null, "another client's statement is not logged");
+      }
+    }
+  }
   assert.deepEqual(
     stepDownsAsCutOff(events),
     [],

@@ -19,9 +19,9 @@ function watch(probe: () => Promise<Verdict>) {
   const w = new LeaderStallWatch({
     signal: controller.signal,
     stallMs: STALL_MS,
-    probe: () => {
+    probe: async () => {
       probes += 1;
-      return probe();
+      return { verdict: await probe() };
     },
     stepDown: (err) => unreachable.push(err),
     logger: pino({ level: 'silent' }),
