@@ -1,4 +1,4 @@
-import { isStatementTimeout, type Database, type DbClient } from '../store/db.js';
+import { isStatementCancelled, type Database, type DbClient } from '../store/db.js';
 import { performance } from 'node:perf_hooks';
 import { setTimeout as sleep } from 'node:timers/promises';
 import type { Leadership } from '../coordination/election.js';
@@ -41,20 +41,27 @@ const HELD_RETRY_MS = 100;
 export const REAPER_STATEMENT_TIMEOUT_MS = 2000;
 
 /**
- * How long a pass sends the statements of charged runs (one transaction's statements each: about
- * 1 ms apiece here, 100 runs 110–130 ms) before it commits what it did: the statement timeout
- * bounds each statement, this the pass. The runs left stay expired; the next pass, at once, takes them.
+ * How long after its start a pass stops sending the statements of charged runs (one transaction's
+ * statements each: about 1 ms apiece here, 100 runs 110–130 ms) and commits what it did: the
+ * statement timeout bounds each statement, this the pass (give or take one charged run's
+ * statements). The runs left stay expired; the next pass, at once, takes them first.
  */
 const PASS_BUDGET_MS = 1000;
 
 /**
- * After a pass that took never-started claims was cancelled at its statement timeout (a plan gone
- * bad, as SELECT_EXPIRED's once was), the passes leave them out for this long, doubled with each
+ * After a pass's select of expired claims, never-started ones included, was cancelled at its
+ * statement timeout (a plan gone bad, as SELECT_EXPIRED's once was), the passes leave those out for this long, doubled with each
  * such pass in a row up to UNSTARTED_HOLD_MAX_MS: the claims past their deadline are still taken
  * (never-started ones too, once their deadline passes), instead of every pass being cancelled.
  */
 const UNSTARTED_HOLD_MS = 5000;
 const UNSTARTED_HOLD_MAX_MS = 60_000;
+
+/** The statement a pass is at, and since when (performance.now()): a cancel is told by both. */
+interface PassStep {
+  name: 'fence' | 'select' | 'forgive' | 'charge';
+  since: number;
+}
 
 /** Options of {@link Reaper}. */
 export interface ReaperOptions {
@@ -163,24 +170,33 @@ export class Reaper {
     if (!leadership.isValid()) throw new NotLeaderError('leadership ended before reaping');
     const statementTimeoutMs = this.options.statementTimeoutMs ?? REAPER_STATEMENT_TIMEOUT_MS;
     const expiry = this.expiry();
+    const step: PassStep = { name: 'fence', since: performance.now() };
     const results = await inFencedTransaction(
       pool,
       leadership,
-      (client) => this.reapInTransaction(client, batchSize, expiry),
+      (client) => this.reapInTransaction(client, batchSize, expiry, step),
       { statementTimeoutMs },
     ).catch((err: unknown) => {
-      if (!isStatementTimeout(err)) throw err;
+      // A cancel, and the statement had run as long as the limit: the statement timeout (told
+      // apart from an operator's pg_cancel_backend without reading the message, which
+      // lc_messages may translate).
+      if (!isStatementCancelled(err) || performance.now() - step.since < statementTimeoutMs) throw err;
       let held = '';
-      if (expiry.unstartedAfterMs !== undefined) {
+      if (step.name === 'select' && expiry.unstartedAfterMs !== undefined) {
         this.unstartedHoldMs = Math.min(UNSTARTED_HOLD_MAX_MS, this.unstartedHoldMs * 2 || UNSTARTED_HOLD_MS);
         this.unstartedHeldUntil = performance.now() + this.unstartedHoldMs;
         held = `; claims never started are left out for ${this.unstartedHoldMs} ms (taken once past their deadline)`;
       }
       throw new Error(
-        `a reaper statement ran past ${statementTimeoutMs} ms and was cancelled, its pass rolled back (the pass held the fence row, which every dispatch pass waits for)${held}`,
+        `the reaper's ${step.name} statement ran past ${statementTimeoutMs} ms and was cancelled, its pass rolled back (the pass held the fence row, which every dispatch pass waits for)${held}`,
         { cause: err },
       );
     });
+    if (results.cutShort > 0)
+      logger.warn(
+        { left: results.cutShort, budgetMs: PASS_BUDGET_MS },
+        'reaper pass committed at its budget; the expired runs left go in the next pass',
+      );
     if (expiry.unstartedAfterMs !== undefined) this.unstartedHoldMs = 0;
     for (const [claimedBy, messages] of results.handOffs) this.options.handOff?.(messages, claimedBy);
     for (const outcome of results.outcomes) {
@@ -191,13 +207,20 @@ export class Reaper {
     }
     // Either kind may have more waiting: past their deadline (at most batchSize taken) or never
     // started (taken only when fewer than batchSize were past, at most unstartedBatchSize).
-    return { reaped: results.outcomes.length, full: results.selected >= batchSize || results.cutShort };
+    return { reaped: results.outcomes.length, full: results.selected >= batchSize || results.cutShort > 0 };
   }
 
   /** The statements of one pass, inside its fenced transaction. */
-  private async reapInTransaction(client: DbClient, batchSize: number, expiry: ExpiryOptions) {
+  private async reapInTransaction(
+    client: DbClient,
+    batchSize: number,
+    expiry: ExpiryOptions,
+    step: PassStep,
+  ) {
     const { topics } = this.options;
     const budgetEnds = performance.now() + PASS_BUDGET_MS;
+    const at = (name: PassStep['name']) => Object.assign(step, { name, since: performance.now() });
+    at('select');
     const expired = await selectExpiredRuns(client, batchSize, {
       ...expiry,
       unstartedLimit: this.unstartedBatchSize(),
@@ -216,6 +239,7 @@ export class Reaper {
     // One statement for the runs forgiven (a crashed worker's: thousands in a herd), then one
     // transaction's statements each for those charged.
     const reports = expired.map(report);
+    at('forgive');
     const forgiven = await forgiveExpiredClaims(
       client,
       expired.map((run, k) => ({ run, error: reports[k]!.error! })),
@@ -224,7 +248,7 @@ export class Reaper {
       expiry,
     );
     let charged = 0;
-    let cutShort = false;
+    let cutShort = 0;
     for (const [k, run] of expired.entries()) {
       const next = forgiven[k];
       if (next) {
@@ -236,10 +260,11 @@ export class Reaper {
       }
       // Past the budget the rest are left, locked until the commit, to the next pass.
       if (charged > 0 && performance.now() > budgetEnds) {
-        cutShort = true;
+        cutShort += 1;
         continue;
       }
       charged += 1;
+      at('charge');
       const result = await failAttempt(
         client,
         run,

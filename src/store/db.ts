@@ -100,14 +100,12 @@ export function createPool(options: {
   return pool;
 }
 
-/** True for PostgreSQL's "canceling statement due to statement timeout" (not a cancel request's). */
-export function isStatementTimeout(err: unknown): boolean {
-  return (
-    isServerError(err) &&
-    err.code === '57014' &&
-    err instanceof Error &&
-    /statement timeout/.test(err.message)
-  );
+/**
+ * True when PostgreSQL cancelled the statement (SQLSTATE 57014): its statement_timeout, or a
+ * cancel request (pg_cancel_backend). The message, which would tell them apart, may be translated.
+ */
+export function isStatementCancelled(err: unknown): boolean {
+  return isServerError(err) && err.code === '57014';
 }
 
 /**

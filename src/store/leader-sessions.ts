@@ -95,17 +95,20 @@ export async function endPredecessorSessions(
 const LEADER_SESSIONS_AT_WORK = `
   SELECT s.pid, s.state,
          nullif(concat_ws(':', s.wait_event_type, s.wait_event), '') AS "waitEvent",
-         round(extract(epoch FROM clock_timestamp() - s.query_start) * 1000)::int AS "statementMs",
+         round(extract(epoch FROM clock_timestamp() - s.query_start) * 1000)::float8 AS "statementMs",
          left(regexp_replace(s.query, '\\s+', ' ', 'g'), ${STATEMENT_CHARS}) AS statement,
+         -- pg_blocking_pids once per session (it briefly locks the lock manager), and a blocker
+         -- with no session row kept (a prepared transaction blocks as pid 0).
          (SELECT coalesce(json_agg(json_build_object(
-                   'pid', b.pid,
+                   'pid', bp.pid,
                    'applicationName', b.application_name,
                    'state', b.state,
-                   'transactionMs', round(extract(epoch FROM clock_timestamp() - b.xact_start) * 1000)::int,
+                   'transactionMs', round(extract(epoch FROM clock_timestamp() - b.xact_start) * 1000)::float8,
                    'statement', CASE WHEN b.application_name LIKE 'helios%'
                                      THEN left(regexp_replace(b.query, '\\s+', ' ', 'g'), ${STATEMENT_CHARS}) END)),
                    '[]')
-          FROM pg_stat_activity b WHERE b.pid = ANY (pg_blocking_pids(s.pid))) AS "blockedBy"
+          FROM unnest(pg_blocking_pids(s.pid)) AS bp (pid)
+          LEFT JOIN pg_stat_activity b ON b.pid = bp.pid) AS "blockedBy"
   FROM pg_stat_activity s
   WHERE s.datname = current_database() AND s.application_name = $1
     AND (s.state IS NULL

@@ -510,11 +510,26 @@ async function untilWaitingOnDeadLetters() {
   );
 }
 
+/** `count` runs of `jobId` claimed ahead by a frozen worker, never started, due a minute ago, the claim good for an hour. */
+async function neverStartedRuns(jobId: string, count: number): Promise<string[]> {
+  const { rows } = await pool.query<{ id: string }>(
+    `INSERT INTO runs (job_id, scheduled_for, state, attempt, max_attempts, target, timeout_ms, backoff_ms,
+                       backoff_multiplier, concurrency, not_before, claimed_by, claim_expires_at)
+     SELECT j.id, now() - interval '1 minute' + g * interval '1 millisecond', 'running', 1, 3, j.target,
+            j.timeout_ms, 0, 1, 'allow', now() - interval '1 minute', 'frozen-worker', now() + interval '1 hour'
+     FROM jobs j, generate_series(1, $2) AS g WHERE j.id = $1
+     RETURNING id`,
+    [jobId, count],
+  );
+  return rows.map((r) => r.id);
+}
+
 test('a pass held up by a lock is cancelled at its statement timeout and gives the fence row back to dispatch; the run is buried once after', async () => {
   const job = await makeJob(1);
   const [dying] = await expiredRuns(job, 1, { agoMs: 1000, burial: true });
+  const [ahead] = await neverStartedRuns(await makeJob(3), 1);
   const holder = await blockDeadLetters();
-  const r = reaper({ statementTimeoutMs: 500 });
+  const r = reaper({ statementTimeoutMs: 500, unstartedAfterMs: 5000 });
   const pass = r.reapBatch().then(
     () => assert.fail('the pass ended although its dead letter could not be written'),
     (err: unknown) => err,
@@ -522,12 +537,21 @@ test('a pass held up by a lock is cancelled at its statement timeout and gives t
   await untilWaitingOnDeadLetters();
   const dispatch = await within(dispatchPass(), 2000, 'a dispatch pass behind the held reaper pass');
   const err = await pass;
-  assert.match(String(err), /ran past 500 ms and was cancelled/);
-  assert.deepEqual(await states([dying!]), ['running'], 'the cancelled pass wrote nothing');
+  assert.match(String(err), /charge statement ran past 500 ms and was cancelled/);
+  assert.doesNotMatch(
+    String(err),
+    /left out/,
+    'never-started claims held back for a lock on another statement',
+  );
+  assert.deepEqual(
+    await states([dying!, ahead!]),
+    ['running', 'running'],
+    'the cancelled pass wrote nothing',
+  );
   assert.equal((await lettersOf([dying!])).size, 0);
   await holder.end();
-  assert.deepEqual(await r.reapBatch(), { reaped: 1, full: false });
-  assert.deepEqual(await states([dying!]), ['dead']);
+  assert.deepEqual(await r.reapBatch(), { reaped: 2, full: false });
+  assert.deepEqual(await states([dying!, ahead!]), ['dead', 'queued']);
   assert.equal((await lettersOf([dying!])).get(dying!), 1, 'one dead letter');
   assert.ok(dispatch.ms >= 300, `the dispatch pass waited ${dispatch.ms} ms: it did not meet the held pass`);
 });
@@ -583,14 +607,7 @@ test('after a pass cancelled while taking never-started claims, the passes leave
   // Claims ahead of a job a command holds: the candidates' scan tries each one's job and skips it,
   // which takes longer than the 100 ms limit here (as a bad plan took seconds).
   const held = await makeJob(3);
-  await pool.query(
-    `INSERT INTO runs (job_id, scheduled_for, state, attempt, max_attempts, target, timeout_ms, backoff_ms,
-                       backoff_multiplier, concurrency, not_before, claimed_by, claim_expires_at)
-     SELECT j.id, now() + g * interval '1 second', 'running', 1, 3, j.target, j.timeout_ms, 0, 1, 'allow',
-            now() - interval '1 minute', 'frozen-worker', now() + interval '1 hour'
-     FROM jobs j, generate_series(1, 100000) AS g WHERE j.id = $1`,
-    [held],
-  );
+  await neverStartedRuns(held, 100_000);
   const command = await openTransaction();
   await command.client.query('SELECT id FROM jobs WHERE id = $1 FOR UPDATE', [held]);
   const free = await makeJob(3);
@@ -599,7 +616,7 @@ test('after a pass cancelled while taking never-started claims, the passes leave
   const r = reaper({ statementTimeoutMs: 100, unstartedAfterMs: 5000 });
   await assert.rejects(
     r.reapBatch(),
-    /ran past 100 ms and was cancelled.*never started are left out for 5000 ms/,
+    /select statement ran past 100 ms and was cancelled.*never started are left out for 5000 ms/,
   );
   assert.deepEqual(await states([stranded!]), ['running'], 'the cancelled pass wrote nothing');
   assert.deepEqual(await r.reapBatch(), { reaped: 1, full: false });
