@@ -48,6 +48,7 @@ export async function runLeaderLoop(options: LeaderLoopOptions): Promise<void> {
       }
       if (err instanceof NotLeaderError || signal.aborted) return;
       failures += 1;
+      options.metrics.leaderPassFailures.inc({ loop: name });
       logger.warn({ err: toError(err), failures }, `${name} pass failed; retrying`);
       await options.wait(loopBackoffMs(failures, options.maxBackoffMs), signal);
     }

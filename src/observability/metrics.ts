@@ -123,6 +123,12 @@ export function createMetrics(nodeId: string) {
       help: 'Leader writes rejected because a newer fencing token had written',
       registers: [registry],
     }),
+    leaderPassFailures: new Counter({
+      name: 'helios_leader_pass_failures_total',
+      help: 'Passes of a leader loop (dispatcher, reaper) that failed and are tried again after a back-off',
+      labelNames: ['loop'] as const,
+      registers: [registry],
+    }),
     runsCreated: new Counter({
       name: 'helios_runs_created_total',
       help: 'Runs created by the dispatcher, by resulting state',

@@ -89,6 +89,7 @@ test('every alert says what happened and what to do, with a severity', () => {
     'HeliosFenceRejections',
     'HeliosJobsParked',
     'HeliosKafkaLag',
+    'HeliosLeaderPassesFailing',
     'HeliosNoLeader',
     'HeliosOutboxStalled',
     'HeliosRunsOverdueGrowing',
@@ -245,6 +246,28 @@ const CASES: Case[] = [
     series: { 'helios_stale_completions_total{node="b"}': '2x30' },
     at: '25m',
     alert: 'HeliosCallsNotRecorded',
+    fires: [],
+  },
+  {
+    name: "the reaper's passes fail every minute or two for 20 minutes",
+    interval: '1m',
+    series: {
+      'helios_leader_pass_failures_total{node="a",loop="reaper"}':
+        '0 1 1 2 3 3 4 5 5 6 7 7 8 9 9 10 11 11 12 13 13',
+      'helios_leader_pass_failures_total{node="a",loop="dispatcher"}': '0x20',
+    },
+    at: '20m',
+    alert: 'HeliosLeaderPassesFailing',
+    fires: [{ loop: 'reaper' }],
+  },
+  {
+    name: 'a 10 s PostgreSQL restart fails a burst of dispatch passes, then none',
+    interval: '1m',
+    series: {
+      'helios_leader_pass_failures_total{node="a",loop="dispatcher"}': '0 0 9 9 9 9 9 9 9 9 9 9 9 9 9 9',
+    },
+    at: '15m',
+    alert: 'HeliosLeaderPassesFailing',
     fires: [],
   },
 ];
