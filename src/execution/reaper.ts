@@ -50,9 +50,10 @@ const PASS_BUDGET_MS = 1000;
 
 /**
  * After a pass's select of expired claims, never-started ones included, was cancelled at its
- * statement timeout (a plan gone bad, as SELECT_EXPIRED's once was), the passes leave those out for this long, doubled with each
- * such pass in a row up to UNSTARTED_HOLD_MAX_MS: the claims past their deadline are still taken
- * (never-started ones too, once their deadline passes), instead of every pass being cancelled.
+ * statement timeout (a plan gone bad, as SELECT_EXPIRED's once was), the passes leave those out
+ * for this long, doubled with each such pass in a row up to UNSTARTED_HOLD_MAX_MS: the claims past
+ * their deadline are still taken (never-started ones too, once their deadline passes), instead of
+ * every pass being cancelled.
  */
 const UNSTARTED_HOLD_MS = 5000;
 const UNSTARTED_HOLD_MAX_MS = 60_000;
@@ -115,7 +116,7 @@ export interface ReaperOptions {
  * after being reaped finds its completion rejected (it is conditional on the claim).
  */
 export class Reaper {
-  /** Never-started claims are left out of the passes until then (performance.now()); see UNSTARTED_HOLD_MS. */
+  /** Never-started claims are left out of passes until then (performance.now()); see UNSTARTED_HOLD_MS. */
   private unstartedHeldUntil = 0;
   private unstartedHoldMs = 0;
 

@@ -89,8 +89,9 @@ export async function endPredecessorSessions(
  * track_activities is off. For each, what it runs (the statement's text, which carries no values:
  * every statement of ours sends them as parameters) and the sessions it waits for
  * (pg_blocking_pids, only asked here, after a stall): their application name, state and how long
- * their transaction has been open, and their statement only when it is ours (another client's
- * could carry a literal secret). $1 = the pool's application_name.
+ * their transaction has been open, and their statement only when their application name is a
+ * Helios one (another client's statement could carry a literal secret). $1 = the pool's
+ * application_name.
  */
 const LEADER_SESSIONS_AT_WORK = `
   SELECT s.pid, s.state,
