@@ -112,6 +112,17 @@ async function lettersOf(ids: readonly string[]): Promise<Map<string, number>> {
   return new Map(rows.map((r) => [r.runId, r.n]));
 }
 
+/** Every run of `ids` dead, with one dead letter each. */
+async function assertBuriedOnce(ids: readonly string[]): Promise<void> {
+  assert.deepEqual(new Set(await states(ids)), new Set(['dead']));
+  const letters = await lettersOf(ids);
+  assert.deepEqual(
+    ids.map((id) => letters.get(id)),
+    ids.map(() => 1),
+    'one dead letter per run',
+  );
+}
+
 function fakeLeadership(signal = new AbortController().signal): Leadership {
   return { nodeId: 'leader', token: 1n, since: new Date(), signal, isValid: () => !signal.aborted };
 }
@@ -193,13 +204,7 @@ test("a held job's expired runs, more than a batch and older than the rest, neit
   assert.deepEqual(await r.reapBatch(), { reaped: 5, full: true });
   assert.deepEqual(await r.reapBatch(), { reaped: 3, full: false });
   assert.deepEqual(await r.reapBatch(), { reaped: 0, full: false });
-  assert.deepEqual(new Set(await states(heldRuns)), new Set(['dead']));
-  const letters = await lettersOf(heldRuns);
-  assert.deepEqual(
-    heldRuns.map((id) => letters.get(id)),
-    heldRuns.map(() => 1),
-    'one dead letter per run',
-  );
+  await assertBuriedOnce(heldRuns);
 });
 
 test('a pause holding its job for seconds (yielding to a worker) while the reaper loops: other jobs are recovered meanwhile, the held run is buried once after it', async (t) => {
@@ -590,13 +595,7 @@ test('a pass charging runs commits what it did after its budget (1 s) instead of
     );
     assert.ok(first.ms < 1500, `the first pass took ${Math.round(first.ms)} ms`);
     while ((await r.reapBatch()).full);
-    assert.deepEqual(new Set(await states(dying)), new Set(['dead']));
-    const letters = await lettersOf(dying);
-    assert.deepEqual(
-      dying.map((id) => letters.get(id)),
-      dying.map(() => 1),
-      'one dead letter per run',
-    );
+    await assertBuriedOnce(dying);
   } finally {
     await pool.query('DROP TRIGGER slow_letter ON dead_letters');
     await pool.query('DROP FUNCTION slow_letter()');
