@@ -1,8 +1,8 @@
 import assert from 'node:assert/strict';
 import { after, before, test } from 'node:test';
 import { selectExpiredRuns } from '../../src/store/attempts.js';
-import type { Queryable } from '../../src/store/db.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
+import { capturedStatement, loopsOfScan } from '../support/plans.js';
 
 // The reaper's statement (selectExpiredRuns) runs inside a fenced transaction: while it runs, the
 // fence row is locked and no dispatch pass can commit. In a herd benchmark an autovacuum analyze
@@ -55,47 +55,10 @@ before(async () => {
 after(() => db.drop());
 
 /** The statement selectExpiredRuns sends, and its parameters (captured, not run). */
-async function reaperStatement(): Promise<{ sql: string; params: unknown[] }> {
-  let captured: { sql: string; params: unknown[] } | undefined;
-  const capture = {
-    query: async (sql: string, params: unknown[]) => {
-      captured = { sql, params };
-      return { rows: [] };
-    },
-  } as unknown as Queryable;
-  await selectExpiredRuns(capture, 100, { unstartedAfterMs: GRACE_MS, unstartedLimit: 1000 });
-  assert.ok(captured, 'selectExpiredRuns sent no statement');
-  return captured;
-}
-
-interface PlanNode {
-  'Node Type': string;
-  Alias?: string;
-  'Actual Loops': number;
-  Plans?: PlanNode[];
-}
-
-/** How many times each scan of `runs` under the alias `alias` ran, executing `sql` in a rolled-back transaction. */
-async function loopsOfScan(sql: string, params: unknown[], alias: string): Promise<number[]> {
-  const client = await db.pool.connect();
-  try {
-    await client.query('BEGIN');
-    const { rows } = await client.query<{ 'QUERY PLAN': { Plan: PlanNode }[] }>(
-      `EXPLAIN (ANALYZE, FORMAT JSON) ${sql}`,
-      params,
-    );
-    const loops: number[] = [];
-    const visit = (node: PlanNode) => {
-      if (node.Alias === alias && /Scan/.test(node['Node Type'])) loops.push(node['Actual Loops']);
-      for (const child of node.Plans ?? []) visit(child);
-    };
-    visit(rows[0]!['QUERY PLAN'][0]!.Plan);
-    return loops;
-  } finally {
-    await client.query('ROLLBACK');
-    client.release();
-  }
-}
+const reaperStatement = () =>
+  capturedStatement((capture) =>
+    selectExpiredRuns(capture, 100, { unstartedAfterMs: GRACE_MS, unstartedLimit: 1000 }),
+  );
 
 test('the statistics say every run is queued while thousands are claimed ahead', async () => {
   const { rows } = await db.pool.query<{ values: string }>(
@@ -106,7 +69,7 @@ test('the statistics say every run is queued while thousands are claimed ahead',
 
 test('the reaper scans the never-started candidates once, whatever the statistics, and finds them', async () => {
   const { sql, params } = await reaperStatement();
-  assert.deepEqual(await loopsOfScan(sql, params, 'c'), [1]);
+  assert.deepEqual(await loopsOfScan(db.pool, sql, params, 'c'), [1]);
   const expired = await selectExpiredRuns(db.pool, 100, { unstartedAfterMs: GRACE_MS, unstartedLimit: 1000 });
   assert.equal(expired.length, NEVER_STARTED);
   assert.ok(expired.every((run) => run.unstarted));
@@ -120,7 +83,7 @@ test('written as `r.id IN (subquery)`, as before, the same statement scans them 
     .replace('WHERE r.id = ANY (ARRAY(', 'WHERE r.id IN (')
     .replace('LIMIT $3))', 'LIMIT $3)');
   assert.notEqual(asBefore, sql, 'the statement no longer has the form this control rewrites');
-  const loops = await loopsOfScan(asBefore, params, 'c');
+  const loops = await loopsOfScan(db.pool, asBefore, params, 'c');
   assert.ok(
     loops.some((n) => n >= CLAIMED_AHEAD),
     `the candidates' scan ran ${loops.join(', ')} times, not once per claimed run`,
