@@ -1,5 +1,6 @@
 import assert from 'node:assert/strict';
 import { after, before, test } from 'node:test';
+import type pg from 'pg';
 import { pruneOutbox, pruneRuns } from '../../src/store/retention.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
 import { capturedStatement, loopsOfScan } from '../support/plans.js';
@@ -63,6 +64,18 @@ before(async () => {
 });
 after(() => db.drop());
 
+/** What `work` returns in a transaction that is then rolled back (the rows stay for the next test). */
+async function rolledBack<T>(work: (client: pg.PoolClient) => Promise<T>): Promise<T> {
+  const client = await db.pool.connect();
+  try {
+    await client.query('BEGIN');
+    return await work(client);
+  } finally {
+    await client.query('ROLLBACK');
+    client.release();
+  }
+}
+
 const OUTBOX_RETENTION_MS = 600_000;
 const outboxStatement = () => capturedStatement((c) => pruneOutbox(c, OUTBOX_RETENTION_MS, 10_000));
 const runsOptions = async () => ({
@@ -97,28 +110,15 @@ test('the statistics count one live row in each table', async () => {
 test("the outbox's prune reads the old rows once, whatever the statistics, and deletes them", async () => {
   const { sql, params } = await outboxStatement();
   assert.deepEqual(await loopsOfScan(db.pool, sql, params, 'outbox_1'), [1]);
-  const client = await db.pool.connect();
-  try {
-    await client.query('BEGIN');
-    assert.equal(await pruneOutbox(client, OUTBOX_RETENTION_MS, 10_000), ROWS);
-  } finally {
-    await client.query('ROLLBACK');
-    client.release();
-  }
+  assert.equal(await rolledBack((c) => pruneOutbox(c, OUTBOX_RETENTION_MS, 10_000)), ROWS);
 });
 
 test("the runs' prune reads its doomed runs once, whatever the statistics, and deletes them", async () => {
   const { sql, params } = await runsStatement();
   assert.deepEqual(await loopsOfScan(db.pool, sql, params, 'doomed'), [1]);
-  const client = await db.pool.connect();
-  try {
-    await client.query('BEGIN');
-    const { pruned } = await pruneRuns(client, await runsOptions());
-    assert.equal(pruned, JOBS * (RUNS_PER_JOB - 2));
-  } finally {
-    await client.query('ROLLBACK');
-    client.release();
-  }
+  const options = await runsOptions();
+  const { pruned } = await rolledBack((c) => pruneRuns(c, options));
+  assert.equal(pruned, JOBS * (RUNS_PER_JOB - 2));
 });
 
 test('written as "id IN (subquery)", as before, both scan their subquery once per row of the table', async () => {
