@@ -9,10 +9,10 @@ import { createTestDatabase, type TestDatabase } from '../../test/support/databa
 import { REPO_ROOT, serverEnv, uniqueId } from '../../test/support/env.js';
 import { spawn } from 'node:child_process';
 import {
+  loggedAt,
   ManagedProcess,
   nodeEnvironment,
   stopAll,
-  type LogLine,
   type NodeEnv,
 } from '../../test/support/processes.js';
 import type { CpuGroups } from './profile.js';
@@ -28,11 +28,6 @@ export interface ClusterOptions {
   readonly nodeArgs?: string[];
   /** Wait until every node's worker joined the consumer group; default true. */
   readonly waitForWorkers?: boolean;
-}
-
-/** When a node logged `line`, ms since the epoch (pino writes `time` as an ISO string here: stdTimeFunctions.isoTime). */
-function loggedAt(line: LogLine): number {
-  return typeof line.time === 'string' ? Date.parse(line.time) : Number(line.time ?? NaN);
 }
 
 /**

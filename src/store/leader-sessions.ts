@@ -10,8 +10,8 @@ import type { Connections } from './pool-share.js';
  */
 const LEADER_SESSION_PREFIX = 'helios-leader:';
 
-/** How much of a statement's text the stall watch logs. */
-const STATEMENT_CHARS = 160;
+/** A session's statement as the stall watch logs it (SQL over `column`): one line, 160 characters. */
+const statementText = (column: string) => `left(regexp_replace(${column}, '\\s+', ' ', 'g'), 160)`;
 
 /** PostgreSQL keeps this many bytes of an application_name (NAMEDATALEN - 1). */
 const APPLICATION_NAME_BYTES = 63;
@@ -97,7 +97,7 @@ const LEADER_SESSIONS_AT_WORK = `
   SELECT s.pid, s.state,
          nullif(concat_ws(':', s.wait_event_type, s.wait_event), '') AS "waitEvent",
          round(extract(epoch FROM clock_timestamp() - s.query_start) * 1000)::float8 AS "statementMs",
-         left(regexp_replace(s.query, '\\s+', ' ', 'g'), ${STATEMENT_CHARS}) AS statement,
+         ${statementText('s.query')} AS statement,
          -- pg_blocking_pids once per session (it briefly locks the lock manager), and a blocker
          -- with no session row kept (a prepared transaction blocks as pid 0).
          (SELECT coalesce(json_agg(json_build_object(
@@ -106,7 +106,7 @@ const LEADER_SESSIONS_AT_WORK = `
                    'state', b.state,
                    'transactionMs', round(extract(epoch FROM clock_timestamp() - b.xact_start) * 1000)::float8,
                    'statement', CASE WHEN b.application_name LIKE 'helios%'
-                                     THEN left(regexp_replace(b.query, '\\s+', ' ', 'g'), ${STATEMENT_CHARS}) END)),
+                                     THEN ${statementText('b.query')} END)),
                    '[]')
           FROM unnest(pg_blocking_pids(s.pid)) AS bp (pid)
           LEFT JOIN pg_stat_activity b ON b.pid = bp.pid) AS "blockedBy"

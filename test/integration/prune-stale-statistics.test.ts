@@ -3,7 +3,7 @@ import { after, before, test } from 'node:test';
 import type pg from 'pg';
 import { pruneOutbox, pruneRuns } from '../../src/store/retention.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
-import { capturedStatement, loopsOfScan } from '../support/plans.js';
+import { capturedStatement, holdStatistics, loopsOfScan } from '../support/plans.js';
 
 // The pruner's statements on statistics taken while a table had been drained: a few live rows in
 // many pages, as the outbox is between herds once the pruner has emptied it (and VACUUM or ANALYZE
@@ -19,9 +19,7 @@ let db: TestDatabase;
 
 before(async () => {
   db = await createTestDatabase();
-  // No autovacuum: the statistics below must stay as they are for the length of the test.
-  await db.pool.query('ALTER TABLE outbox SET (autovacuum_enabled = false)');
-  await db.pool.query('ALTER TABLE runs SET (autovacuum_enabled = false)');
+  await holdStatistics(db.pool, 'outbox', 'runs');
   await db.pool.query(
     `INSERT INTO jobs (name, schedule, target, next_run_at)
      SELECT 'drained-' || n, '0 0 0 * * *', '{"url": "http://127.0.0.1:9/"}', NULL FROM generate_series(1, $1::int) AS n`,

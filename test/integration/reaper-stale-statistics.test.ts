@@ -2,7 +2,7 @@ import assert from 'node:assert/strict';
 import { after, before, test } from 'node:test';
 import { selectExpiredRuns } from '../../src/store/attempts.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
-import { capturedStatement, loopsOfScan } from '../support/plans.js';
+import { capturedStatement, holdStatistics, loopsOfScan } from '../support/plans.js';
 
 // The reaper's statement (selectExpiredRuns) runs inside a fenced transaction: while it runs, the
 // fence row is locked and no dispatch pass can commit. In a herd benchmark an autovacuum analyze
@@ -21,8 +21,7 @@ let db: TestDatabase;
 
 before(async () => {
   db = await createTestDatabase();
-  // No autovacuum: the statistics below must stay as they are for the length of the test.
-  await db.pool.query('ALTER TABLE runs SET (autovacuum_enabled = false)');
+  await holdStatistics(db.pool, 'runs');
   await db.pool.query(
     `INSERT INTO jobs (name, schedule, target, next_run_at)
      SELECT 'stale-' || n, '0 0 0 * * *', '{"url": "http://127.0.0.1:9/"}', now() + interval '1 day'

@@ -2,7 +2,7 @@ import type pg from 'pg';
 import { uniqueId } from './env.js';
 import { waitFor, type TargetServer } from './execution.js';
 import { apiCall } from './node-api.js';
-import type { LogLine, ManagedProcess } from './processes.js';
+import { loggedAt, type LogLine, type ManagedProcess } from './processes.js';
 
 // What the failover tests share: an every-second job whose occurrences are counted one by one, the
 // node that leads, and the leaders' step-downs and the stall watch's verdicts as one timeline.
@@ -98,8 +98,7 @@ export async function occurrencesNotRun(
   return problems;
 }
 
-/** The wall-clock time of a log line. */
-export const loggedAt = (line: LogLine): number => Date.parse(line.time as string);
+export { loggedAt };
 
 /** A leader's step-down, election or stall-watch verdict, `t` ms after the moment asked about. */
 export interface LeaderEvent {

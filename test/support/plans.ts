@@ -5,6 +5,14 @@ import type { Queryable } from '../../src/store/db.js';
 // What a store function sends, and how often each scan of its plan ran: for tests that make
 // statistics which once turned a statement quadratic (reaper-stale-statistics, prune-stale-statistics).
 
+/**
+ * Turns autovacuum off for `tables`: the statistics a test makes must stay as they are for its
+ * length (no analyze behind its back).
+ */
+export async function holdStatistics(pool: pg.Pool, ...tables: string[]): Promise<void> {
+  for (const table of tables) await pool.query(`ALTER TABLE ${table} SET (autovacuum_enabled = false)`);
+}
+
 /** The statement `send` makes its Queryable run, and its parameters (captured, not run). */
 export async function capturedStatement(
   send: (db: Queryable) => Promise<unknown>,

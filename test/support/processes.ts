@@ -6,6 +6,11 @@ import { REPO_ROOT, serverEnv } from './env.js';
 /** One JSON log line of a node (pino). */
 export type LogLine = Record<string, unknown> & { msg?: string; level?: number };
 
+/** When a node logged `line`, ms since the epoch (pino writes `time` as an ISO string: stdTimeFunctions.isoTime). */
+export function loggedAt(line: LogLine): number {
+  return typeof line.time === 'string' ? Date.parse(line.time) : Number(line.time ?? NaN);
+}
+
 /** A child process whose JSON log lines are collected and can be waited for. */
 export class ManagedProcess {
   readonly logs: LogLine[] = [];
