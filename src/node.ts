@@ -36,7 +36,7 @@ import { KafkaProbe } from './broker/health.js';
 import { Dispatcher } from './scheduling/dispatcher.js';
 import { OutboxRelay } from './outbox/relay.js';
 import { Worker } from './execution/worker.js';
-import { Reaper } from './execution/reaper.js';
+import { Reaper, UnstartedClaimsHold } from './execution/reaper.js';
 import { Pruner } from './retention/pruner.js';
 import { buildApiServer } from './api/server.js';
 import { registerApi } from './api/v1.js';
@@ -92,6 +92,8 @@ export class HeliosNode {
   private election?: LeaderElection;
   private app?: FastifyInstance;
   private leaderTasks = new Set<Promise<void>>();
+  /** The reaper's hold of never-started claims, kept across this node's epochs. */
+  private readonly unstartedHold = new UnstartedClaimsHold();
   private _apiUrl: string | null = null;
 
   constructor(private readonly options: HeliosNodeOptions) {
@@ -496,6 +498,7 @@ export class HeliosNode {
       intervalMs: config.leader.reaperIntervalMs,
       // The workers' claim grace: a run claimed ahead is called within it of its due time or not at all.
       unstartedAfterMs: config.worker.claimGraceMs,
+      unstartedHold: this.unstartedHold,
       handOff: (messages, claimedBy) => this.handOffRequeued(messages, claimedBy),
       logger: logger.child({ part: 'reaper' }),
       runLines: this.runLines,

@@ -58,6 +58,32 @@ const PASS_BUDGET_MS = 1000;
 const UNSTARTED_HOLD_MS = 5000;
 const UNSTARTED_HOLD_MAX_MS = 60_000;
 
+/**
+ * Whether the reaper's passes leave never-started claims out (UNSTARTED_HOLD_MS). One per node,
+ * kept across its epochs: a plan that stays bad would otherwise cost each new epoch of the same
+ * node one cancelled pass (2 s of dispatch held) before the hold took effect again.
+ */
+export class UnstartedClaimsHold {
+  private until = 0;
+  private lengthMs = 0;
+
+  get active(): boolean {
+    return performance.now() < this.until;
+  }
+
+  /** The select with never-started claims was cancelled: holds them out, twice as long as the last time. */
+  extend(): number {
+    this.lengthMs = Math.min(UNSTARTED_HOLD_MAX_MS, this.lengthMs * 2 || UNSTARTED_HOLD_MS);
+    this.until = performance.now() + this.lengthMs;
+    return this.lengthMs;
+  }
+
+  /** A pass took never-started claims within its timeout: the next hold starts short again. */
+  passed(): void {
+    this.lengthMs = 0;
+  }
+}
+
 /** The statement a pass is at, and since when (performance.now()): a cancel is told by both. */
 interface PassStep {
   name: 'fence' | 'select' | 'forgive' | 'charge';
@@ -87,6 +113,8 @@ export interface ReaperOptions {
   readonly unstartedAfterMs?: number;
   /** Each statement of a pass is cancelled past this; default REAPER_STATEMENT_TIMEOUT_MS. */
   readonly statementTimeoutMs?: number;
+  /** The node's hold of never-started claims, kept across its epochs; default: this reaper's own. */
+  readonly unstartedHold?: UnstartedClaimsHold;
   readonly logger: Logger;
   /** The node's budget of lines about single runs. Default: no limit. */
   readonly runLines?: RunLines;
@@ -116,11 +144,11 @@ export interface ReaperOptions {
  * after being reaped finds its completion rejected (it is conditional on the claim).
  */
 export class Reaper {
-  /** Never-started claims are left out of passes until then (performance.now()); see UNSTARTED_HOLD_MS. */
-  private unstartedHeldUntil = 0;
-  private unstartedHoldMs = 0;
+  private readonly unstartedHold: UnstartedClaimsHold;
 
-  constructor(private readonly options: ReaperOptions) {}
+  constructor(private readonly options: ReaperOptions) {
+    this.unstartedHold = options.unstartedHold ?? new UnstartedClaimsHold();
+  }
 
   /** Runs until leadership ends; never rejects. */
   async run(): Promise<void> {
@@ -153,8 +181,7 @@ export class Reaper {
 
   /** Which claims are over (claimOver): never-started ones only while they are not held back. */
   private expiry() {
-    const held = performance.now() < this.unstartedHeldUntil;
-    return { unstartedAfterMs: held ? undefined : this.options.unstartedAfterMs };
+    return { unstartedAfterMs: this.unstartedHold.active ? undefined : this.options.unstartedAfterMs };
   }
 
   private unstartedBatchSize(): number {
@@ -182,23 +209,24 @@ export class Reaper {
       // apart from an operator's pg_cancel_backend without reading the message, which
       // lc_messages may translate).
       if (!isStatementCancelled(err) || performance.now() - step.since < statementTimeoutMs) throw err;
+      metrics.reaperPassesCut.inc({ reason: 'statement_timeout' });
       let held = '';
       if (step.name === 'select' && expiry.unstartedAfterMs !== undefined) {
-        this.unstartedHoldMs = Math.min(UNSTARTED_HOLD_MAX_MS, this.unstartedHoldMs * 2 || UNSTARTED_HOLD_MS);
-        this.unstartedHeldUntil = performance.now() + this.unstartedHoldMs;
-        held = `; claims never started are left out for ${this.unstartedHoldMs} ms (taken once past their deadline)`;
+        held = `; claims never started are left out for ${this.unstartedHold.extend()} ms (taken once past their deadline)`;
       }
       throw new Error(
         `the reaper's ${step.name} statement ran past ${statementTimeoutMs} ms and was cancelled, its pass rolled back (the pass held the fence row, which every dispatch pass waits for)${held}`,
         { cause: err },
       );
     });
-    if (results.cutShort > 0)
+    if (results.cutShort > 0) {
+      metrics.reaperPassesCut.inc({ reason: 'budget' });
       logger.warn(
         { left: results.cutShort, budgetMs: PASS_BUDGET_MS },
         'reaper pass committed at its budget; the expired runs left go in the next pass',
       );
-    if (expiry.unstartedAfterMs !== undefined) this.unstartedHoldMs = 0;
+    }
+    if (expiry.unstartedAfterMs !== undefined) this.unstartedHold.passed();
     for (const [claimedBy, messages] of results.handOffs) this.options.handOff?.(messages, claimedBy);
     for (const outcome of results.outcomes) {
       metrics.runsReaped.inc({ to: outcome.charged ? outcome.to : 'queued-uncharged' });

@@ -174,6 +174,12 @@ export function createMetrics(nodeId: string) {
       labelNames: ['to'],
       registers: [registry],
     }),
+    reaperPassesCut: new Counter({
+      name: 'helios_reaper_passes_cut_total',
+      help: 'Reaper passes cut short: reason statement_timeout (a statement cancelled, the pass rolled back) or budget (committed with expired runs left to the next pass)',
+      labelNames: ['reason'] as const,
+      registers: [registry],
+    }),
     runClaims: new Counter({
       name: 'helios_run_claims_total',
       help: 'Claim attempts by this worker: source kafka|poll, result claimed|missed|skipped|early|waiting',

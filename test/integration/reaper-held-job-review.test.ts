@@ -5,11 +5,11 @@ import { setTimeout as sleep } from 'node:timers/promises';
 import pg from 'pg';
 import { pino } from 'pino';
 import type { Leadership } from '../../src/coordination/election.js';
-import { FORGIVEN_EXPIRIES, Reaper } from '../../src/execution/reaper.js';
+import { FORGIVEN_EXPIRIES, Reaper, UnstartedClaimsHold } from '../../src/execution/reaper.js';
 import { pauseJob } from '../../src/jobs/commands.js';
 import type { Logger } from '../../src/observability/logger.js';
 import { silentLogger } from '../../src/observability/logger.js';
-import { createMetrics } from '../../src/observability/metrics.js';
+import { createMetrics, type Metrics } from '../../src/observability/metrics.js';
 import { selectExpiredRuns } from '../../src/store/attempts.js';
 import { inFencedTransaction } from '../../src/store/fence.js';
 import { replayDeadLetter } from '../../src/store/dead-letters.js';
@@ -137,6 +137,12 @@ function warnings(): { logger: Logger; messages: string[] } {
   return { logger: logger as unknown as Logger, messages };
 }
 
+/** helios_reaper_passes_cut_total by reason. */
+async function passesCut(metrics: Metrics): Promise<Record<string, number>> {
+  const { values } = await metrics.reaperPassesCut.get();
+  return Object.fromEntries(values.map((v) => [String(v.labels.reason), v.value]));
+}
+
 function reaper(
   options: {
     batchSize?: number;
@@ -145,6 +151,8 @@ function reaper(
     logger?: Logger;
     statementTimeoutMs?: number;
     unstartedAfterMs?: number;
+    unstartedHold?: UnstartedClaimsHold;
+    metrics?: Metrics;
   } = {},
 ) {
   return new Reaper({
@@ -155,8 +163,9 @@ function reaper(
     batchSize: options.batchSize,
     statementTimeoutMs: options.statementTimeoutMs,
     unstartedAfterMs: options.unstartedAfterMs,
+    unstartedHold: options.unstartedHold,
     logger: options.logger ?? silentLogger,
-    metrics: createMetrics('test'),
+    metrics: options.metrics ?? createMetrics('test'),
     onFenced: () => assert.fail('fenced'),
   });
 }
@@ -586,7 +595,8 @@ test('a pass charging runs commits what it did after its budget (1 s) instead of
     `CREATE TRIGGER slow_letter BEFORE INSERT ON dead_letters FOR EACH ROW EXECUTE FUNCTION slow_letter()`,
   );
   try {
-    const r = reaper();
+    const metrics = createMetrics('test');
+    const r = reaper({ metrics });
     const first = await within(r.reapBatch(), 5000, 'the first pass');
     assert.equal(first.value.full, true, 'the pass says more is waiting');
     assert.ok(
@@ -594,6 +604,7 @@ test('a pass charging runs commits what it did after its budget (1 s) instead of
       `the first pass buried ${first.value.reaped}`,
     );
     assert.ok(first.ms < 1500, `the first pass took ${Math.round(first.ms)} ms`);
+    assert.deepEqual(await passesCut(metrics), { budget: 1 });
     while ((await r.reapBatch()).full);
     await assertBuriedOnce(dying);
   } finally {
@@ -602,7 +613,7 @@ test('a pass charging runs commits what it did after its budget (1 s) instead of
   }
 });
 
-test('after a pass cancelled while taking never-started claims, the passes leave those out for a while and recover the claims past their deadline', async () => {
+test('after a pass cancelled while taking never-started claims, the passes of this node leave those out for a while, in its next epoch too, and recover the claims past their deadline', async () => {
   // Claims ahead of a job a command holds: the candidates' scan tries each one's job and skips it,
   // which takes longer than the 100 ms limit here (as a bad plan took seconds).
   const held = await makeJob(3);
@@ -611,17 +622,49 @@ test('after a pass cancelled while taking never-started claims, the passes leave
   await command.client.query('SELECT id FROM jobs WHERE id = $1 FOR UPDATE', [held]);
   const free = await makeJob(3);
   const [stranded] = await expiredRuns(free, 1, { agoMs: 1000, burial: false });
+  // Claimed ahead, never started, and now past its deadline too: taken during the hold as a claim
+  // past its deadline, and forgiven as one that never started (no call was made), though its
+  // forgiven expiries are used up and it has one attempt: charged, it would be dead.
+  const [unstarted] = await neverStartedRuns(free, 1);
+  await pool.query(
+    `UPDATE runs SET claim_expires_at = now() - interval '1 second', expiries = $2, max_attempts = 1 WHERE id = $1`,
+    [unstarted, FORGIVEN_EXPIRIES],
+  );
 
-  const r = reaper({ statementTimeoutMs: 100, unstartedAfterMs: 5000 });
+  const hold = new UnstartedClaimsHold();
+  const metrics = createMetrics('test');
+  const options = { statementTimeoutMs: 100, unstartedAfterMs: 5000, unstartedHold: hold, metrics };
+  const r = reaper(options);
   await assert.rejects(
     r.reapBatch(),
     /select statement ran past 100 ms and was cancelled.*never started are left out for 5000 ms/,
   );
-  assert.deepEqual(await states([stranded!]), ['running'], 'the cancelled pass wrote nothing');
-  assert.deepEqual(await r.reapBatch(), { reaped: 1, full: false });
-  assert.deepEqual(await states([stranded!]), ['queued'], 'the claim past its deadline recovered');
-  // Control: a reaper that did not meet the timeout still takes the never-started claims, and its
-  // pass is cancelled as the first was.
+  assert.deepEqual(await passesCut(metrics), { statement_timeout: 1 });
+  assert.deepEqual(
+    await states([stranded!, unstarted!]),
+    ['running', 'running'],
+    'the cancelled pass wrote nothing',
+  );
+  assert.deepEqual(await r.reapBatch(), { reaped: 2, full: false });
+  assert.deepEqual(
+    await states([stranded!, unstarted!]),
+    ['queued', 'queued'],
+    'the claims past their deadline recovered',
+  );
+  const { rows } = await pool.query<{ attempt: number; expiries: number; max_attempts: number }>(
+    'SELECT attempt, expiries, max_attempts FROM runs WHERE id = $1',
+    [unstarted],
+  );
+  assert.deepEqual(
+    rows[0],
+    { attempt: 1, expiries: FORGIVEN_EXPIRIES, max_attempts: 2 },
+    'the never-started claim was forgiven, its expiry not counted',
+  );
+  assert.equal((await lettersOf([unstarted!])).size, 0);
+  // The node's next epoch (a new Reaper, the same hold) keeps leaving them out.
+  assert.deepEqual(await reaper(options).reapBatch(), { reaped: 0, full: false });
+  // Control: a reaper that did not meet the timeout (another node) still takes the never-started
+  // claims, and its pass is cancelled as the first was.
   await assert.rejects(
     reaper({ statementTimeoutMs: 100, unstartedAfterMs: 5000 }).reapBatch(),
     /ran past 100 ms/,
