@@ -314,6 +314,13 @@ export class RunQueue {
     // timed replace the guess (sampleSlot). Too high a guess kept a fresh node from claiming a
     // herd before it was due (0.6 s more for the bench's herd with half the grace as the guess).
     this.callMs = INITIAL_CALL_MS;
+    options.metrics.trackWorkerQueue(() => ({
+      held: this.held.size,
+      inFlight: this.slotted - this.settling,
+      settling: this.settling,
+      completionsHeld: Math.min(this.options.writesHeld?.() ?? 0, this.settling),
+      claimedAhead: this.ahead,
+    }));
   }
 
   /** Aborted once the queue has drained: the claim watch runs until then. */
@@ -894,10 +901,5 @@ export class RunQueue {
       this.options.onBackpressure(full);
     }
     if (!this.callsUnderway()) this.options.onCallsCaughtUp?.();
-    this.options.metrics.runsHeld.set(this.held.size);
-    this.options.metrics.runsInFlight.set(this.slotted - this.settling);
-    this.options.metrics.runsSettling.set(this.settling);
-    this.options.metrics.completionsHeld.set(Math.min(this.options.writesHeld?.() ?? 0, this.settling));
-    this.options.metrics.runsClaimedAhead.set(this.ahead);
   }
 }

@@ -51,6 +51,15 @@ function createClusterGauges() {
   };
 }
 
+/** What the worker's run queue holds, for the helios_worker_* gauges. */
+export interface WorkerQueueReading {
+  readonly held: number;
+  readonly inFlight: number;
+  readonly settling: number;
+  readonly completionsHeld: number;
+  readonly claimedAhead: number;
+}
+
 /** Every metric of one node, on its own registry (several nodes may share a process in tests). */
 export function createMetrics(nodeId: string) {
   const registry = new Registry();
@@ -67,6 +76,17 @@ export function createMetrics(nodeId: string) {
       // Read at scrape time: the counts live in memory, reading them costs nothing.
       collect() {
         for (const [pool, source] of pools) this.set({ pool }, read(source));
+      },
+    });
+  let workerQueue: (() => WorkerQueueReading) | undefined;
+  const workerGauge = (name: string, help: string, read: (queue: WorkerQueueReading) => number) =>
+    new Gauge({
+      name,
+      help,
+      registers: [registry],
+      // Read at scrape time, not set at each change of the queue (several times per run).
+      collect() {
+        if (workerQueue) this.set(read(workerQueue()));
       },
     });
   return {
@@ -229,31 +249,35 @@ export function createMetrics(nodeId: string) {
       buckets: [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60],
       registers: [registry],
     }),
-    runsHeld: new Gauge({
-      name: 'helios_worker_held_runs',
-      help: 'Run announcements held in memory, not yet claimed: until they are within the claim lead, or until the claim budget has room',
-      registers: [registry],
-    }),
-    runsInFlight: new Gauge({
-      name: 'helios_worker_in_flight_runs',
-      help: 'HTTP calls in flight on this worker: its execution slots in use (not runs whose call ended and whose outcome is being written)',
-      registers: [registry],
-    }),
-    runsSettling: new Gauge({
-      name: 'helios_worker_settling_runs',
-      help: 'Runs whose HTTP call ended and whose outcome this worker has not written yet (held writes included)',
-      registers: [registry],
-    }),
-    completionsHeld: new Gauge({
-      name: 'helios_worker_held_completions',
-      help: 'Successes whose write this worker holds back while it has a backlog of calls (HELIOS_COMPLETION_HOLD_MS)',
-      registers: [registry],
-    }),
-    runsClaimedAhead: new Gauge({
-      name: 'helios_worker_claimed_waiting_runs',
-      help: 'Runs this worker is claiming or has claimed and not yet called: waiting for their time or for an execution slot',
-      registers: [registry],
-    }),
+    /** Reads `read` for the helios_worker_* gauges at each scrape (the worker's one queue). */
+    trackWorkerQueue(read: () => WorkerQueueReading): void {
+      workerQueue = read;
+    },
+    runsHeld: workerGauge(
+      'helios_worker_held_runs',
+      'Run announcements held in memory, not yet claimed: until they are within the claim lead, or until the claim budget has room',
+      (q) => q.held,
+    ),
+    runsInFlight: workerGauge(
+      'helios_worker_in_flight_runs',
+      'HTTP calls in flight on this worker: its execution slots in use (not runs whose call ended and whose outcome is being written)',
+      (q) => q.inFlight,
+    ),
+    runsSettling: workerGauge(
+      'helios_worker_settling_runs',
+      'Runs whose HTTP call ended and whose outcome this worker has not written yet (held writes included)',
+      (q) => q.settling,
+    ),
+    completionsHeld: workerGauge(
+      'helios_worker_held_completions',
+      'Successes whose write this worker holds back while it has a backlog of calls (HELIOS_COMPLETION_HOLD_MS)',
+      (q) => q.completionsHeld,
+    ),
+    runsClaimedAhead: workerGauge(
+      'helios_worker_claimed_waiting_runs',
+      'Runs this worker is claiming or has claimed and not yet called: waiting for their time or for an execution slot',
+      (q) => q.claimedAhead,
+    ),
   };
 }
 
