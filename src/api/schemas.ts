@@ -220,12 +220,27 @@ export const Cluster = Type.Object(
         closed,
       ),
     ),
-    outbox: Type.Object({ pending: Type.Integer({ description: CAPPED_COUNT }) }, closed),
+    outbox: Type.Object(
+      {
+        pending: Type.Integer({ description: CAPPED_COUNT }),
+        oldestDueAgeSeconds: Type.Number({
+          description: 'how long the oldest due, unpublished row has waited; 0 when none is due',
+        }),
+      },
+      closed,
+    ),
     runs: Type.Object(
       {
         queued: Type.Integer({ description: CAPPED_COUNT }),
+        overdue: Type.Integer({
+          description: `queued runs due longer ago than the misfire threshold (HELIOS_MISFIRE_THRESHOLD_MS); ${CAPPED_COUNT}`,
+        }),
         running: Type.Integer({ description: CAPPED_COUNT }),
       },
+      closed,
+    ),
+    deadLetters: Type.Object(
+      { open: Type.Integer({ description: `dead letters not replayed; ${CAPPED_COUNT}` }) },
       closed,
     ),
   },

@@ -112,9 +112,11 @@ export async function clusterCommand(client: ApiClient, args: CommandArgs, io: O
       ? `leader: ${leader.nodeId} (fencing token ${leader.fencingToken}, since ${leader.since})`
       : 'leader: none',
   );
+  const { outbox, runs, deadLetters } = cluster;
   io.out(
-    `outbox pending: ${cluster.outbox.pending}   runs queued: ${cluster.runs.queued}   running: ${cluster.runs.running}`,
+    `runs queued: ${runs.queued}   overdue: ${runs.overdue}   running: ${runs.running}   dead letters open: ${deadLetters.open}`,
   );
+  io.out(`outbox pending: ${outbox.pending}   oldest due waited: ${outbox.oldestDueAgeSeconds.toFixed(1)} s`);
   io.out('');
   io.out(
     table(

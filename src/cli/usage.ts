@@ -12,7 +12,7 @@ export const CLI_USAGE = `API commands (talk to HELIOS_API_URL, default http://1
   run RUN                       one run with its attempts
   dead-letters list [--open]    runs that used up their attempts
   dead-letters replay ID        re-queue a dead run as a new attempt
-  cluster                       leader, nodes, outbox and run queues
+  cluster                       leader, nodes, outbox, run queues, open dead letters
 
 options: --json (machine-readable output), --limit N, -f FILE
 exit codes: 0 ok, 1 the API refused (the problem's title and fields go to stderr), 2 usage

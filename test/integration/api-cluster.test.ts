@@ -22,18 +22,20 @@ interface Cluster {
     roles: string[];
     lastSeen: string;
   }[];
-  outbox: { pending: number };
-  runs: { queued: number; running: number };
+  outbox: { pending: number; oldestDueAgeSeconds: number };
+  runs: { queued: number; overdue: number; running: number };
+  deadLetters: { open: number };
 }
 
-test('GET /cluster shows the leader and its fencing token, live nodes, outbox and run counts', async () => {
+test('GET /cluster shows the leader and its fencing token, live nodes, outbox, run and dead-letter counts', async () => {
   const empty = await api.call('GET', '/api/v1/cluster');
   assert.equal(empty.status, 200);
   assert.deepEqual(empty.body, {
     leader: null,
     nodes: [],
-    outbox: { pending: 0 },
-    runs: { queued: 0, running: 0 },
+    outbox: { pending: 0, oldestDueAgeSeconds: 0 },
+    runs: { queued: 0, overdue: 0, running: 0 },
+    deadLetters: { open: 0 },
   });
 
   const registry = new NodeRegistry({
@@ -73,6 +75,27 @@ test('GET /cluster shows the leader and its fencing token, live nodes, outbox an
        SELECT id, now() - interval '1 hour', 'running', 1, 3, target, 1000, 0, 1, now() FROM jobs WHERE id = $1`,
       [job.id],
     );
+    // Overdue: queued and due longer ago than the misfire threshold (5 s), unlike the trigger's run.
+    // An open dead letter, and one replayed (not counted). An outbox row due 30 s ago, one not yet due.
+    await api.db.pool.query(
+      `WITH overdue AS (
+         INSERT INTO runs (job_id, scheduled_for, state, attempt, max_attempts, target, timeout_ms,
+                           backoff_ms, backoff_multiplier, not_before)
+         SELECT id, now() - interval '2 hours', 'queued', 1, 3, target, 1000, 0, 1, now() - interval '10 seconds'
+         FROM jobs WHERE id = $1 RETURNING id),
+       dead AS (
+         INSERT INTO runs (job_id, scheduled_for, state, attempt, max_attempts, target, timeout_ms,
+                           backoff_ms, backoff_multiplier, not_before, finished_at)
+         SELECT id, now() - g * interval '3 hours', 'dead', 3, 3, target, 1000, 0, 1, now(), now()
+         FROM jobs, generate_series(1, 2) g WHERE id = $1 RETURNING id, job_id)
+       INSERT INTO dead_letters (run_id, job_id, attempt, replayed_at)
+       SELECT id, job_id, 3, CASE WHEN row_number() OVER (ORDER BY id) = 1 THEN now() END FROM dead`,
+      [job.id],
+    );
+    await api.db.pool.query(
+      `INSERT INTO outbox (topic, key, payload, publish_after)
+       VALUES ('helios.runs', 'k', '{}', now() - interval '30 seconds'), ('helios.runs', 'k', '{}', now() + interval '1 hour')`,
+    );
     const response = await api.call('GET', '/api/v1/cluster');
     assert.equal(response.status, 200);
     const cluster = response.body as Cluster;
@@ -83,9 +106,15 @@ test('GET /cluster shows the leader and its fencing token, live nodes, outbox an
       cluster.nodes.map((n) => [n.id, n.host, n.pid, n.apiUrl, n.roles]),
       [['cluster-n1', 'h1', 4242, 'http://127.0.0.1:1', ['api', 'scheduler']]],
     );
-    assert.deepEqual(cluster.outbox, { pending: 1 });
-    assert.deepEqual(cluster.runs, { queued: 1, running: 1 });
+    assert.equal(cluster.outbox.pending, 3, "the trigger's announcement and the two rows above");
+    assert.ok(
+      cluster.outbox.oldestDueAgeSeconds >= 30 && cluster.outbox.oldestDueAgeSeconds < 40,
+      `oldest due outbox row waited ${cluster.outbox.oldestDueAgeSeconds} s`,
+    );
+    assert.deepEqual(cluster.runs, { queued: 2, overdue: 1, running: 1 });
+    assert.deepEqual(cluster.deadLetters, { open: 1 });
   } finally {
+    await api.db.pool.query(`DELETE FROM outbox`);
     await election.stop();
     await registry.stop();
   }
@@ -127,8 +156,8 @@ test('GET /cluster stops each count at the cap, so a huge backlog costs a call n
     const response = await api.call('GET', '/api/v1/cluster');
     assert.equal(response.status, 200);
     const cluster = response.body as Cluster;
-    assert.deepEqual(cluster.outbox, { pending: CLUSTER_COUNT_CAP });
-    assert.deepEqual(cluster.runs, { queued: CLUSTER_COUNT_CAP, running: 0 });
+    assert.equal(cluster.outbox.pending, CLUSTER_COUNT_CAP);
+    assert.deepEqual(cluster.runs, { queued: CLUSTER_COUNT_CAP, overdue: 0, running: 0 });
   } finally {
     await api.db.pool.query(`DELETE FROM outbox`);
     await api.call('DELETE', `/api/v1/jobs/${job.id}`);

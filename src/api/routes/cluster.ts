@@ -6,7 +6,10 @@ import { withTimeout } from '../../errors.js';
 import { ProblemError } from '../problems.js';
 import { Cluster } from '../schemas.js';
 
-/** GET /cluster: who leads (etcd), which nodes are alive (etcd), and the queues (PostgreSQL). */
+/**
+ * GET /cluster: who leads (etcd), which nodes are alive (etcd), and the queues (PostgreSQL): the
+ * figures the leader's cluster gauges export, read now by whichever node answers.
+ */
 export function clusterRoutes(app: Api, options: ApiOptions): void {
   const { pool, cluster } = options;
   const overdueMs = options.misfireThresholdMs ?? 5000;
@@ -16,7 +19,8 @@ export function clusterRoutes(app: Api, options: ApiOptions): void {
     {
       schema: {
         tags: ['cluster'],
-        summary: 'Leader, live nodes, pending outbox rows, queued and running runs',
+        summary:
+          'Leader, live nodes, pending outbox rows, queued, overdue and running runs, open dead letters',
         response: { 200: Cluster, ...problems(503, ...COMMON_PROBLEMS) },
       },
     },
@@ -52,8 +56,9 @@ export function clusterRoutes(app: Api, options: ApiOptions): void {
           roles: [...n.roles],
           lastSeen: n.lastSeen,
         })),
-        outbox: { pending: counts.outboxPending },
-        runs: { queued: counts.runsQueued, running: counts.runsRunning },
+        outbox: { pending: counts.outboxPending, oldestDueAgeSeconds: counts.outboxOldestAgeSeconds },
+        runs: { queued: counts.runsQueued, overdue: counts.runsOverdue, running: counts.runsRunning },
+        deadLetters: { open: counts.deadLettersOpen },
       };
     },
   );
