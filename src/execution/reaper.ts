@@ -67,13 +67,16 @@ export class UnstartedClaimsHold {
   private until = 0;
   private lengthMs = 0;
 
+  /** `firstMs`: the first hold's length (tests shorten it). */
+  constructor(private readonly firstMs = UNSTARTED_HOLD_MS) {}
+
   get active(): boolean {
     return performance.now() < this.until;
   }
 
   /** The select with never-started claims was cancelled: holds them out, twice as long as the last time. */
   extend(): number {
-    this.lengthMs = Math.min(UNSTARTED_HOLD_MAX_MS, this.lengthMs * 2 || UNSTARTED_HOLD_MS);
+    this.lengthMs = Math.min(UNSTARTED_HOLD_MAX_MS, this.lengthMs * 2 || this.firstMs);
     this.until = performance.now() + this.lengthMs;
     return this.lengthMs;
   }
@@ -226,7 +229,10 @@ export class Reaper {
         'reaper pass committed at its budget; the expired runs left go in the next pass',
       );
     }
-    if (expiry.unstartedAfterMs !== undefined) this.unstartedHold.passed();
+    // Only a pass whose scan of never-started claims surely ran (it runs when fewer than a batch
+    // were past their deadline) tells that the scan is quick again: a pass filled by claims past
+    // their deadline skipped it, and would reset the doubling with the plan still bad.
+    if (expiry.unstartedAfterMs !== undefined && results.selected < batchSize) this.unstartedHold.passed();
     for (const [claimedBy, messages] of results.handOffs) this.options.handOff?.(messages, claimedBy);
     for (const outcome of results.outcomes) {
       metrics.runsReaped.inc({ to: outcome.charged ? outcome.to : 'queued-uncharged' });

@@ -671,6 +671,26 @@ test('after a pass cancelled while taking never-started claims, the passes of th
   );
 });
 
+test('a pass filled by claims past their deadline skipped the scan of never-started ones: it does not restart the doubling of the hold', async () => {
+  const held = await makeJob(3);
+  await neverStartedRuns(held, 100_000);
+  const command = await openTransaction();
+  await command.client.query('SELECT id FROM jobs WHERE id = $1 FOR UPDATE', [held]);
+  const hold = new UnstartedClaimsHold(50);
+  const options = { statementTimeoutMs: 100, unstartedAfterMs: 5000, unstartedHold: hold };
+  await assert.rejects(reaper(options).reapBatch(), /left out for 50 ms/);
+  await sleep(60);
+  // A dead worker's calls, more than a batch (100): the pass takes a batch of them and skips the
+  // slow scan (a longer timeout only so that forgiving them is not cut).
+  await expiredRuns(await makeJob(3), 150, { agoMs: 1000, burial: false });
+  assert.deepEqual(await reaper({ ...options, statementTimeoutMs: 2000 }).reapBatch(), {
+    reaped: 100,
+    full: true,
+  });
+  // The next pass (50 left past their deadline) runs the scan again, the plan still bad.
+  await assert.rejects(reaper(options).reapBatch(), /left out for 100 ms/);
+});
+
 test("a pass's wait for the fence row is not cut by its statement timeout: it holds nothing yet, and at a takeover it waits for the old leader's transaction", async () => {
   const holder = await openTransaction();
   await holder.client.query('SELECT token FROM leader_fence WHERE id FOR UPDATE');
