@@ -194,6 +194,11 @@ function kafkaConfig(env: Env): KafkaConfig {
   });
 }
 
+/** HELIOS_MISFIRE_THRESHOLD_MS: the leader's dispatch and the workers' claims judge lateness by it. */
+function misfireThresholdMs(env: Env): number {
+  return int(env, 'HELIOS_MISFIRE_THRESHOLD_MS', 5000, 0, 86_400_000);
+}
+
 function leaderConfig(env: Env): LeaderConfig {
   const leaseTtlMs = int(env, 'HELIOS_LEASE_TTL_MS', 3000, 2000, 60_000);
   const safetyMarginMs = int(env, 'HELIOS_LEADER_SAFETY_MARGIN_MS', 500, 100, 10_000);
@@ -204,7 +209,7 @@ function leaderConfig(env: Env): LeaderConfig {
     leaseTtlMs,
     safetyMarginMs,
     lookaheadMs: int(env, 'HELIOS_DISPATCH_LOOKAHEAD_MS', DEFAULT_DISPATCH_LOOKAHEAD_MS, 0, 60_000),
-    misfireThresholdMs: int(env, 'HELIOS_MISFIRE_THRESHOLD_MS', 5000, 0, 86_400_000),
+    misfireThresholdMs: misfireThresholdMs(env),
     batchSize: int(env, 'HELIOS_DISPATCH_BATCH', 500, 1, 10_000),
     poolSize: int(env, 'HELIOS_LEADER_POOL_SIZE', 5, 1, 100),
     reaperIntervalMs: int(env, 'HELIOS_REAPER_INTERVAL_MS', 1000, 50, 600_000),
@@ -226,6 +231,7 @@ function workerConfig(env: Env, databasePoolSize: number): WorkerConfig {
     claimGraceMs: int(env, 'HELIOS_CLAIM_GRACE_MS', 5000, 100, 3_600_000),
     skewToleranceMs: int(env, 'HELIOS_CLOCK_SKEW_TOLERANCE_MS', 10, 0, 10_000),
     claimLeadMs: int(env, 'HELIOS_CLAIM_LEAD_MS', DEFAULT_CLAIM_LEAD_MS, 0, 10_000),
+    misfireThresholdMs: misfireThresholdMs(env),
     pollIntervalMs: int(env, 'HELIOS_POLL_INTERVAL_MS', 1000, 50, 600_000),
     pollOverdueMs: int(env, 'HELIOS_POLL_OVERDUE_MS', 2000, 0, 3_600_000),
     claimCheckIntervalMs: int(env, 'HELIOS_CLAIM_CHECK_INTERVAL_MS', 1000, 50, 600_000),

@@ -174,6 +174,12 @@ export interface WorkerConfig {
    * call; until then a pause or an edit withdraws it. Default 750 (see DEFAULT_CLAIM_LEAD_MS).
    */
   readonly claimLeadMs: number;
+  /**
+   * HELIOS_MISFIRE_THRESHOLD_MS (the leader's too): a run created in time that no worker could claim
+   * until this long after it was due is a misfire, which its job's policy may drop at the claim
+   * (store/runs.ts misfiredAtClaim); default 5000.
+   */
+  readonly misfireThresholdMs: number;
   /** HELIOS_POLL_INTERVAL_MS: period of the workers' polling fallback; default 1000. */
   readonly pollIntervalMs: number;
   /** HELIOS_POLL_OVERDUE_MS: the polling fallback claims queued runs this overdue; default 2000. */

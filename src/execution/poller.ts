@@ -9,12 +9,13 @@ import { loopBackoffMs } from '../loop-backoff.js';
 export interface PollerOptions {
   /**
    * Claims up to `limit` queued runs at least `overdueMs` overdue, in one transaction
-   * (store/overdue.ts claimOverdueRuns); `skipped` counts fresh `forbid` occurrences skipped.
+   * (store/overdue.ts claimOverdueRuns); `skipped` counts fresh `forbid` occurrences skipped,
+   * `misfired` the misfires their jobs' policies drop.
    */
   readonly claimOverdue: (
     overdueMs: number,
     limit: number,
-  ) => Promise<{ claimed: ClaimedRun[]; skipped: number }>;
+  ) => Promise<{ claimed: ClaimedRun[]; skipped: number; misfired: number }>;
   /** Re-samples the worker's estimate of the database clock when it is older than `maxAgeMs`. */
   readonly syncClock: (maxAgeMs: number) => Promise<void>;
   /** Time between polls. */
@@ -51,22 +52,26 @@ export async function pollOverdue(options: PollerOptions): Promise<void> {
       if (capacity > 0) {
         const release = options.reserve(capacity);
         let claimed: ClaimedRun[] = [];
+        let misfired = 0;
         try {
           const result = await options.claimOverdue(options.overdueMs, capacity);
           claimed = result.claimed;
+          misfired = result.misfired;
           if (result.skipped > 0) metrics.runsSkipped.inc({ reason: 'concurrency-forbid' }, result.skipped);
+          if (misfired > 0) metrics.runsSkipped.inc({ reason: 'misfire' }, misfired);
           // The claimed runs take their slots before the reservation is given back: released
           // first, the slots went to announced runs that fell due meanwhile, and these ran on top.
           if (claimed.length > 0) options.execute(claimed);
         } finally {
           release();
         }
+        if (misfired > 0) logger.info({ runs: misfired }, "skipped misfires by their jobs' policies");
         if (claimed.length > 0) {
           metrics.runClaims.inc({ source: 'poll', result: 'claimed' }, claimed.length);
           logger.info({ runs: claimed.length }, 'claimed overdue runs by polling');
-          // A full batch means more may be waiting: poll again without sleeping.
-          if (claimed.length === capacity) continue;
         }
+        // A full batch means more may be waiting: poll again without sleeping.
+        if (claimed.length + misfired === capacity) continue;
       }
       failures = 0;
     } catch (err) {

@@ -1,6 +1,12 @@
 import type { Connections } from '../store/pool-share.js';
 import type { Metrics } from '../observability/metrics.js';
-import { explainClaimMiss, skipRun, type ClaimedRun, type ClaimRequest } from '../store/runs.js';
+import {
+  explainClaimMiss,
+  skipMisfiredRun,
+  skipRun,
+  type ClaimedRun,
+  type ClaimRequest,
+} from '../store/runs.js';
 import type { ClaimResult } from './batching.js';
 import type { DbClock } from './db-clock.js';
 import type { RunMessage } from '../model.js';
@@ -29,6 +35,8 @@ export interface RunClaimerOptions {
   readonly skewToleranceMs: number;
   /** Claims are tried this long before a run is due (ClaimOptions.leadMs). */
   readonly claimLeadMs: number;
+  /** A claim leaves a misfire its job's policy drops, which is then skipped (ClaimOptions.misfireThresholdMs). */
+  readonly misfireThresholdMs?: number;
   readonly clock: DbClock;
   readonly metrics: Metrics;
 }
@@ -54,11 +62,21 @@ export class RunClaimer {
     return { kind: 'claimed', run: result };
   }
 
-  /** A claim returned nothing: another worker won (usual), it is not due yet (skew), or forbid. */
+  /**
+   * A claim returned nothing: another worker won (usual), it is not due yet (skew), forbid, or a
+   * misfire its job's policy drops (skipped here).
+   */
   private async afterMiss(message: RunMessage, hold: HoldState): Promise<ClaimOutcome> {
-    const { pool, metrics, skewToleranceMs, claimLeadMs, clock } = this.options;
-    const miss = await explainClaimMiss(pool, message.runId);
+    const { pool, metrics, skewToleranceMs, claimLeadMs, clock, misfireThresholdMs } = this.options;
+    const miss = await explainClaimMiss(pool, message.runId, misfireThresholdMs ?? null);
     const current = miss?.state === 'queued' && miss.attempt === message.attempt - 1;
+    if (current && miss.misfired && misfireThresholdMs !== undefined) {
+      if (await skipMisfiredRun(pool, message.runId, misfireThresholdMs)) {
+        metrics.runsSkipped.inc({ reason: 'misfire' });
+        metrics.runClaims.inc({ source: 'kafka', result: 'skipped' });
+      }
+      return { kind: 'done' };
+    }
     if (current && miss.forbidBlocked && miss.dueInMs <= skewToleranceMs) {
       return this.skipOrWait(message, hold);
     }

@@ -130,6 +130,7 @@ export class Worker {
       claim: (request) => claims.add(request),
       skewToleranceMs: options.settings.skewToleranceMs,
       claimLeadMs: options.settings.claimLeadMs,
+      misfireThresholdMs: options.settings.misfireThresholdMs,
       clock: this.clock,
       metrics: options.metrics,
     });
@@ -319,6 +320,7 @@ export class Worker {
       graceMs: this.options.settings.claimGraceMs,
       skewToleranceMs: this.options.settings.skewToleranceMs,
       leadMs: this.options.settings.claimLeadMs,
+      misfireThresholdMs: this.options.settings.misfireThresholdMs,
     };
   }
 }

@@ -3,6 +3,8 @@ import {
   claimRun,
   claimRuns,
   isForbidViolation,
+  misfiredAtClaim,
+  skipMisfiredRun,
   skipRun,
   type ClaimedRun,
   type ClaimOptions,
@@ -15,13 +17,15 @@ import {
  * with SKIP LOCKED so concurrent pollers take disjoint sets. $2 = limit. A retry or replay of a
  * `forbid` job whose sibling is running waits for it (it cannot be skipped): leaving it out keeps
  * it from filling every poll while it waits. `blocked`: a `forbid` run that another run of its job
- * (running, or queued for a retry) keeps from starting now.
+ * (running, or queued for a retry) keeps from starting now. `misfired`: see misfiredAtClaim ($3 =
+ * the misfire threshold ms, NULL for none).
  */
 const SELECT_OVERDUE = `
   SELECT r.id, r.job_id AS "jobId", r.concurrency,
          (r.concurrency = 'forbid' AND EXISTS (
            SELECT 1 FROM runs o WHERE o.job_id = r.job_id AND o.id <> r.id
-             AND (o.state = 'running' OR (o.state = 'queued' AND o.attempt > 0)))) AS blocked
+             AND (o.state = 'running' OR (o.state = 'queued' AND o.attempt > 0)))) AS blocked,
+         ${misfiredAtClaim('r', '$3')} AS misfired
   FROM runs r
   WHERE r.state = 'queued' AND r.not_before <= now() - $1 * interval '1 millisecond'
     AND NOT (r.concurrency = 'forbid' AND r.attempt > 0 AND EXISTS (
@@ -33,7 +37,7 @@ const SELECT_OVERDUE = `
 /**
  * Claims up to `limit` overdue runs in one transaction (a caller-supplied client inside BEGIN).
  * A fresh occurrence that its `forbid` policy blocks is skipped, like on the Kafka path; a blocked
- * retry stays queued for a later poll.
+ * retry stays queued for a later poll. A misfire its job's policy drops is skipped (`misfired`).
  *
  * The transaction must stay short: its claims' deadlines and its skips' times count from its
  * start (now()), and runs of a `forbid` job that start meanwhile elsewhere decide its skips. So
@@ -49,13 +53,20 @@ export async function claimOverdueRuns(
   overdueMs: number,
   limit: number,
   options: ClaimOptions,
-): Promise<{ claimed: ClaimedRun[]; skipped: number }> {
-  const { rows } = await client.query<OverdueRow>(SELECT_OVERDUE, [overdueMs, limit]);
-  if (rows.length === 0) return { claimed: [], skipped: 0 };
+): Promise<{ claimed: ClaimedRun[]; skipped: number; misfired: number }> {
+  const threshold = options.misfireThresholdMs ?? null;
+  const { rows } = await client.query<OverdueRow>(SELECT_OVERDUE, [overdueMs, limit, threshold]);
+  if (rows.length === 0) return { claimed: [], skipped: 0, misfired: 0 };
   const batch: OverdueRow[] = [];
   const heldBack: OverdueRow[] = [];
   const forbidJobs = new Set<string>();
+  let misfired = 0;
   for (const row of rows) {
+    // Locked by us: the skip judges the same row again and finds it so.
+    if (row.misfired && threshold !== null) {
+      if (await skipMisfiredRun(client, row.id, threshold)) misfired += 1;
+      continue;
+    }
     const forbid = row.concurrency === 'forbid';
     if (forbid && (row.blocked || forbidJobs.has(row.jobId))) heldBack.push(row);
     else batch.push(row);
@@ -87,7 +98,7 @@ export async function claimOverdueRuns(
     await settle(id, results ? results[index]! : await claimOneInSavepoint(client, id, options));
   }
   for (const { id } of heldBack) await settle(id, await claimOneInSavepoint(client, id, options));
-  return { claimed, skipped };
+  return { claimed, skipped, misfired };
 }
 
 interface OverdueRow {
@@ -95,6 +106,7 @@ interface OverdueRow {
   jobId: string;
   concurrency: string;
   blocked: boolean;
+  misfired: boolean;
 }
 
 /** Claims one run; a forbid violation rolls back to a savepoint and returns null. */

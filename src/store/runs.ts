@@ -31,9 +31,36 @@ const CLAIMED_COLUMNS = `
   claim_expires_at AS "claimExpiresAt", started_at IS NULL AS "startPending"`;
 
 /**
+ * Whether queued run `r` (SQL) is a misfire its job's policy drops when a worker comes to claim it
+ * (`threshold`, SQL: milliseconds, NULL for never): a scheduled occurrence never claimed, due more
+ * than the threshold ago, of a `skip` job, or of a `fire-once` job with a later occurrence that is
+ * late too, made into a run or still to be (that one fires: one run for the latest missed
+ * occurrence, whichever of the workers and the dispatcher comes first after an outage). The dispatcher applies the
+ * policy to occurrences it finds late; this covers the runs it had created ahead, in time, that no
+ * worker could take in time (the cluster was down or cut off from PostgreSQL). A run a worker had
+ * claimed (attempt > 0: a retry, a replay, a claim handed back or forgiven) and a manual run are
+ * owed and never dropped: a frozen worker's claim is not the cluster being down. Cheap tests first:
+ * the jobs and runs lookups are made only for a late, never-claimed scheduled run.
+ */
+export const misfiredAtClaim = (r: string, threshold: string): string => `(
+  ${threshold}::int IS NOT NULL AND ${r}.attempt = 0 AND ${r}.trigger = 'schedule'
+  AND ${r}.scheduled_for < statement_timestamp() - ${threshold}::int * interval '1 millisecond'
+  AND EXISTS (
+    SELECT 1 FROM jobs j
+    WHERE j.id = ${r}.job_id AND (j.misfire = 'skip' OR (j.misfire = 'fire-once' AND (
+      -- The dispatcher has yet to create the later occurrences missed (next_run_at is the first
+      -- not made into a run, after every run's): it fires the latest of them, unless paused.
+      (j.enabled AND j.next_run_at < statement_timestamp() - ${threshold}::int * interval '1 millisecond')
+      OR EXISTS (
+        SELECT 1 FROM runs later
+        WHERE later.job_id = ${r}.job_id AND later.trigger = 'schedule' AND later.scheduled_for > ${r}.scheduled_for
+          AND later.scheduled_for < statement_timestamp() - ${threshold}::int * interval '1 millisecond'))))))`;
+
+/**
  * Moves queued, due runs to running for node $2 and records their attempts, in one statement.
  * $1 = run ids, $5 = the attempt each caller expects to start (parallel; NULL = any),
- * $2 = node id, $3 = claim grace ms, $4 = clock-skew tolerance ms, $6 = claim lead ms.
+ * $2 = node id, $3 = claim grace ms, $4 = clock-skew tolerance ms, $6 = claim lead ms, $7 = the
+ * misfire threshold ms: a run {@link misfiredAtClaim} is left (the claim misses; skipMisfiredRun).
  * An `allow` run may be claimed up to the lead before not_before (its call still starts at
  * not_before, so the attempt starts then and the claim deadline counts from then; a first attempt
  * claimed before not_before is started by {@link startRuns}, until which a pause or an edit may
@@ -69,6 +96,7 @@ const CLAIM = `
       AND NOT (r.concurrency = 'forbid' AND r.attempt = 0 AND EXISTS (
         SELECT 1 FROM runs o
         WHERE o.job_id = r.job_id AND o.id <> r.id AND o.state = 'queued' AND o.attempt > 0))
+      AND NOT ${misfiredAtClaim('r', '$7')}
     RETURNING r.*
   ), recorded AS (
     INSERT INTO run_attempts (run_id, attempt, node_id, started_at)
@@ -98,6 +126,11 @@ export interface ClaimOptions {
   readonly skewToleranceMs: number;
   /** An `allow` run may also be claimed this much earlier, its call waiting for not_before; default 0. */
   readonly leadMs?: number;
+  /**
+   * Misfire threshold (HELIOS_MISFIRE_THRESHOLD_MS): a run {@link misfiredAtClaim} is not claimed
+   * but skipped. Default: none is.
+   */
+  readonly misfireThresholdMs?: number;
 }
 
 /** Thrown by PostgreSQL when a claim would make a second run of a `forbid` job running. */
@@ -135,6 +168,7 @@ export async function claimRuns(
     options.skewToleranceMs,
     sorted.map((r) => r.expectedAttempt),
     options.leadMs ?? 0,
+    options.misfireThresholdMs ?? null,
   ]);
   const byId = new Map(rows.map((run) => [run.id, run]));
   return requests.map((r) => byId.get(r.runId) ?? null);
@@ -203,19 +237,29 @@ export interface ClaimMiss {
   readonly dueInMs: number;
   /** A `forbid` run with another run of its job running or waiting to retry. */
   readonly forbidBlocked: boolean;
+  /** A misfire its job's policy drops (misfiredAtClaim): skip it (skipMisfiredRun). */
+  readonly misfired: boolean;
 }
 
-/** The run's state for a claim that missed; null if the run no longer exists. $1 = run id. */
+/**
+ * The run's state for a claim that missed; null if the run no longer exists. $1 = run id, $2 =
+ * the misfire threshold ms (NULL: none).
+ */
 const EXPLAIN_MISS = `
   SELECT r.state, r.attempt,
          (extract(epoch FROM r.not_before - now()) * 1000)::float8 AS "dueInMs",
          (r.concurrency = 'forbid' AND EXISTS (
            SELECT 1 FROM runs o WHERE o.job_id = r.job_id AND o.id <> r.id
-             AND (o.state = 'running' OR (o.state = 'queued' AND o.attempt > 0)))) AS "forbidBlocked"
+             AND (o.state = 'running' OR (o.state = 'queued' AND o.attempt > 0)))) AS "forbidBlocked",
+         (r.state = 'queued' AND ${misfiredAtClaim('r', '$2')}) IS TRUE AS misfired
   FROM runs r WHERE r.id = $1`;
 
-export async function explainClaimMiss(db: Queryable, runId: string): Promise<ClaimMiss | null> {
-  const { rows } = await db.query<ClaimMiss>(EXPLAIN_MISS, [runId]);
+export async function explainClaimMiss(
+  db: Queryable,
+  runId: string,
+  misfireThresholdMs: number | null = null,
+): Promise<ClaimMiss | null> {
+  const { rows } = await db.query<ClaimMiss>(EXPLAIN_MISS, [runId, misfireThresholdMs]);
   return rows[0] ?? null;
 }
 
@@ -233,6 +277,24 @@ const SKIP = `
 /** Returns true if this call skipped the run (false: already taken, or a retry that must wait). */
 export async function skipRun(db: Queryable, runId: string, reason: string): Promise<boolean> {
   const { rowCount } = await db.query(SKIP, [runId, reason]);
+  return rowCount === 1;
+}
+
+/**
+ * Skips a queued run whose claim found it a misfire its job's policy drops (misfiredAtClaim, judged
+ * again on the row this statement locks), with reason `misfire`. $1 = run id, $2 = the threshold ms.
+ */
+const SKIP_MISFIRED = `
+  UPDATE runs r SET state = 'skipped', reason = 'misfire', finished_at = statement_timestamp(), claimed_by = NULL
+  WHERE r.id = $1 AND r.state = 'queued' AND ${misfiredAtClaim('r', '$2')}`;
+
+/** Returns true if this call skipped the run (false: taken meanwhile, or no longer a misfire). */
+export async function skipMisfiredRun(
+  db: Queryable,
+  runId: string,
+  misfireThresholdMs: number,
+): Promise<boolean> {
+  const { rowCount } = await db.query(SKIP_MISFIRED, [runId, misfireThresholdMs]);
   return rowCount === 1;
 }
 

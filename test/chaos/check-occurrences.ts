@@ -169,10 +169,11 @@ export function checkOccurrences(obs: Observations): Findings {
       return arrived;
     };
     // `forbid` skips an occurrence that finds the job active, `replace` may fail a run before
-    // its call started: accounted for (check-policies.ts judges whether that was allowed).
+    // its call started (check-policies.ts judges whether that was allowed), and a worker skips a
+    // misfire its job's policy drops (checkMisfireSkips, below).
     const skippedByPolicy = (at: number) => {
       const reason = runs.get(at)?.reason;
-      return reason === 'concurrency-forbid' || reason === 'replaced';
+      return reason === 'concurrency-forbid' || reason === 'replaced' || reason === 'misfire';
     };
     const label = (at: number) => `${job.name} (${job.role}, ${job.misfire}) at ${iso(at)}`;
     const excusedMisses: number[] = [];
@@ -244,15 +245,53 @@ export function checkOccurrences(obs: Observations): Findings {
       `deleted with their job while still pending ${deletedPending}), ` +
       `must not run ${mustNot} (ran ${forbidden.length}), either ${either}; ` +
       `delivered by two runs ${doubled.length}; wrong target ${wrongTarget.length}; ` +
-      `calls of manual runs left out ${manual.length} (on a whole second ${manual.filter((d) => d.scheduledFor % 1000 === 0).length})`,
+      `calls of manual runs left out ${manual.length} (on a whole second ${manual.filter((d) => d.scheduledFor % 1000 === 0).length}); ` +
+      `misfires skipped at a claim ${obs.runs.filter((r) => r.reason === 'misfire').length}`,
   );
   report(violations, 'occurrences that must have run did not', missing);
   report(violations, 'occurrences that must not have run did', forbidden);
   report(violations, 'occurrences delivered by more than one run', doubled);
   report(violations, 'occurrences called a target that was not in force', wrongTarget);
   report(violations, 'misfire policy violations', misfires);
+  report(violations, 'misfire skips at a claim not allowed', checkMisfireSkips(obs, runsByJob));
   report(violations, 'occurrences missed with no fault to explain the leader’s absence', unexplainedGap);
   return { violations, lines };
+}
+
+/**
+ * Runs a worker skipped at its claim as misfires (reason `misfire`, store/runs.ts misfiredAtClaim):
+ * each must be a scheduled occurrence never claimed, skipped more than the threshold after it was
+ * due, of a `skip` job, or of a `fire-once` job with a later occurrence late too (a run due more than
+ * the threshold before the skip, or one the dispatcher created late: the latest missed, which
+ * fires), and near a fault: without one no worker should have come that late.
+ */
+export function checkMisfireSkips(obs: Observations, runsByJob: Map<string, RunRow[]>): string[] {
+  const problems: string[] = [];
+  const threshold = obs.settings.misfireThresholdMs;
+  const jobs = new Map(obs.jobs.map((j) => [j.id, j]));
+  for (const run of obs.runs) {
+    const job = jobs.get(run.jobId);
+    if (run.state !== 'skipped' || run.reason !== 'misfire' || !job) continue;
+    const at = run.finishedAt ?? run.scheduledFor;
+    const label = `${job.name} (${job.misfire}): run ${run.id} due ${iso(run.scheduledFor)} skipped at ${iso(at)}`;
+    if (job.misfire === 'fire-all') problems.push(`${label}, though fire-all fires every missed occurrence`);
+    if (run.trigger !== 'schedule' || run.attempt > 0)
+      problems.push(`${label}, a ${run.trigger} run after ${run.attempt} attempts: it was owed`);
+    if (at - run.scheduledFor < threshold - LATE_FUZZ_MS)
+      problems.push(`${label}, ${at - run.scheduledFor} ms after it was due: under the threshold`);
+    if (
+      job.misfire === 'fire-once' &&
+      !(runsByJob.get(run.jobId) ?? []).some(
+        (o) =>
+          o.scheduledFor > run.scheduledFor &&
+          (o.scheduledFor < at - threshold + LATE_FUZZ_MS || (o.createdEpoch !== null && isLate(o, obs))),
+      )
+    )
+      problems.push(`${label}, with no later late occurrence to fire in its place`);
+    if (!obs.faults.some((f) => f.start <= at && f.end + threshold + 3000 >= run.scheduledFor))
+      problems.push(`${label}, with no fault near: no worker should have come that late`);
+  }
+  return problems;
 }
 
 /**

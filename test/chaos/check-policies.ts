@@ -120,7 +120,10 @@ export function checkPolicies(obs: Observations): Findings {
     (r) => r.jobId,
   )) {
     const name = jobById.get(jobId)?.name ?? jobId;
-    for (const run of runs.filter((r) => r.state === 'skipped' && r.reason !== 'paused')) {
+    // Misfires skipped at a claim are judged in check-occurrences.ts (checkMisfireSkips).
+    for (const run of runs.filter(
+      (r) => r.state === 'skipped' && r.reason !== 'paused' && r.reason !== 'misfire',
+    )) {
       if (run.attempt > 0)
         forbid.push(`${name}: run ${run.id} was skipped after ${run.attempt} attempts: a retry was dropped`);
       if (replayed.has(run.id)) forbid.push(`${name}: run ${run.id} was replayed and then skipped`);

@@ -579,3 +579,77 @@ test('a run first called as a later attempt (its claim lost uncalled) may be lat
     /arrived 45000 ms late \(no fault, bound 1500 ms, then etcd-down-30s, first called/,
   );
 });
+
+/**
+ * Runs of 12, 13 and 14 s, created in time, skipped by a worker's claim at 20 s as misfires (a
+ * PostgreSQL restart kept every worker away from 11 to 19 s); the 15 s run, due more than the
+ * threshold before the skips, fired: fire-once's latest missed occurrence.
+ */
+function misfiresSkipped(change: (obs: Crafted, skipped: RunRow[]) => void = () => undefined): string {
+  const obs = history();
+  const skipped: RunRow[] = [];
+  for (const s of [12, 13, 14]) {
+    const i = obs.runs.findIndex((r) => r.scheduledFor === sec(s));
+    const row = {
+      ...obs.runs[i]!,
+      state: 'skipped',
+      reason: 'misfire',
+      attempt: 0,
+      startedAt: null,
+      finishedAt: sec(20),
+    };
+    obs.runs[i] = row;
+    skipped.push(row);
+    obs.deliveries.splice(0, obs.deliveries.length, ...obs.deliveries.filter((d) => d.runId !== row.id));
+    obs.attempts.splice(0, obs.attempts.length, ...obs.attempts.filter((a) => a.runId !== row.id));
+  }
+  obs.faults.push({ kind: 'restart-postgres', start: sec(11), end: sec(19) });
+  change(obs, skipped);
+  return violations(obs);
+}
+
+test('misfires a worker skipped at its claim: allowed late, near a fault, by skip or by fire-once with a later late occurrence; reported otherwise', () => {
+  const reported = /misfire skips at a claim not allowed/;
+  assert.equal(misfiresSkipped(), '');
+  assert.match(
+    misfiresSkipped((obs) => obs.faults.splice(0)),
+    /3 misfire skips at a claim not allowed:\n.*s1 \(fire-once\): run s1-12 .* with no fault near/,
+  );
+  assert.match(
+    misfiresSkipped((obs) => (obs.jobs[0] = { ...obs.jobs[0]!, misfire: 'fire-all' })),
+    /though fire-all fires every missed occurrence/,
+  );
+  assert.equal(
+    misfiresSkipped((obs) => (obs.jobs[0] = { ...obs.jobs[0]!, misfire: 'skip' })),
+    '',
+    'skip drops every late occurrence',
+  );
+  // Skipped at 17 s: no later occurrence was due more than the threshold before, none created late.
+  assert.match(
+    misfiresSkipped((obs, skipped) => {
+      for (const row of skipped) obs.runs[obs.runs.indexOf(row)] = { ...row, finishedAt: sec(17) };
+    }),
+    /run s1-14 .* with no later late occurrence to fire in its place/,
+  );
+  assert.match(
+    misfiresSkipped(
+      (obs, skipped) => (obs.runs[obs.runs.indexOf(skipped[0]!)] = { ...skipped[0]!, attempt: 1 }),
+    ),
+    /run s1-12 .*a schedule run after 1 attempts: it was owed/,
+  );
+  assert.match(
+    misfiresSkipped((obs, skipped) => {
+      for (const row of skipped)
+        obs.runs[obs.runs.indexOf(row)] = { ...row, finishedAt: row.scheduledFor + 3000 };
+    }),
+    /run s1-12 .* 3000 ms after it was due: under the threshold/,
+  );
+  // Counted as a forbid skip it would be "skipped with no other run active".
+  assert.doesNotMatch(
+    misfiresSkipped((obs) => {
+      obs.jobs[0] = { ...obs.jobs[0]!, role: 'forbid', misfire: 'skip' };
+      obs.runs.forEach((r, i) => (obs.runs[i] = { ...r, concurrency: 'forbid' }));
+    }),
+    reported,
+  );
+});

@@ -16,6 +16,7 @@ test('the worker and leader sections have documented defaults', () => {
     claimGraceMs: 5000,
     skewToleranceMs: 10,
     claimLeadMs: 750,
+    misfireThresholdMs: 5000,
     pollIntervalMs: 1000,
     pollOverdueMs: 2000,
     claimCheckIntervalMs: 1000,

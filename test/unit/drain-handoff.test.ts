@@ -144,6 +144,7 @@ test('a hand-off that cannot be sent does not make a graceful stop fail (it is "
     claimGraceMs: 5000,
     skewToleranceMs: SKEW_MS,
     claimLeadMs: LEAD_MS,
+    misfireThresholdMs: 5000,
     pollIntervalMs: 60_000,
     pollOverdueMs: 2000,
     claimCheckIntervalMs: 60_000,

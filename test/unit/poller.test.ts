@@ -61,9 +61,9 @@ test('runs the poller claimed take the slots it reserved: announced runs due mea
   const poller = pollOverdue({
     claimOverdue: async (_overdueMs, limit) => {
       polls += 1;
-      if (polls > 1) return { claimed: [], skipped: 0 };
+      if (polls > 1) return { claimed: [], skipped: 0, misfired: 0 };
       await sleep(100);
-      return { claimed: [3, 4].slice(0, limit).map((n) => claimed(id(n))), skipped: 0 };
+      return { claimed: [3, 4].slice(0, limit).map((n) => claimed(id(n))), skipped: 0, misfired: 0 };
     },
     syncClock: async () => undefined,
     intervalMs: 10_000,

@@ -1,0 +1,175 @@
+import assert from 'node:assert/strict';
+import { after, afterEach, before, test } from 'node:test';
+import { DbClock } from '../../src/execution/db-clock.js';
+import { RunClaimer } from '../../src/execution/run-claimer.js';
+import { createMetrics } from '../../src/observability/metrics.js';
+import { inTransaction } from '../../src/store/db.js';
+import { claimOverdueRuns } from '../../src/store/overdue.js';
+import { claimRuns, type ClaimOptions } from '../../src/store/runs.js';
+import { createTestDatabase, type TestDatabase } from '../support/database.js';
+import { uniqueId } from '../support/env.js';
+import { insertJob } from '../support/execution.js';
+
+// A run the dispatcher created ahead, in time, that no worker could claim until more than the
+// misfire threshold after it was due (the cluster was down, or cut off from PostgreSQL): its job's
+// misfire policy decides at the claim, as the dispatcher's does for occurrences it finds late.
+// The end-to-end case (a whole cluster killed and started again) is in misfire-outage.test.ts.
+
+const THRESHOLD_MS = 5000;
+let db: TestDatabase;
+const options: ClaimOptions = {
+  nodeId: 'w1',
+  graceMs: 3000,
+  skewToleranceMs: 10,
+  misfireThresholdMs: THRESHOLD_MS,
+};
+
+before(async () => {
+  db = await createTestDatabase();
+});
+after(() => db.drop());
+afterEach(() => db.pool.query('DELETE FROM jobs'));
+
+async function job(
+  misfire: 'skip' | 'fire-once' | 'fire-all',
+  nextRunAgoMs: number | null = null,
+): Promise<string> {
+  const id = await insertJob(db.pool, {
+    name: `misfire-${uniqueId()}`,
+    schedule: '* * * * * *',
+    target: { url: 'http://127.0.0.1:9/' },
+    nextRunAt: new Date(0),
+    timeoutMs: 5000,
+  });
+  // next_run_at: the first occurrence not made into a run; by default one in the future.
+  await db.pool.query(
+    `UPDATE jobs SET misfire = $2,
+                     next_run_at = now() - coalesce($3, -60000) * interval '1 millisecond' WHERE id = $1`,
+    [id, misfire, nextRunAgoMs],
+  );
+  return id;
+}
+
+interface RunSpec {
+  agoMs: number;
+  attempt?: number;
+  trigger?: 'schedule' | 'manual';
+  /** A claim once made ahead and given back uncalled (started_at stays NULL). */
+  startedAt?: boolean;
+}
+
+/** A queued run of `jobId` due `agoMs` ago. */
+async function run(jobId: string, spec: RunSpec): Promise<string> {
+  const { rows } = await db.pool.query<{ id: string }>(
+    `INSERT INTO runs (job_id, scheduled_for, trigger, state, attempt, max_attempts, target, timeout_ms,
+                       backoff_ms, backoff_multiplier, not_before, started_at)
+     SELECT id, now() - $2 * interval '1 millisecond', $3, 'queued', $4, 3, target, timeout_ms, 0, 1,
+            now() - $2 * interval '1 millisecond', CASE WHEN $5 THEN now() - interval '1 minute' END
+     FROM jobs WHERE id = $1 RETURNING id`,
+    [jobId, spec.agoMs, spec.trigger ?? 'schedule', spec.attempt ?? 0, spec.startedAt ?? false],
+  );
+  return rows[0]!.id;
+}
+
+async function outcome(runId: string): Promise<string> {
+  const { rows } = await db.pool.query<{ state: string; reason: string | null }>(
+    'SELECT state, reason FROM runs WHERE id = $1',
+    [runId],
+  );
+  const row = rows[0]!;
+  return row.reason ? `${row.state} (${row.reason})` : row.state;
+}
+
+/** The worker's Kafka path: a claim of the announced run, and what a miss means (run-claimer.ts). */
+async function claimAnnounced(runId: string, attempt: number, threshold = THRESHOLD_MS) {
+  const metrics = createMetrics('test');
+  const claimer = new RunClaimer({
+    pool: db.pool,
+    claim: async (request) =>
+      (await claimRuns(db.pool, [request], { ...options, misfireThresholdMs: threshold }))[0] ?? 'missed',
+    skewToleranceMs: 10,
+    claimLeadMs: 0,
+    misfireThresholdMs: threshold,
+    clock: new DbClock(),
+    metrics,
+  });
+  const result = await claimer.claim(
+    { runId, jobId: 'unused', attempt: attempt + 1, scheduledFor: new Date(), notBefore: new Date() },
+    { retries: 0, early: false },
+  );
+  const skipped = (await metrics.runsSkipped.get()).values.find((v) => v.labels.reason === 'misfire');
+  return { kind: result.kind, misfiresSkipped: skipped?.value ?? 0 };
+}
+
+test('a worker skips a late occurrence no worker had claimed, of a `skip` job; on time, or for `fire-all`, it is claimed', async () => {
+  const skip = await job('skip');
+  const late = await run(skip, { agoMs: 8000 });
+  const onTime = await run(skip, { agoMs: 3000 });
+  const all = await job('fire-all');
+  const lateAll = await run(all, { agoMs: 8000 });
+
+  assert.deepEqual(await claimAnnounced(late, 0), { kind: 'done', misfiresSkipped: 1 });
+  assert.equal(await outcome(late), 'skipped (misfire)');
+  assert.equal((await claimAnnounced(onTime, 0)).kind, 'claimed');
+  assert.equal((await claimAnnounced(lateAll, 0)).kind, 'claimed', 'fire-all fires every missed occurrence');
+});
+
+test('`fire-once` keeps the latest late occurrence: older ones are skipped while a later late one exists, or while the dispatcher has later ones to make', async () => {
+  const once = await job('fire-once');
+  const oldest = await run(once, { agoMs: 12_000 });
+  const older = await run(once, { agoMs: 9000 });
+  const latest = await run(once, { agoMs: 7000 });
+  const onTime = await run(once, { agoMs: 1000 });
+  assert.deepEqual(await claimAnnounced(older, 0), { kind: 'done', misfiresSkipped: 1 });
+  assert.equal((await claimAnnounced(latest, 0)).kind, 'claimed', 'the latest late occurrence fires');
+  assert.equal((await claimAnnounced(onTime, 0)).kind, 'claimed');
+  assert.deepEqual(await claimAnnounced(oldest, 0), { kind: 'done', misfiresSkipped: 1 });
+  assert.deepEqual([await outcome(oldest), await outcome(older)], ['skipped (misfire)', 'skipped (misfire)']);
+
+  // The only late run so far, but the job's next occurrence not yet made into a run is late too:
+  // the dispatcher fires that one (the latest missed), so this one is skipped, whichever comes first.
+  const behind = await job('fire-once', 6000);
+  const lone = await run(behind, { agoMs: 8000 });
+  assert.deepEqual(await claimAnnounced(lone, 0), { kind: 'done', misfiresSkipped: 1 });
+  // Paused, the dispatcher makes nothing: the lone late run is the latest missed and fires.
+  const paused = await job('fire-once', 6000);
+  await db.pool.query('UPDATE jobs SET enabled = false WHERE id = $1', [paused]);
+  assert.equal((await claimAnnounced(await run(paused, { agoMs: 8000 }), 0)).kind, 'claimed');
+});
+
+test('a retry, a manual run and a claim given back uncalled are owed: claimed however late, whatever the policy', async () => {
+  const skip = await job('skip');
+  const retry = await run(skip, { agoMs: 60_000, attempt: 1, startedAt: true });
+  const manual = await run(skip, { agoMs: 60_000, trigger: 'manual' });
+  // Claimed ahead, never started, forgiven by the reaper (or handed back): a frozen worker is not
+  // the cluster being down.
+  const givenBack = await run(skip, { agoMs: 60_000, attempt: 1 });
+  for (const [id, attempt] of [
+    [retry, 1],
+    [manual, 0],
+    [givenBack, 1],
+  ] as const)
+    assert.equal((await claimAnnounced(id, attempt)).kind, 'claimed', await outcome(id));
+});
+
+test('without a threshold (an older caller) nothing is dropped at the claim', async () => {
+  const late = await run(await job('skip'), { agoMs: 60_000 });
+  const [claimed] = await claimRuns(db.pool, [{ runId: late, expectedAttempt: null }], {
+    ...options,
+    misfireThresholdMs: undefined,
+  });
+  assert.equal(claimed?.id, late);
+});
+
+test('the polling fallback skips the misfires it selects and claims the rest', async () => {
+  const skip = await job('skip');
+  const late = [await run(skip, { agoMs: 9000 }), await run(skip, { agoMs: 8000 })];
+  const owed = await run(skip, { agoMs: 9000, trigger: 'manual' });
+  const result = await inTransaction(db.pool, (client) => claimOverdueRuns(client, 2000, 10, options));
+  assert.equal(result.misfired, 2);
+  assert.deepEqual(
+    result.claimed.map((r) => r.id),
+    [owed],
+  );
+  assert.deepEqual(await Promise.all(late.map(outcome)), ['skipped (misfire)', 'skipped (misfire)']);
+});
