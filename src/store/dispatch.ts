@@ -106,9 +106,9 @@ export const FIRST_ATTEMPT_MESSAGE = `jsonb_build_object('runId', id, 'jobId', j
  * the job aliased `j`, in the same order: every statement that creates a run from a job uses both.
  */
 export const RUN_SNAPSHOT_COLUMNS =
-  'max_attempts, target, timeout_ms, backoff_ms, backoff_multiplier, concurrency';
+  'max_attempts, target, timeout_ms, backoff_ms, backoff_multiplier, concurrency, misfire';
 export const JOB_SNAPSHOT_VALUES =
-  'j.max_attempts, j.target, j.timeout_ms, j.backoff_ms, j.backoff_multiplier, j.concurrency';
+  'j.max_attempts, j.target, j.timeout_ms, j.backoff_ms, j.backoff_multiplier, j.concurrency, j.misfire';
 
 /**
  * Creates one queued run per (job, occurrence) with a snapshot of the job, skipping occurrences

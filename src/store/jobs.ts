@@ -11,7 +11,6 @@ export interface JobFields extends RunSnapshot {
   readonly name: string;
   readonly schedule: string;
   readonly timezone: string;
-  readonly misfire: MisfirePolicy;
   readonly maxCatchUp: number;
   readonly enabled: boolean;
   readonly nextRunAt: Date | null;

@@ -72,9 +72,9 @@ export async function claimOverdueRuns(
     else batch.push(row);
     if (forbid) forbidJobs.add(row.jobId);
   }
-  // The rows are locked by us, so a miss can only be a `forbid` block, and a forbid violation
-  // (a run of a forbid job started elsewhere since our SELECT) is the only likely error: then
-  // go one by one.
+  // The rows are locked by us, so a miss can only be a `forbid` block or a misfire, and a forbid
+  // violation (a run of a forbid job started elsewhere since our SELECT) is the only likely error:
+  // then go one by one.
   await client.query('SAVEPOINT batch');
   let results: (ClaimedRun | null)[] | undefined;
   try {
@@ -90,14 +90,18 @@ export async function claimOverdueRuns(
   }
   const claimed: ClaimedRun[] = [];
   let skipped = 0;
-  const settle = async (id: string, run: ClaimedRun | null) => {
+  // A locked row the claim left: a misfire (it may have crossed the threshold since the select),
+  // else a `forbid` run its sibling blocks.
+  const settle = async (row: OverdueRow, run: ClaimedRun | null) => {
     if (run) claimed.push(run);
-    else if (await skipRun(client, id, 'concurrency-forbid')) skipped += 1;
+    else if (threshold !== null && (await skipMisfiredRun(client, row.id, threshold))) misfired += 1;
+    else if (row.concurrency === 'forbid' && (await skipRun(client, row.id, 'concurrency-forbid')))
+      skipped += 1;
   };
-  for (const [index, { id }] of batch.entries()) {
-    await settle(id, results ? results[index]! : await claimOneInSavepoint(client, id, options));
+  for (const [index, row] of batch.entries()) {
+    await settle(row, results ? results[index]! : await claimOneInSavepoint(client, row.id, options));
   }
-  for (const { id } of heldBack) await settle(id, await claimOneInSavepoint(client, id, options));
+  for (const row of heldBack) await settle(row, await claimOneInSavepoint(client, row.id, options));
   return { claimed, skipped, misfired };
 }
 

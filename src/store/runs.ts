@@ -32,29 +32,35 @@ const CLAIMED_COLUMNS = `
 
 /**
  * Whether queued run `r` (SQL) is a misfire its job's policy drops when a worker comes to claim it
- * (`threshold`, SQL: milliseconds, NULL for never): a scheduled occurrence never claimed, due more
- * than the threshold ago, of a `skip` job, or of a `fire-once` job with a later occurrence that is
- * late too, made into a run or still to be (that one fires: one run for the latest missed
- * occurrence, whichever of the workers and the dispatcher comes first after an outage). The dispatcher applies the
- * policy to occurrences it finds late; this covers the runs it had created ahead, in time, that no
- * worker could take in time (the cluster was down or cut off from PostgreSQL). A run a worker had
- * claimed (attempt > 0: a retry, a replay, a claim handed back or forgiven) and a manual run are
- * owed and never dropped: a frozen worker's claim is not the cluster being down. Cheap tests first:
- * the jobs and runs lookups are made only for a late, never-claimed scheduled run.
+ * (`threshold`, SQL: milliseconds, NULL for never): a scheduled occurrence created in time and
+ * never claimed, due more than the threshold ago, of a `skip` job, or of a `fire-once` job with a
+ * later occurrence that is late too, made into a run or still to be (that one fires: one run for
+ * the latest missed occurrence, whichever of the workers and the dispatcher comes first after an
+ * outage). The policy is the run's copy of its job's (a later edit does not change it; the job's
+ * for runs created before runs had the column). The dispatcher, and a command's createDueRuns,
+ * apply the policy to occurrences they find late, and the runs they create late are theirs to
+ * fire; this covers the runs created ahead, in time, that no worker could take in time (the
+ * cluster was down, cut off from PostgreSQL, or saturated). A run a worker had claimed (attempt >
+ * 0: a retry, a replay, a claim handed back or forgiven) and a manual run are owed and never
+ * dropped: a frozen worker's claim is not the cluster being down. Cheap tests first: the jobs and
+ * runs lookups are made only for a late, never-claimed scheduled run.
  */
-export const misfiredAtClaim = (r: string, threshold: string): string => `(
-  ${threshold}::int IS NOT NULL AND ${r}.attempt = 0 AND ${r}.trigger = 'schedule'
-  AND ${r}.scheduled_for < statement_timestamp() - ${threshold}::int * interval '1 millisecond'
+export const misfiredAtClaim = (r: string, threshold: string): string => {
+  const late = `statement_timestamp() - ${threshold}::int * interval '1 millisecond'`;
+  return `(
+  ${threshold}::int IS NOT NULL AND ${r}.attempt = 0 AND ${r}.trigger = 'schedule' AND ${r}.scheduled_for < ${late}
+  AND ${r}.created_at <= ${r}.scheduled_for + ${threshold}::int * interval '1 millisecond'
   AND EXISTS (
     SELECT 1 FROM jobs j
-    WHERE j.id = ${r}.job_id AND (j.misfire = 'skip' OR (j.misfire = 'fire-once' AND (
+    WHERE j.id = ${r}.job_id AND (coalesce(${r}.misfire, j.misfire) = 'skip' OR (coalesce(${r}.misfire, j.misfire) = 'fire-once' AND (
       -- The dispatcher has yet to create the later occurrences missed (next_run_at is the first
       -- not made into a run, after every run's): it fires the latest of them, unless paused.
-      (j.enabled AND j.next_run_at < statement_timestamp() - ${threshold}::int * interval '1 millisecond')
+      (j.enabled AND j.next_run_at < ${late})
       OR EXISTS (
         SELECT 1 FROM runs later
         WHERE later.job_id = ${r}.job_id AND later.trigger = 'schedule' AND later.scheduled_for > ${r}.scheduled_for
-          AND later.scheduled_for < statement_timestamp() - ${threshold}::int * interval '1 millisecond'))))))`;
+          AND later.scheduled_for < ${late}))))))`;
+};
 
 /**
  * Moves queued, due runs to running for node $2 and records their attempts, in one statement.

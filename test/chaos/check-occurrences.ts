@@ -260,10 +260,11 @@ export function checkOccurrences(obs: Observations): Findings {
 
 /**
  * Runs a worker skipped at its claim as misfires (reason `misfire`, store/runs.ts misfiredAtClaim):
- * each must be a scheduled occurrence never claimed, skipped more than the threshold after it was
- * due, of a `skip` job, or of a `fire-once` job with a later occurrence late too (a run due more than
- * the threshold before the skip, or one the dispatcher created late: the latest missed, which
- * fires), and near a fault: without one no worker should have come that late.
+ * each must be a scheduled occurrence created in time and never claimed, skipped more than the
+ * threshold after it was due, of a `skip` job, or of a `fire-once` job with a later occurrence late
+ * too (a run due more than the threshold before the skip, or one the dispatcher or a command
+ * created late: the latest missed, which fires), and near a fault: without one no worker should
+ * have come that late.
  */
 export function checkMisfireSkips(obs: Observations, runsByJob: Map<string, RunRow[]>): string[] {
   const problems: string[] = [];
@@ -277,6 +278,10 @@ export function checkMisfireSkips(obs: Observations, runsByJob: Map<string, RunR
     if (job.misfire === 'fire-all') problems.push(`${label}, though fire-all fires every missed occurrence`);
     if (run.trigger !== 'schedule' || run.attempt > 0)
       problems.push(`${label}, a ${run.trigger} run after ${run.attempt} attempts: it was owed`);
+    if (isLate(run, obs))
+      problems.push(
+        `${label}, though it was created late: its creator applied the policy, the run was its to fire`,
+      );
     if (at - run.scheduledFor < threshold - LATE_FUZZ_MS)
       problems.push(`${label}, ${at - run.scheduledFor} ms after it was due: under the threshold`);
     if (
@@ -284,7 +289,7 @@ export function checkMisfireSkips(obs: Observations, runsByJob: Map<string, RunR
       !(runsByJob.get(run.jobId) ?? []).some(
         (o) =>
           o.scheduledFor > run.scheduledFor &&
-          (o.scheduledFor < at - threshold + LATE_FUZZ_MS || (o.createdEpoch !== null && isLate(o, obs))),
+          (o.scheduledFor < at - threshold + LATE_FUZZ_MS || isLate(o, obs)),
       )
     )
       problems.push(`${label}, with no later late occurrence to fire in its place`);

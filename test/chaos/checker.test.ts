@@ -633,6 +633,16 @@ test('misfires a worker skipped at its claim: allowed late, near a fault, by ski
   );
   assert.match(
     misfiresSkipped(
+      (obs, skipped) =>
+        (obs.runs[obs.runs.indexOf(skipped[0]!)] = {
+          ...skipped[0]!,
+          createdAt: skipped[0]!.scheduledFor + 6000,
+        }),
+    ),
+    /run s1-12 .* though it was created late/,
+  );
+  assert.match(
+    misfiresSkipped(
       (obs, skipped) => (obs.runs[obs.runs.indexOf(skipped[0]!)] = { ...skipped[0]!, attempt: 1 }),
     ),
     /run s1-12 .*a schedule run after 1 attempts: it was owed/,

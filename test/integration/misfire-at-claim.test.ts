@@ -1,5 +1,6 @@
 import assert from 'node:assert/strict';
 import { after, afterEach, before, test } from 'node:test';
+import { setTimeout as sleep } from 'node:timers/promises';
 import { DbClock } from '../../src/execution/db-clock.js';
 import { RunClaimer } from '../../src/execution/run-claimer.js';
 import { createMetrics } from '../../src/observability/metrics.js';
@@ -54,19 +55,32 @@ interface RunSpec {
   agoMs: number;
   attempt?: number;
   trigger?: 'schedule' | 'manual';
-  /** A claim once made ahead and given back uncalled (started_at stays NULL). */
+  /** Started once (a retry's first call); default never. */
   startedAt?: boolean;
+  /** Created this long after it was due (a catch-up); default 3 s ahead, as the dispatcher does. */
+  createdLateMs?: number;
+  /** The run's copy of its job's policy; default the job's when the run was made. */
+  misfire?: string;
 }
 
 /** A queued run of `jobId` due `agoMs` ago. */
 async function run(jobId: string, spec: RunSpec): Promise<string> {
   const { rows } = await db.pool.query<{ id: string }>(
     `INSERT INTO runs (job_id, scheduled_for, trigger, state, attempt, max_attempts, target, timeout_ms,
-                       backoff_ms, backoff_multiplier, not_before, started_at)
+                       backoff_ms, backoff_multiplier, not_before, started_at, created_at, misfire)
      SELECT id, now() - $2 * interval '1 millisecond', $3, 'queued', $4, 3, target, timeout_ms, 0, 1,
-            now() - $2 * interval '1 millisecond', CASE WHEN $5 THEN now() - interval '1 minute' END
+            now() - $2 * interval '1 millisecond', CASE WHEN $5 THEN now() - interval '1 minute' END,
+            now() - ($2 - $6) * interval '1 millisecond', coalesce($7, misfire)
      FROM jobs WHERE id = $1 RETURNING id`,
-    [jobId, spec.agoMs, spec.trigger ?? 'schedule', spec.attempt ?? 0, spec.startedAt ?? false],
+    [
+      jobId,
+      spec.agoMs,
+      spec.trigger ?? 'schedule',
+      spec.attempt ?? 0,
+      spec.startedAt ?? false,
+      spec.createdLateMs ?? -3000,
+      spec.misfire ?? null,
+    ],
   );
   return rows[0]!.id;
 }
@@ -152,6 +166,29 @@ test('a retry, a manual run and a claim given back uncalled are owed: claimed ho
     assert.equal((await claimAnnounced(id, attempt)).kind, 'claimed', await outcome(id));
 });
 
+test("the policy is the run's copy of its job's, and a run its creator made late (a catch-up) is the creator's to fire", async () => {
+  // Made in time while the job was `skip`; the job was edited to fire-all since: still dropped.
+  const edited = await job('fire-all');
+  assert.deepEqual(await claimAnnounced(await run(edited, { agoMs: 8000, misfire: 'skip' }), 0), {
+    kind: 'done',
+    misfiresSkipped: 1,
+  });
+  // Made while fire-all, the job edited to skip since: fired, as the job was defined then.
+  const toSkip = await job('skip');
+  assert.equal(
+    (await claimAnnounced(await run(toSkip, { agoMs: 8000, misfire: 'fire-all' }), 0)).kind,
+    'claimed',
+  );
+  // Made 6 s after it was due (the dispatcher's or an edit's catch-up, which applied the policy).
+  const caughtUp = await run(await job('skip'), { agoMs: 8000, createdLateMs: 6000 });
+  assert.equal((await claimAnnounced(caughtUp, 0)).kind, 'claimed');
+  // Rows from before runs had the column: the job's policy.
+  const legacy = await job('skip');
+  const old = await run(legacy, { agoMs: 8000 });
+  await db.pool.query('UPDATE runs SET misfire = NULL WHERE id = $1', [old]);
+  assert.deepEqual(await claimAnnounced(old, 0), { kind: 'done', misfiresSkipped: 1 });
+});
+
 test('without a threshold (an older caller) nothing is dropped at the claim', async () => {
   const late = await run(await job('skip'), { agoMs: 60_000 });
   const [claimed] = await claimRuns(db.pool, [{ runId: late, expectedAttempt: null }], {
@@ -159,6 +196,34 @@ test('without a threshold (an older caller) nothing is dropped at the claim', as
     misfireThresholdMs: undefined,
   });
   assert.equal(claimed?.id, late);
+});
+
+test("a run that crosses the threshold between the poll's select and its claim is skipped as a misfire, not as a forbid skip", async () => {
+  // Due 4.8 s ago when selected (not yet a misfire); the claim comes 400 ms later.
+  const crossing = await run(await job('skip'), { agoMs: THRESHOLD_MS - 200 });
+  const result = await inTransaction(db.pool, async (client) => {
+    const query = client.query.bind(client) as (...args: unknown[]) => Promise<unknown>;
+    const slowed = new Proxy(client, {
+      get: (target, property) =>
+        property !== 'query'
+          ? (Reflect.get(target, property) as unknown)
+          : async (...args: unknown[]) => {
+              const answer = await query(...args);
+              if (String(args[0]).includes('FOR UPDATE OF r SKIP LOCKED')) await sleep(400);
+              return answer;
+            },
+    });
+    return claimOverdueRuns(slowed, 2000, 10, options);
+  });
+  assert.deepEqual(
+    { claimed: result.claimed.length, skipped: result.skipped, misfired: result.misfired },
+    {
+      claimed: 0,
+      skipped: 0,
+      misfired: 1,
+    },
+  );
+  assert.equal(await outcome(crossing), 'skipped (misfire)');
 });
 
 test('the polling fallback skips the misfires it selects and claims the rest', async () => {
