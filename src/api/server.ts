@@ -2,6 +2,8 @@ import Fastify, { LogController, type FastifyBaseLogger, type FastifyInstance } 
 import type { Logger } from '../observability/logger.js';
 import type { Registry } from 'prom-client';
 import { registerHealthRoutes, type Dependency, type Probe } from './health.js';
+import { MAX_PARAM_LENGTH, routerProblem } from './framework-errors.js';
+import { sendProblem } from './problems.js';
 
 export interface ApiServerOptions {
   readonly logger: Logger;
@@ -16,12 +18,19 @@ export interface ApiServerOptions {
 
 /** Builds the node's HTTP server: health, readiness, metrics, and whatever `register` adds. */
 export async function buildApiServer(options: ApiServerOptions): Promise<FastifyInstance> {
-  const app = Fastify({
-    loggerInstance: options.logger.child({ part: 'api' }) as FastifyBaseLogger,
+  const logger = options.logger.child({ part: 'api' });
+  const app: FastifyInstance = Fastify({
+    loggerInstance: logger as FastifyBaseLogger,
     bodyLimit: options.bodyLimit ?? 256 * 1024,
     // Per-request logs would double the log volume at thousands of API calls per second.
     logController: new LogController({ disableRequestLogging: true }),
     forceCloseConnections: true,
+    routerOptions: { maxParamLength: MAX_PARAM_LENGTH },
+    // The router's own errors (a path that is not valid percent-encoding, an over-long parameter)
+    // come before any hook or error handler: without this they were Fastify's plain JSON.
+    frameworkErrors: (error, request, reply) => {
+      sendProblem(reply, request, routerProblem(app, error, request), logger);
+    },
   });
   registerHealthRoutes(app, options.probes);
   app.get('/metrics', async (_request, reply) => {

@@ -1,6 +1,7 @@
 import assert from 'node:assert/strict';
 import { after, before, test } from 'node:test';
 import fc from 'fast-check';
+import { MAX_PARAM_LENGTH } from '../../src/api/framework-errors.js';
 import { isValidTimezone, parseCron } from '../../src/scheduling/cron.js';
 import { checkTargetUrl, compileTargetPolicy } from '../../src/security/target-policy.js';
 import { jobBody, startTestApi, type TestApi } from '../support/api.js';
@@ -344,4 +345,89 @@ test('at least 500 malformed bodies each get a 4xx problem+json and leave the jo
     { numRuns: 600 },
   );
   assert.ok(sent >= 500, `only ${sent} bodies were sent`);
+});
+
+/** What every rejected request must look like: a 4xx problem+json whose 400 names a field. */
+function assertProblem(response: Awaited<ReturnType<TestApi['call']>>, status: number, what: string) {
+  assert.equal(response.status, status, `${what}: ${response.text.slice(0, 300)}`);
+  assert.match(response.headers.get('content-type') ?? '', /^application\/problem\+json/, what);
+  const problem = response.body as { status: number; errors?: { field: string; message: string }[] };
+  assert.equal(problem.status, status, what);
+  return problem;
+}
+
+/** Paths Fastify's router cannot decode: bad or truncated percent-escapes, bytes that are not UTF-8. */
+const undecodableSegment = fc
+  .tuple(
+    fc.stringMatching(/^[a-z0-9-]{0,6}$/),
+    fc.constantFrom('%ff', '%', '%zz', 'a%2', '%e0%80', '%c0%af', '%ed%a0%80', '%fe%ff', '%80'),
+    // No hex digit right after: it would complete a truncated escape.
+    fc.stringMatching(/^[g-z-]{0,6}$/),
+  )
+  .map((parts) => parts.join(''));
+
+test('a path parameter that is not valid percent-encoding is a 400 problem naming it, on every route that has one', async () => {
+  const doc = (await api.call('GET', '/openapi.json')).body as {
+    paths: Record<string, Record<string, unknown>>;
+  };
+  const routes = Object.entries(doc.paths).flatMap(([path, item]) =>
+    path.includes('{id}') ? Object.keys(item).map((method) => ({ method: method.toUpperCase(), path })) : [],
+  );
+  assert.ok(routes.length >= 9, `only ${routes.length} routes with an {id}`);
+  const before = await tableState();
+  await fc.assert(
+    fc.asyncProperty(fc.constantFrom(...routes), undecodableSegment, async ({ method, path }, segment) => {
+      const url = path.replace('{id}', segment);
+      const body = method === 'PATCH' ? { timeoutMs: 2000 } : undefined;
+      const problem = assertProblem(await api.call(method, url, { body }), 400, `${method} ${url}`);
+      assert.deepEqual(
+        problem.errors?.map((e) => e.field),
+        ['id'],
+        `${method} ${url}`,
+      );
+    }),
+    { numRuns: 100 },
+  );
+  assert.equal(await tableState(), before);
+});
+
+test('an undecodable path outside a route parameter is a 400 problem naming the path', async () => {
+  for (const path of [
+    '/readyz/%ff',
+    '/healthz/%',
+    '/metrics/%ff',
+    '/docs/%ff',
+    '/api/v1/%ff',
+    '/api/v1/nothing/%e0%80',
+  ]) {
+    const problem = assertProblem(await api.call('GET', path), 400, path);
+    assert.deepEqual(
+      problem.errors?.map((e) => e.field),
+      ['path'],
+      path,
+    );
+  }
+  // A method the route does not serve: the segment is no parameter of any route.
+  const problem = assertProblem(await api.call('PUT', '/api/v1/jobs/%ff'), 400, 'PUT');
+  assert.deepEqual(
+    problem.errors?.map((e) => e.field),
+    ['path'],
+  );
+});
+
+test('a path parameter longer than the router takes is a 400 problem naming it', async () => {
+  const long = 'a'.repeat(MAX_PARAM_LENGTH + 1);
+  for (const path of [`/api/v1/jobs/${long}`, `/api/v1/runs/${long}`, `/api/v1/jobs/${long}/runs`]) {
+    const problem = assertProblem(await api.call('GET', path), 400, path);
+    assert.deepEqual(
+      problem.errors?.map((e) => e.field),
+      ['id'],
+      path,
+    );
+  }
+  const problem = assertProblem(await api.call('POST', `/api/v1/dead-letters/${long}/replay`), 400, 'replay');
+  assert.deepEqual(
+    problem.errors?.map((e) => e.field),
+    ['id'],
+  );
 });
