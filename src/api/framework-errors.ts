@@ -1,8 +1,12 @@
 import type { FastifyError, FastifyInstance } from 'fastify';
 import { badRequest, toProblem, type ProblemError } from './problems.js';
+import { MAX_ID_LENGTH } from './schemas.js';
 
-/** Longest path parameter the router takes (Fastify's default, set here so a problem can say it). */
-export const MAX_PARAM_LENGTH = 100;
+/**
+ * Longest path parameter the router takes: IdParams' bound. Fastify's default of 100 refused a
+ * job's name past 100 characters (names may have 128) on every /jobs/{id} route.
+ */
+export const MAX_PARAM_LENGTH = MAX_ID_LENGTH;
 
 /** Stands in for an offending path segment while asking the router which parameter it is. */
 const PLACEHOLDER = 'helios-path-placeholder';

@@ -278,5 +278,7 @@ export type PageQuery = Static<typeof PageQuery>;
 export const RunsQuery = Type.Object({ ...PageQuery.properties, state: Type.Optional(RunState) }, closed);
 export type RunsQuery = Static<typeof RunsQuery>;
 
-export const IdParams = Type.Object({ id: Type.String({ maxLength: 200 }) }, closed);
+/** Longest `{id}` a route takes (a job's id or name, a run's or dead letter's id); the router's bound too. */
+export const MAX_ID_LENGTH = 200;
+export const IdParams = Type.Object({ id: Type.String({ maxLength: MAX_ID_LENGTH }) }, closed);
 export type IdParams = Static<typeof IdParams>;

@@ -269,6 +269,21 @@ test('a job is read by id or by name; unknown ids and names are 404 problems', a
   assertProblem(await api.call('GET', '/api/v1/nowhere'), 404);
 });
 
+test('a job with the longest name allowed is read, paused, triggered, edited and deleted by name', async () => {
+  const name = `long-${'n'.repeat(123)}`;
+  assert.equal(name.length, 128);
+  const created = await api.call('POST', '/api/v1/jobs', { body: jobBody(name) });
+  assert.equal(created.status, 201, created.text);
+  const path = `/api/v1/jobs/${name}`;
+  assert.equal((await api.call('GET', path)).status, 200);
+  assert.equal((await api.call('POST', `${path}/pause`)).status, 200);
+  assert.equal((await api.call('POST', `${path}/trigger`)).status, 202);
+  assert.equal((await api.call('GET', `${path}/runs`)).status, 200);
+  assert.equal((await api.call('PATCH', path, { body: { timeoutMs: 2000 } })).status, 200);
+  assert.equal((await api.call('DELETE', path)).status, 204);
+  assertProblem(await api.call('GET', path), 404);
+});
+
 test('PATCH changes only the given fields and recomputes nextRunAt when the schedule changes', async () => {
   const job = (await api.call('POST', '/api/v1/jobs', { body: jobBody('patch-me') })).body as JobResponse;
   const slower = await api.call('PATCH', `/api/v1/jobs/${job.id}`, { body: { timeoutMs: 5000 } });
