@@ -3,7 +3,7 @@ import type { Logger } from '../observability/logger.js';
 import type { Registry } from 'prom-client';
 import { registerHealthRoutes, type Dependency, type Probe } from './health.js';
 import { MAX_PARAM_LENGTH, routerProblem } from './framework-errors.js';
-import { sendProblem } from './problems.js';
+import { notFound, sendProblem } from './problems.js';
 
 export interface ApiServerOptions {
   readonly logger: Logger;
@@ -32,6 +32,11 @@ export async function buildApiServer(options: ApiServerOptions): Promise<Fastify
       sendProblem(reply, request, routerProblem(app, error, request), logger);
     },
   });
+  // Every error outside /api/v1 is a problem too (the v1 scope sets its own, behind its token check).
+  app.setErrorHandler((error, request, reply) => sendProblem(reply, request, error, logger));
+  app.setNotFoundHandler((request, reply) =>
+    sendProblem(reply, request, notFound(`route ${request.method} ${request.url.split('?')[0]}`), logger),
+  );
   registerHealthRoutes(app, options.probes);
   app.get('/metrics', async (_request, reply) => {
     reply.type(options.metrics.contentType);

@@ -431,3 +431,23 @@ test('a path parameter longer than the router takes is a 400 problem naming it',
     ['id'],
   );
 });
+
+test('errors outside /api/v1 are problems too: an unknown path, a body the server cannot parse', async () => {
+  for (const [method, path] of [
+    ['GET', '/nowhere'],
+    ['POST', '/metrics'],
+    ['GET', '/docs/nothing-here'],
+  ] as const) {
+    assertProblem(await api.call(method, path), 404, `${method} ${path}`);
+  }
+  const problem = assertProblem(await api.call('POST', '/readyz', { raw: '{"a":' }), 400, 'bad JSON');
+  assert.deepEqual(
+    problem.errors?.map((e) => e.field),
+    ['body'],
+  );
+  assertProblem(
+    await api.call('POST', '/healthz', { raw: 'x'.repeat(300 * 1024) }),
+    413,
+    'a body past the limit',
+  );
+});
