@@ -1,5 +1,8 @@
+import { STATUS_CODES } from 'node:http';
+import type { Socket } from 'node:net';
 import type { FastifyError, FastifyInstance } from 'fastify';
-import { badRequest, toProblem, type ProblemError } from './problems.js';
+import type { Logger } from '../observability/logger.js';
+import { badRequest, problemBody, ProblemError, toProblem } from './problems.js';
 import { MAX_ID_LENGTH } from './schemas.js';
 
 /**
@@ -65,4 +68,59 @@ export function routerProblem(
     return badRequest([{ field, message }]);
   }
   return toProblem(error);
+}
+
+/** What Node's HTTP parser refused, by its error code: the answer's status and the field at fault. */
+const PARSER_ERRORS: Record<string, { status: number; field?: string }> = {
+  ERR_HTTP_REQUEST_TIMEOUT: { status: 408 },
+  HPE_HEADER_OVERFLOW: { status: 431, field: 'headers' },
+  HPE_INVALID_CONTENT_LENGTH: { status: 400, field: 'headers.content-length' },
+  HPE_UNEXPECTED_CONTENT_LENGTH: { status: 400, field: 'headers.content-length' },
+  HPE_INVALID_TRANSFER_ENCODING: { status: 400, field: 'headers.transfer-encoding' },
+  HPE_INVALID_HEADER_TOKEN: { status: 400, field: 'headers' },
+  HPE_INVALID_METHOD: { status: 400, field: 'method' },
+  HPE_INVALID_URL: { status: 400, field: 'path' },
+  HPE_INVALID_CHUNK_SIZE: { status: 400, field: 'body' },
+  HPE_CHUNK_EXTENSIONS_OVERFLOW: { status: 400, field: 'body' },
+};
+
+const TITLES: Record<number, { slug: string; title: string }> = {
+  400: { slug: 'bad-request', title: 'Bad request' },
+  408: { slug: 'request-timeout', title: 'Request timeout' },
+  431: { slug: 'headers-too-large', title: 'Request headers too large' },
+};
+
+/** The problem for a request Node's HTTP parser refused; it never reached Fastify. */
+export function parserProblem(code: string | undefined): ProblemError {
+  const { status, field } = PARSER_ERRORS[code ?? ''] ?? { status: 400, field: 'request' };
+  const { slug, title } = TITLES[status]!;
+  if (field === undefined)
+    return new ProblemError(status, slug, title, 'the request took too long to arrive');
+  const detail = `the HTTP request is malformed (${code ?? 'unknown'})`;
+  return new ProblemError(status, slug, title, detail, [{ field, message: 'is malformed' }]);
+}
+
+/**
+ * Fastify's `clientErrorHandler`: answers a request Node's HTTP parser refused (a bad
+ * Content-Length, an invalid header, headers too large, too slow) with a problem, where Fastify's
+ * default wrote plain JSON, then closes the connection as Fastify and Node do.
+ */
+export function clientErrorHandler(logger: Logger) {
+  return (error: Error & { code?: string }, socket: Socket): void => {
+    // A reset connection has nobody to answer.
+    if (error.code === 'ECONNRESET' || socket.destroyed) return;
+    logger.trace({ err: error }, 'client error');
+    // Node's own rule: no answer into a response already under way on this connection.
+    const underway = (socket as { _httpMessage?: { headersSent?: boolean } })._httpMessage?.headersSent;
+    if (socket.writable && !underway) {
+      const problem = parserProblem(error.code);
+      const body = JSON.stringify(problemBody(problem));
+      socket.write(
+        `HTTP/1.1 ${problem.status} ${STATUS_CODES[problem.status]}\r\n` +
+          `Content-Type: application/problem+json\r\nContent-Length: ${Buffer.byteLength(body)}\r\n` +
+          `Connection: close\r\n\r\n${body}`,
+      );
+    }
+    socket.destroy(error);
+  };
 }

@@ -139,13 +139,19 @@ export function sendProblem(
       'request failed',
     );
   }
+  const body = problemBody(problem, request.url.split('?')[0]);
+  return reply.code(problem.status).headers(problem.headers).type('application/problem+json').send(body);
+}
+
+/** The RFC 9457 body of `problem`; `instance` is the request's path when there is one. */
+export function problemBody(problem: ProblemError, instance?: string): ProblemBody {
   const body: ProblemBody = {
     type: `urn:helios:problem:${problem.slug}`,
     title: problem.title,
     status: problem.status,
-    instance: request.url.split('?')[0],
   };
+  if (instance !== undefined) body.instance = instance;
   if (problem.detail !== undefined) body.detail = problem.detail;
   if (problem.errors !== undefined) body.errors = problem.errors;
-  return reply.code(problem.status).headers(problem.headers).type('application/problem+json').send(body);
+  return body;
 }

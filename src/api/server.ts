@@ -2,7 +2,7 @@ import Fastify, { LogController, type FastifyBaseLogger, type FastifyInstance } 
 import type { Logger } from '../observability/logger.js';
 import type { Registry } from 'prom-client';
 import { registerHealthRoutes, type Dependency, type Probe } from './health.js';
-import { MAX_PARAM_LENGTH, routerProblem } from './framework-errors.js';
+import { clientErrorHandler, MAX_PARAM_LENGTH, routerProblem } from './framework-errors.js';
 import { notFound, sendProblem } from './problems.js';
 
 export interface ApiServerOptions {
@@ -31,6 +31,9 @@ export async function buildApiServer(options: ApiServerOptions): Promise<Fastify
     frameworkErrors: (error, request, reply) => {
       sendProblem(reply, request, routerProblem(app, error, request), logger);
     },
+    // Requests Node's HTTP parser refuses (a bad Content-Length, headers too large) never reach
+    // Fastify's routing at all.
+    clientErrorHandler: clientErrorHandler(logger),
   });
   // Every error outside /api/v1 is a problem too (the v1 scope sets its own, behind its token check).
   app.setErrorHandler((error, request, reply) => sendProblem(reply, request, error, logger));

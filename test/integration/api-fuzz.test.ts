@@ -1,4 +1,5 @@
 import assert from 'node:assert/strict';
+import { connect } from 'node:net';
 import { after, before, test } from 'node:test';
 import fc from 'fast-check';
 import { MAX_PARAM_LENGTH } from '../../src/api/framework-errors.js';
@@ -450,4 +451,44 @@ test('errors outside /api/v1 are problems too: an unknown path, a body the serve
     413,
     'a body past the limit',
   );
+});
+
+/** Sends `text` as the raw bytes of a request; resolves with the answer once the server closes. */
+async function rawRequest(text: string): Promise<{ status: number; contentType: string; body: unknown }> {
+  const socket = connect(Number(new URL(api.url).port), '127.0.0.1');
+  socket.on('error', () => undefined); // the server may reset the connection after answering
+  socket.end(text);
+  const chunks: Buffer[] = [];
+  for await (const chunk of socket) chunks.push(chunk as Buffer);
+  const answer = Buffer.concat(chunks).toString('utf8');
+  const [head = '', body = ''] = answer.split('\r\n\r\n');
+  return {
+    status: Number(/^HTTP\/1\.1 (\d{3})/.exec(head)?.[1]),
+    contentType: /^content-type: *(.*)$/im.exec(head)?.[1] ?? '',
+    body: body ? JSON.parse(body) : null,
+  };
+}
+
+test('requests the HTTP parser refuses get a problem+json naming what is malformed', async () => {
+  const start = 'POST /api/v1/jobs HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n';
+  const cases = [
+    [`${start}Content-Length: abc\r\n\r\n{}`, 400, 'headers.content-length'],
+    [`${start}Content-Length: 2\r\nContent-Length: 3\r\n\r\n{}`, 400, 'headers.content-length'],
+    [`${start}Bad Header: x\r\nContent-Length: 2\r\n\r\n{}`, 400, 'headers'],
+    [`${start}Transfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n`, 400, 'body'],
+    [`GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: ${'x'.repeat(20_000)}\r\n\r\n`, 431, 'headers'],
+  ] as const;
+  for (const [request, status, field] of cases) {
+    const what = request.slice(start.length, start.length + 60);
+    const answer = await rawRequest(request);
+    assert.equal(answer.status, status, what);
+    assert.match(answer.contentType, /^application\/problem\+json/, what);
+    const problem = answer.body as { status: number; errors?: { field: string }[] };
+    assert.equal(problem.status, status, what);
+    assert.deepEqual(
+      problem.errors?.map((e) => e.field),
+      [field],
+      what,
+    );
+  }
 });
