@@ -103,7 +103,26 @@ export function checkUrl(protocols: string[]) {
   };
 }
 
-/** A check for `list`: `host:port`. */
+/** A check for `list`: `host:port` (an IPv6 address in brackets), the port within 1-65535. */
 export function checkHostPort(item: string): string | null {
-  return /^[A-Za-z0-9.[\]:-]+:\d{1,5}$/.test(item) ? null : 'must be host:port';
+  const match = /^(?:\[([0-9A-Fa-f:.]*)\]|([A-Za-z0-9.-]*)):(\d{1,5})$/.exec(item);
+  if (!match) return 'must be host:port (an IPv6 address in brackets)';
+  if (!(match[1] ?? match[2])) return 'has no host';
+  const port = Number(match[3]);
+  return port >= 1 && port <= 65535 ? null : 'port must be between 1 and 65535';
+}
+
+/**
+ * A name by Kafka's rules for topics: 1-249 of letters, digits, `.`, `_` and `-`, and not `.` or
+ * `..` (a broker refuses any other topic, and only once the node tries to create it).
+ */
+export function kafkaName(env: Env, name: string, fallback: string): string {
+  const value = str(env, name, fallback);
+  if (!/^[A-Za-z0-9._-]{1,249}$/.test(value) || value === '.' || value === '..') {
+    throw new ConfigError(
+      name,
+      `must be 1-249 letters, digits, ".", "_" or "-", and not "." or "..", got "${value}"`,
+    );
+  }
+  return value;
 }

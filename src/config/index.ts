@@ -12,6 +12,7 @@ import {
   duration,
   int,
   items,
+  kafkaName,
   list,
   oneOf,
   optional,
@@ -184,13 +185,25 @@ function etcdConfig(env: Env): EtcdConfig {
 }
 
 function kafkaConfig(env: Env): KafkaConfig {
+  const runsTopic = kafkaName(env, 'HELIOS_KAFKA_TOPIC', 'helios.runs');
+  const deadLetterTopic = kafkaName(env, 'HELIOS_KAFKA_DLQ_TOPIC', 'helios.runs.dlq');
+  // Kafka takes "." and "_" as the same in a topic's metric names and refuses a topic that collides
+  // with another that way; the same topic for both would put dead letters among the runs.
+  const collides = (topic: string) => topic.replaceAll('.', '_');
+  if (collides(deadLetterTopic) === collides(runsTopic)) {
+    throw new ConfigError(
+      'HELIOS_KAFKA_DLQ_TOPIC',
+      `must differ from HELIOS_KAFKA_TOPIC ("${runsTopic}"), also with "." and "_" taken as the same`,
+    );
+  }
   return Object.freeze({
     brokers: list(env, 'HELIOS_KAFKA_BROKERS', checkHostPort),
-    runsTopic: str(env, 'HELIOS_KAFKA_TOPIC', 'helios.runs'),
-    deadLetterTopic: str(env, 'HELIOS_KAFKA_DLQ_TOPIC', 'helios.runs.dlq'),
+    runsTopic,
+    deadLetterTopic,
     partitions: int(env, 'HELIOS_KAFKA_PARTITIONS', 6, 1, 1000),
     replicationFactor: int(env, 'HELIOS_KAFKA_REPLICATION_FACTOR', 1, 1, 32),
-    consumerGroup: str(env, 'HELIOS_KAFKA_GROUP', 'helios-workers'),
+    // Kafka itself takes any group id; the topic rules keep it printable and one word in logs.
+    consumerGroup: kafkaName(env, 'HELIOS_KAFKA_GROUP', 'helios-workers'),
   });
 }
 

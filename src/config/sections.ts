@@ -74,11 +74,14 @@ export interface EtcdConfig {
 }
 
 export interface KafkaConfig {
-  /** HELIOS_KAFKA_BROKERS: comma list of host:port (required). */
+  /** HELIOS_KAFKA_BROKERS: comma list of host:port, an IPv6 address in brackets, port 1-65535 (required). */
   readonly brokers: readonly string[];
-  /** HELIOS_KAFKA_TOPIC: dispatch topic; default `helios.runs`. */
+  /** HELIOS_KAFKA_TOPIC: dispatch topic (Kafka's topic name rules); default `helios.runs`. */
   readonly runsTopic: string;
-  /** HELIOS_KAFKA_DLQ_TOPIC: dead-letter topic; default `helios.runs.dlq`. */
+  /**
+   * HELIOS_KAFKA_DLQ_TOPIC: dead-letter topic (Kafka's topic name rules), not HELIOS_KAFKA_TOPIC
+   * even with `.` and `_` taken as the same; default `helios.runs.dlq`.
+   */
   readonly deadLetterTopic: string;
   /** HELIOS_KAFKA_PARTITIONS: partitions when creating the topics; default 6. */
   readonly partitions: number;
@@ -88,7 +91,7 @@ export interface KafkaConfig {
    * `min.insync.replicas` at 2 (the publisher uses acks=all). An existing topic is left as it is.
    */
   readonly replicationFactor: number;
-  /** HELIOS_KAFKA_GROUP: consumer group of the workers; default `helios-workers`. */
+  /** HELIOS_KAFKA_GROUP: consumer group of the workers (Kafka's topic name rules); default `helios-workers`. */
   readonly consumerGroup: string;
 }
 

@@ -71,6 +71,35 @@ test('bad values give an error naming the variable', () => {
   failsOn({ HELIOS_LEADER_SAFETY_MARGIN_MS: '2000' }, 'HELIOS_LEADER_SAFETY_MARGIN_MS');
 });
 
+test("Kafka topic and group names follow Kafka's topic rules, and the two topics differ", () => {
+  const ok = loadConfig({
+    ...BASE,
+    HELIOS_KAFKA_TOPIC: 'Team_A.runs-1',
+    HELIOS_KAFKA_DLQ_TOPIC: 'x'.repeat(249),
+    HELIOS_KAFKA_GROUP: 'team-a.workers',
+  });
+  assert.equal(ok.kafka.runsTopic, 'Team_A.runs-1');
+  assert.equal(ok.kafka.deadLetterTopic.length, 249);
+  for (const variable of ['HELIOS_KAFKA_TOPIC', 'HELIOS_KAFKA_DLQ_TOPIC', 'HELIOS_KAFKA_GROUP']) {
+    for (const bad of ['.', '..', 'has space', 'runs/1', 'runs:1', 'ünïcode', 'x'.repeat(250)]) {
+      failsOn({ [variable]: bad }, variable, /1-249 letters/);
+    }
+  }
+  failsOn({ HELIOS_KAFKA_TOPIC: 'jobs', HELIOS_KAFKA_DLQ_TOPIC: 'jobs' }, 'HELIOS_KAFKA_DLQ_TOPIC', /differ/);
+  failsOn({ HELIOS_KAFKA_DLQ_TOPIC: 'helios_runs' }, 'HELIOS_KAFKA_DLQ_TOPIC', /HELIOS_KAFKA_TOPIC/);
+});
+
+test('Kafka brokers need a host and a port within 1-65535', () => {
+  const config = loadConfig({ ...BASE, HELIOS_KAFKA_BROKERS: 'kafka-0.kafka:9092,10.0.0.1:1,[::1]:65535' });
+  assert.deepEqual(config.kafka.brokers, ['kafka-0.kafka:9092', '10.0.0.1:1', '[::1]:65535']);
+  failsOn({ HELIOS_KAFKA_BROKERS: 'k:0' }, 'HELIOS_KAFKA_BROKERS', /port must be between 1 and 65535: "k:0"/);
+  failsOn({ HELIOS_KAFKA_BROKERS: 'k:1,k:65536' }, 'HELIOS_KAFKA_BROKERS', /65535: "k:65536"/);
+  failsOn({ HELIOS_KAFKA_BROKERS: ':9092' }, 'HELIOS_KAFKA_BROKERS', /no host: ":9092"/);
+  failsOn({ HELIOS_KAFKA_BROKERS: '[]:9092' }, 'HELIOS_KAFKA_BROKERS', /no host/);
+  failsOn({ HELIOS_KAFKA_BROKERS: '::1:9092' }, 'HELIOS_KAFKA_BROKERS', /host:port/);
+  failsOn({ HELIOS_KAFKA_BROKERS: 'k:' }, 'HELIOS_KAFKA_BROKERS', /host:port/);
+});
+
 test('a bad API token entry is reported by position, never by value', () => {
   const secret = 'supersecretvalue-123';
   assert.throws(
