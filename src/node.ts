@@ -38,7 +38,7 @@ import { OutboxRelay } from './outbox/relay.js';
 import { Worker } from './execution/worker.js';
 import { Reaper, UnstartedClaimsHold } from './execution/reaper.js';
 import { Pruner } from './retention/pruner.js';
-import { buildApiServer } from './api/server.js';
+import { buildApiServer, listenOn } from './api/server.js';
 import { registerApi } from './api/v1.js';
 
 type State = 'idle' | 'starting' | 'running' | 'stopping' | 'stopped';
@@ -240,7 +240,7 @@ export class HeliosNode {
         'HELIOS_API_TOKENS is empty: the API is open to every local user; binding loopback only',
       );
     }
-    await app.listen({ host: config.api.host, port: config.api.port });
+    await listenOn(app, config.api);
     this.onStop('http server', () => app.close());
     const address = app.server.address();
     const port = typeof address === 'object' && address ? address.port : config.api.port;

@@ -1,4 +1,6 @@
 import Fastify, { LogController, type FastifyBaseLogger, type FastifyInstance } from 'fastify';
+import { ConfigError, type ApiConfig } from '../config/index.js';
+import { toError } from '../errors.js';
 import type { Logger } from '../observability/logger.js';
 import type { Registry } from 'prom-client';
 import { registerHealthRoutes, type Dependency, type Probe } from './health.js';
@@ -47,4 +49,43 @@ export async function buildApiServer(options: ApiServerOptions): Promise<Fastify
   });
   await options.register?.(app);
   return app;
+}
+
+/** What a failed bind's system error says about the configured address, by its code. */
+const BIND_ERRORS: Record<string, { variable: string; message: (api: BindAddress) => string }> = {
+  ENOTFOUND: { variable: 'HELIOS_HTTP_HOST', message: ({ host }) => `"${host}" does not resolve` },
+  EAI_AGAIN: { variable: 'HELIOS_HTTP_HOST', message: ({ host }) => `"${host}" does not resolve (yet)` },
+  EAI_FAIL: { variable: 'HELIOS_HTTP_HOST', message: ({ host }) => `"${host}" does not resolve` },
+  EADDRNOTAVAIL: {
+    variable: 'HELIOS_HTTP_HOST',
+    message: ({ host }) => `"${host}" is not an address of this host`,
+  },
+  EADDRINUSE: {
+    variable: 'HELIOS_HTTP_PORT',
+    message: ({ host, port }) => `port ${port} is already in use on ${host}`,
+  },
+  EACCES: {
+    variable: 'HELIOS_HTTP_PORT',
+    message: ({ host, port }) =>
+      `binding port ${port} on ${host} is not permitted (below 1024 needs privileges)`,
+  },
+};
+
+type BindAddress = Pick<ApiConfig, 'host' | 'port'>;
+
+/**
+ * Binds `app` to HELIOS_HTTP_HOST:HELIOS_HTTP_PORT. A bind that fails for the address itself (a
+ * name that does not resolve, a port in use) is the operator's to fix: a ConfigError naming the
+ * variable, which `helios node` prints as one line, with the system error as its cause.
+ */
+export async function listenOn(app: Pick<FastifyInstance, 'listen'>, address: BindAddress): Promise<void> {
+  try {
+    await app.listen({ host: address.host, port: address.port });
+  } catch (err) {
+    const error = toError(err);
+    const code = (error as NodeJS.ErrnoException).code ?? '';
+    const known = BIND_ERRORS[code];
+    if (!known) throw error;
+    throw new ConfigError(known.variable, `${known.message(address)} (${code})`, { cause: error });
+  }
 }

@@ -10,8 +10,9 @@ export class ConfigError extends Error {
   constructor(
     readonly variable: string,
     message: string,
+    options?: ErrorOptions,
   ) {
-    super(`${variable}: ${message}`);
+    super(`${variable}: ${message}`, options);
   }
 }
 

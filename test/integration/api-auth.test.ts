@@ -1,4 +1,5 @@
 import assert from 'node:assert/strict';
+import { createServer, type AddressInfo } from 'node:net';
 import { after, before, test } from 'node:test';
 import type { ApiRole } from '../../src/config/index.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
@@ -129,6 +130,37 @@ test('a node refuses to start on 0.0.0.0 without tokens, naming the variables', 
   assert.match(stderr, /HELIOS_HTTP_HOST/);
   assert.match(stderr, /HELIOS_API_TOKENS/);
   assert.ok(!node.hasLog((l) => l.msg === 'node started'));
+});
+
+test('a node whose HTTP address cannot be bound exits 1 with one line naming the variable', async () => {
+  const exitLine = async (name: string, extra: Record<string, string>) => {
+    const node = spawnNode(name, nodeEnv(extra));
+    nodes.push(node);
+    const exit = await node.exited;
+    assert.equal(exit.code, 1, node.stderr.join('\n'));
+    const lines = node.stderr.join('\n').split('\n').filter(Boolean);
+    assert.equal(lines.length, 1, `one line, no stack: ${lines.join('\n')}`);
+    assert.ok(!node.hasLog((l) => l.msg === 'node started'));
+    return lines[0]!;
+  };
+  const tokensEnv = { HELIOS_API_TOKENS: `${ADMIN}:admin` };
+  assert.match(
+    await exitLine('bind-host', { ...tokensEnv, HELIOS_HTTP_HOST: 'no-such-host.invalid' }),
+    /^helios: HELIOS_HTTP_HOST: "no-such-host\.invalid" does not resolve/,
+  );
+  const taken = createServer();
+  await new Promise<void>((resolve) => taken.listen(0, '127.0.0.1', resolve));
+  try {
+    const { port } = taken.address() as AddressInfo;
+    assert.match(
+      await exitLine('bind-port', { HELIOS_HTTP_PORT: String(port) }),
+      new RegExp(
+        `^helios: HELIOS_HTTP_PORT: port ${port} is already in use on 127\\.0\\.0\\.1 \\(EADDRINUSE\\)$`,
+      ),
+    );
+  } finally {
+    taken.close();
+  }
 });
 
 test('a node with tokens binds 0.0.0.0 and enforces them; without tokens it warns and stays on loopback', async () => {

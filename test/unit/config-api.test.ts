@@ -1,5 +1,6 @@
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
+import { listenOn } from '../../src/api/server.js';
 import { ConfigError, isLoopbackHost, loadCliConfig, loadConfig } from '../../src/config/index.js';
 import { deniedReason } from '../../src/security/target-policy.js';
 import { endpointsOfDatabaseUrl } from '../../src/security/cluster-endpoints.js';
@@ -157,4 +158,30 @@ test('the CLI reads HELIOS_API_URL and HELIOS_API_TOKEN', () => {
     apiToken: 't',
   });
   assert.throws(() => loadCliConfig({ HELIOS_API_URL: 'ftp://x' }), /HELIOS_API_URL/);
+});
+
+test('a bind refused for its address names HELIOS_HTTP_HOST or HELIOS_HTTP_PORT; other failures pass through', async () => {
+  const failing = (code: string) => ({
+    listen: async (): Promise<string> => {
+      throw Object.assign(new Error(`listen ${code}`), { code });
+    },
+  });
+  const address = { host: 'api.internal', port: 80 };
+  const expected: [string, string, RegExp][] = [
+    ['ENOTFOUND', 'HELIOS_HTTP_HOST', /"api\.internal" does not resolve \(ENOTFOUND\)/],
+    ['EAI_AGAIN', 'HELIOS_HTTP_HOST', /does not resolve/],
+    ['EADDRNOTAVAIL', 'HELIOS_HTTP_HOST', /not an address of this host/],
+    ['EADDRINUSE', 'HELIOS_HTTP_PORT', /port 80 is already in use on api\.internal/],
+    ['EACCES', 'HELIOS_HTTP_PORT', /binding port 80 on api\.internal is not permitted/],
+  ];
+  for (const [code, variable, message] of expected) {
+    await assert.rejects(listenOn(failing(code), address), (err: unknown) => {
+      assert.ok(err instanceof ConfigError, code);
+      assert.equal(err.variable, variable);
+      assert.match(err.message, message);
+      assert.equal((err.cause as { code?: string }).code, code);
+      return true;
+    });
+  }
+  await assert.rejects(listenOn(failing('EMFILE'), address), /listen EMFILE/);
 });
