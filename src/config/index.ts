@@ -1,5 +1,6 @@
 // The node's and the CLI's configuration: environment → validated, defaulted, frozen sections.
 // The only module that reads `process.env`; sections.ts documents every variable.
+import { createHash } from 'node:crypto';
 import { hostname } from 'node:os';
 import { CidrRange, compileTargetPolicy, InvalidCidrError } from '../security/target-policy.js';
 import { ClusterEndpoints, configuredEndpoints } from '../security/cluster-endpoints.js';
@@ -86,9 +87,25 @@ export function loadConfig(env: Env = process.env): HeliosConfig {
   });
 }
 
+/** What a node id may be (it names etcd keys, PostgreSQL sessions and metrics). */
+const NODE_ID = /^[A-Za-z0-9._-]{1,64}$/;
+
+/**
+ * HELIOS_NODE_ID's default, `<hostname>-<pid>`, always within the node id's rule: when the
+ * hostname has other characters or is too long for it, they become "-" and the name is cut, with
+ * a hash of the whole hostname before the pid. The hash keeps apart hosts whose long names differ
+ * only at the end (a StatefulSet's or Deployment's pods, whose process is often pid 1).
+ */
+export function defaultNodeId(host: string, pid: number): string {
+  const plain = `${host}-${pid}`;
+  if (NODE_ID.test(plain)) return plain;
+  const suffix = `-${createHash('sha256').update(host).digest('hex').slice(0, 8)}-${pid}`;
+  return host.replace(/[^A-Za-z0-9._-]/g, '-').slice(0, 64 - suffix.length) + suffix;
+}
+
 function nodeConfig(env: Env): NodeConfig {
-  const id = str(env, 'HELIOS_NODE_ID', `${hostname()}-${process.pid}`);
-  if (!/^[A-Za-z0-9._-]{1,64}$/.test(id)) {
+  const id = str(env, 'HELIOS_NODE_ID', defaultNodeId(hostname(), process.pid));
+  if (!NODE_ID.test(id)) {
     throw new ConfigError('HELIOS_NODE_ID', 'must be 1-64 characters of letters, digits, ".", "_" or "-"');
   }
   const logLevel = str(env, 'HELIOS_LOG_LEVEL', 'info');

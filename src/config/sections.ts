@@ -21,7 +21,10 @@ export interface HeliosConfig {
 }
 
 export interface NodeConfig {
-  /** HELIOS_NODE_ID: unique per node; default `<hostname>-<pid>`. */
+  /**
+   * HELIOS_NODE_ID: unique per node, 1-64 of letters, digits, `.`, `_` and `-`; default
+   * `<hostname>-<pid>`, a long hostname cut and followed by a hash of it (defaultNodeId).
+   */
   readonly id: string;
   /** HELIOS_ROLES: comma list of scheduler, worker, api; default all three. */
   readonly roles: ReadonlySet<Role>;

@@ -1,6 +1,7 @@
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
-import { ConfigError, loadConfig } from '../../src/config/index.js';
+import { hostname } from 'node:os';
+import { ConfigError, defaultNodeId, loadConfig } from '../../src/config/index.js';
 
 const BASE = {
   HELIOS_DATABASE_URL: 'postgres://u@127.0.0.1:5432/db',
@@ -98,6 +99,23 @@ test('Kafka brokers need a host and a port within 1-65535', () => {
   failsOn({ HELIOS_KAFKA_BROKERS: '[]:9092' }, 'HELIOS_KAFKA_BROKERS', /no host/);
   failsOn({ HELIOS_KAFKA_BROKERS: '::1:9092' }, 'HELIOS_KAFKA_BROKERS', /host:port/);
   failsOn({ HELIOS_KAFKA_BROKERS: 'k:' }, 'HELIOS_KAFKA_BROKERS', /host:port/);
+});
+
+test('the default node id is <hostname>-<pid>, kept within the rule for any hostname', () => {
+  assert.equal(defaultNodeId('web-1', 42), 'web-1-42');
+  assert.equal(loadConfig(BASE).node.id, defaultNodeId(hostname(), process.pid));
+  const rule = /^[A-Za-z0-9._-]{1,64}$/;
+  // Pods of one StatefulSet: 63-character names that differ only at the end, each process pid 1.
+  const pod = (n: number) => `${'scheduler-'.repeat(6)}abc-${n}`;
+  const ids = [pod(0), pod(1)].map((host) => defaultNodeId(host, 1));
+  for (const id of ids) assert.match(id, rule);
+  assert.notEqual(ids[0], ids[1]);
+  const long = defaultNodeId('h'.repeat(253), 4_194_304);
+  assert.match(long, rule);
+  assert.equal(long.length, 64);
+  assert.ok(long.startsWith('hhhh') && long.endsWith('-4194304'), long);
+  assert.match(defaultNodeId('My Mac (2)', 7), /^My-Mac--2--[0-9a-f]{8}-7$/);
+  assert.match(defaultNodeId('', 7), rule);
 });
 
 test('a bad API token entry is reported by position, never by value', () => {
