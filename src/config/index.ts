@@ -174,6 +174,14 @@ function parseTokens(env: Env): Map<string, ApiRole> {
     if (token.length < 16) {
       throw new ConfigError('HELIOS_API_TOKENS', `entry ${index + 1}: tokens must be at least 16 characters`);
     }
+    // A repeated token would silently take the role of its last entry (a viewer may be meant).
+    const first = [...tokens.keys()].indexOf(token);
+    if (first >= 0) {
+      throw new ConfigError(
+        'HELIOS_API_TOKENS',
+        `entry ${index + 1} repeats the token of entry ${first + 1}`,
+      );
+    }
     tokens.set(token, role);
   }
   return tokens;

@@ -48,7 +48,7 @@ export interface ApiConfig {
   readonly port: number;
   /** HELIOS_PUBLIC_URL: the URL other nodes and tools use to reach this node's API; default from host and port. */
   readonly publicUrl: string | undefined;
-  /** HELIOS_API_TOKENS: `token:role` pairs (role admin or viewer). */
+  /** HELIOS_API_TOKENS: `token:role` pairs (role admin or viewer), each token 16+ characters and given once. */
   readonly tokens: ReadonlyMap<string, ApiRole>;
   /**
    * HELIOS_API_RATE_LIMIT requests per HELIOS_API_RATE_WINDOW_MS per token (per client address

@@ -133,6 +133,26 @@ test('a bad API token entry is reported by position, never by value', () => {
   failsOn({ HELIOS_API_TOKENS: 'short:admin' }, 'HELIOS_API_TOKENS', /16 characters/);
 });
 
+test('a token given twice is refused by position, whatever its roles, never by value', () => {
+  const secret = 'repeated-secret-0123';
+  const other = 'other-secret-456789';
+  for (const value of [
+    `${secret}:admin,${secret}:viewer`,
+    `${secret}:viewer,${other}:admin, ${secret} :viewer`,
+  ]) {
+    assert.throws(
+      () => loadConfig({ ...BASE, HELIOS_API_TOKENS: value }),
+      (err: unknown) => {
+        assert.ok(err instanceof ConfigError);
+        assert.equal(err.variable, 'HELIOS_API_TOKENS');
+        assert.match(err.message, /entry (2|3) repeats the token of entry 1/);
+        assert.ok(!err.message.includes(secret) && !err.message.includes(other), err.message);
+        return true;
+      },
+    );
+  }
+});
+
 test('retention settings take durations with units and reject anything else by name', () => {
   const base = {
     HELIOS_DATABASE_URL: 'postgres://u@127.0.0.1/db',
