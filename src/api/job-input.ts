@@ -84,6 +84,16 @@ function checkBody(body: unknown, method: string, errors: FieldError[]): void {
   }
 }
 
+/** Adds the problem of a time zone, if it has one (with an expression that has none). */
+function zoneProblem(timezone: string, errors: FieldError[]): void {
+  try {
+    parseCron('* * * * *', timezone);
+  } catch (err) {
+    if (!(err instanceof InvalidCronError)) throw err;
+    errors.push({ field: err.field, message: err.message });
+  }
+}
+
 /** The origin (scheme, host, port) of a URL, or null when it does not parse. */
 function originOf(url: string | undefined): string | null {
   if (url === undefined) return null;
@@ -159,6 +169,8 @@ export function compileJob(
   } catch (err) {
     if (!(err instanceof InvalidCronError)) throw err;
     errors.push({ field: err.field, message: err.message });
+    // parseCron stops at the expression's problem: the zone is checked on its own too.
+    if (err.field === 'schedule') zoneProblem(timezone, errors);
   }
   const urlProblem = checkTargetUrl(input.target.url, rules.targetPolicy);
   if (urlProblem) errors.push({ field: 'target.url', message: urlProblem });

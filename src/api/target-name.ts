@@ -1,7 +1,12 @@
 import type { FastifyRequest } from 'fastify';
 import { toError } from '../errors.js';
 import { withTimeout } from '../errors.js';
-import { assertTargetAllowed, TargetDeniedError, type TargetPolicy } from '../security/target-policy.js';
+import {
+  assertTargetAllowed,
+  checkTargetUrl,
+  TargetDeniedError,
+  type TargetPolicy,
+} from '../security/target-policy.js';
 import { badRequest } from './problems.js';
 
 /** How long a save waits for DNS; a name that does not answer in time is checked at execution. */
@@ -17,7 +22,8 @@ const LOOKUP_TIMEOUT_MS = 2000;
 export async function checkTargetName(request: FastifyRequest, policy: TargetPolicy): Promise<void> {
   if (request.method !== 'POST' && request.method !== 'PATCH') return;
   const url = (request.body as { target?: { url?: unknown } } | null | undefined)?.target?.url;
-  if (typeof url !== 'string' || !URL.canParse(url)) return;
+  // A URL the policy refuses as written is compileJob's to report, with the job's other problems.
+  if (typeof url !== 'string' || !URL.canParse(url) || checkTargetUrl(url, policy) !== null) return;
   try {
     await withTimeout(assertTargetAllowed(url, policy), LOOKUP_TIMEOUT_MS, 'resolving target.url');
   } catch (err) {

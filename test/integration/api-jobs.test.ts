@@ -180,6 +180,22 @@ test('invalid jobs are 400 problems naming the failing field, and nothing is wri
   assert.equal(await jobCount(), before);
 });
 
+test('a 400 lists every field failing the schema; once the schema passes, every field failing the later checks', async () => {
+  const fields = (problem: ProblemResponse) => (problem.errors ?? []).map((e) => e.field).sort();
+  const body = jobBody('two-stages', {
+    schedule: '61 * * * *',
+    timezone: 'Mars/Base',
+    target: { url: 'ftp://127.0.0.1/' },
+    timeoutMs: 5,
+    retry: { maxAttempts: 0, backoffMs: 1 },
+  });
+  const shape = assertProblem(await api.call('POST', '/api/v1/jobs', { body }), 400);
+  assert.deepEqual(fields(shape), ['retry.maxAttempts', 'timeoutMs']);
+  const fixed = { ...body, timeoutMs: 1000, retry: { maxAttempts: 1, backoffMs: 1 } };
+  const meaning = assertProblem(await api.call('POST', '/api/v1/jobs', { body: fixed }), 400);
+  assert.deepEqual(fields(meaning), ['schedule', 'target.url', 'timezone']);
+});
+
 test('a target in 169.254.169.254 is rejected at save time, in every spelling', async () => {
   for (const url of [
     'http://169.254.169.254/',
