@@ -133,6 +133,26 @@ test('every real response matches the schema its route declares for that status'
   assert.deepEqual([...exercised].sort(), documented.sort(), 'every documented route was exercised');
 });
 
+test('the writes that may answer 409 concurrent-change declare it (docs/api.md, Errors)', () => {
+  // A pause, edit or delete that kept finding the job's runs held, or any write PostgreSQL rolled
+  // back for meeting another (toProblem); replay and trigger have their own 409 too.
+  for (const [method, path] of [
+    ['post', '/api/v1/jobs'],
+    ['patch', '/api/v1/jobs/{id}'],
+    ['delete', '/api/v1/jobs/{id}'],
+    ['post', '/api/v1/jobs/{id}/pause'],
+    ['post', '/api/v1/jobs/{id}/trigger'],
+    ['post', '/api/v1/dead-letters/{id}/replay'],
+  ] as const) {
+    const operation = (doc.paths?.[path] as Record<string, OpenAPIV3_1.OperationObject>)[method]!;
+    const conflict = operation.responses?.['409'] as OpenAPIV3_1.ResponseObject | undefined;
+    assert.ok(
+      conflict?.content?.['application/problem+json'],
+      `${method.toUpperCase()} ${path} declares 409`,
+    );
+  }
+});
+
 test('/docs serves Swagger UI from local assets, with no call-outs', async () => {
   const page = await fetch(`${api.url}/docs`);
   assert.equal(page.status, 200);

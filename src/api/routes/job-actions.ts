@@ -40,9 +40,9 @@ export function jobActionRoutes(app: Api, options: ApiOptions): void {
         tags: ['jobs'],
         summary: 'Disable a job',
         description:
-          'Occurrences due until now still run; later ones do not: runs created ahead of their time whose call has not begun are withdrawn, claimed ahead by a worker or not. Runs whose call has begun finish.',
+          "Occurrences due until now still run; later ones do not: runs created ahead of their time whose call has not begun are withdrawn, claimed ahead by a worker or not. Runs whose call has begun finish. 409 concurrent-change when the job's runs stayed held by workers for 30 s, or the write met another in PostgreSQL: nothing was written, try again.",
         params: IdParams,
-        response: { 200: Job, ...problems(404, ...COMMON_PROBLEMS) },
+        response: { 200: Job, ...problems(404, 409, ...COMMON_PROBLEMS) },
       },
     },
     async (request) => {

@@ -102,8 +102,13 @@ export function jobRoutes(app: Api, options: ApiOptions): void {
       schema: {
         tags: ['jobs'],
         summary: 'Delete a job with its runs',
+        description:
+          "409 concurrent-change when the job's runs stayed held by workers for 30 s, or the write met another in PostgreSQL: the job is still there (part of its finished runs may be deleted, and the answer says so); send the delete again to finish it.",
         params: IdParams,
-        response: { 204: Type.Null({ description: 'deleted' }), ...problems(404, ...COMMON_PROBLEMS) },
+        response: {
+          204: Type.Null({ description: 'deleted' }),
+          ...problems(404, 409, ...COMMON_PROBLEMS),
+        },
       },
     },
     async (request, reply) => {
