@@ -27,6 +27,7 @@ import { LeaderStallWatch } from './coordination/leader-stall.js';
 import {
   consumerGroupLag,
   createKafka,
+  nodeTopics,
   RunPublisher,
   TopicProvisioner,
   type BrokerClient,
@@ -179,18 +180,7 @@ export class HeliosNode {
     // fallback, the API needs no Kafka); the relay waits for the topics, the consumer retries.
     const topics = (this.topics = new TopicProvisioner({
       kafka,
-      topics: [
-        {
-          name: config.kafka.runsTopic,
-          partitions: config.kafka.partitions,
-          replicationFactor: config.kafka.replicationFactor,
-        },
-        {
-          name: config.kafka.deadLetterTopic,
-          partitions: 1,
-          replicationFactor: config.kafka.replicationFactor,
-        },
-      ],
+      topics: nodeTopics(config.kafka),
       logger,
     }));
     topics.start();

@@ -1,5 +1,5 @@
 export { createKafka, type BrokerClient, type KafkaClientOptions } from './client.js';
-export { ensureTopics, deleteTopics, type TopicSpec, type TopicState } from './topics.js';
+export { ensureTopics, deleteTopics, nodeTopics, type TopicSpec, type TopicState } from './topics.js';
 export { TopicProvisioner, TopicsNotReadyError, type TopicProvisionerOptions } from './topic-provisioner.js';
 export { describeGroup, type GroupState } from './groups.js';
 export { RunPublisher, type RunPublisherOptions } from './publisher.js';

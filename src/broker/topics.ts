@@ -15,6 +15,25 @@ export interface TopicSpec {
   config?: Record<string, string>;
 }
 
+/**
+ * The topics a node ensures. The runs topic gets HELIOS_KAFKA_PARTITIONS partitions: workers share
+ * it by partition. The dead-letter topic gets one whatever that says: only runs that used up their
+ * attempts go there, nothing in Helios consumes it, and one partition gives its readers every dead
+ * letter in the order written.
+ */
+export function nodeTopics(kafka: {
+  readonly runsTopic: string;
+  readonly deadLetterTopic: string;
+  readonly partitions: number;
+  readonly replicationFactor: number;
+}): TopicSpec[] {
+  const { replicationFactor } = kafka;
+  return [
+    { name: kafka.runsTopic, partitions: kafka.partitions, replicationFactor },
+    { name: kafka.deadLetterTopic, partitions: 1, replicationFactor },
+  ];
+}
+
 /** What {@link ensureTopics} found or made. */
 export interface TopicState {
   name: string;

@@ -86,7 +86,7 @@ export interface KafkaConfig {
    * even with `.` and `_` taken as the same; default `helios.runs.dlq`.
    */
   readonly deadLetterTopic: string;
-  /** HELIOS_KAFKA_PARTITIONS: partitions when creating the topics; default 6. */
+  /** HELIOS_KAFKA_PARTITIONS: partitions of the runs topic when creating it (the dead-letter topic gets 1); default 6. */
   readonly partitions: number;
   /**
    * HELIOS_KAFKA_REPLICATION_FACTOR: replicas of each topic when a node creates the topics; default 1
