@@ -1,6 +1,6 @@
 import { STATUS_CODES } from 'node:http';
 import type { Socket } from 'node:net';
-import type { FastifyError, FastifyInstance } from 'fastify';
+import type { FastifyError, FastifyInstance, HTTPMethods } from 'fastify';
 import type { Logger } from '../observability/logger.js';
 import { badRequest, problemBody, ProblemError, toProblem } from './problems.js';
 import { MAX_ID_LENGTH } from './schemas.js';
@@ -37,7 +37,7 @@ function parameterOf(
   const segments = url.split('?')[0]!.split('/');
   if (!segments.some(offending)) return 'path';
   const path = segments.map((s) => (offending(s) ? PLACEHOLDER : s)).join('/');
-  const route = app.findRoute({ method: method as 'GET', url: path });
+  const route = app.findRoute({ method: method as HTTPMethods, url: path });
   const name = Object.entries(route?.params ?? {}).find(([, value]) => value === PLACEHOLDER)?.[0];
   return name === undefined || name === '*' ? 'path' : name;
 }
