@@ -209,6 +209,19 @@ function etcdConfig(env: Env): EtcdConfig {
   });
 }
 
+/**
+ * HELIOS_KAFKA_GROUP: Kafka takes any group id, so only what no operator means is refused (nothing,
+ * control characters, an id longer than a topic name may be), not a topic name's rules.
+ */
+function consumerGroup(env: Env): string {
+  const value = str(env, 'HELIOS_KAFKA_GROUP', 'helios-workers');
+  // eslint-disable-next-line no-control-regex
+  if (value.length === 0 || value.length > 249 || /[\u0000-\u001f\u007f]/.test(value)) {
+    throw new ConfigError('HELIOS_KAFKA_GROUP', 'must be 1-249 characters, none of them control characters');
+  }
+  return value;
+}
+
 function kafkaConfig(env: Env): KafkaConfig {
   const runsTopic = kafkaName(env, 'HELIOS_KAFKA_TOPIC', 'helios.runs');
   const deadLetterTopic = kafkaName(env, 'HELIOS_KAFKA_DLQ_TOPIC', 'helios.runs.dlq');
@@ -228,7 +241,7 @@ function kafkaConfig(env: Env): KafkaConfig {
     partitions: int(env, 'HELIOS_KAFKA_PARTITIONS', 6, 1, 1000),
     replicationFactor: int(env, 'HELIOS_KAFKA_REPLICATION_FACTOR', 1, 1, 32),
     // Kafka itself takes any group id; the topic rules keep it printable and one word in logs.
-    consumerGroup: kafkaName(env, 'HELIOS_KAFKA_GROUP', 'helios-workers'),
+    consumerGroup: consumerGroup(env),
   });
 }
 

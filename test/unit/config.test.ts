@@ -72,7 +72,7 @@ test('bad values give an error naming the variable', () => {
   failsOn({ HELIOS_LEADER_SAFETY_MARGIN_MS: '2000' }, 'HELIOS_LEADER_SAFETY_MARGIN_MS');
 });
 
-test("Kafka topic and group names follow Kafka's topic rules, and the two topics differ", () => {
+test("Kafka topic names follow Kafka's topic rules, the two topics differ, a group id is any printable id", () => {
   const ok = loadConfig({
     ...BASE,
     HELIOS_KAFKA_TOPIC: 'Team_A.runs-1',
@@ -81,11 +81,18 @@ test("Kafka topic and group names follow Kafka's topic rules, and the two topics
   });
   assert.equal(ok.kafka.runsTopic, 'Team_A.runs-1');
   assert.equal(ok.kafka.deadLetterTopic.length, 249);
-  for (const variable of ['HELIOS_KAFKA_TOPIC', 'HELIOS_KAFKA_DLQ_TOPIC', 'HELIOS_KAFKA_GROUP']) {
+  for (const variable of ['HELIOS_KAFKA_TOPIC', 'HELIOS_KAFKA_DLQ_TOPIC']) {
     for (const bad of ['.', '..', 'has space', 'runs/1', 'runs:1', 'ünïcode', 'x'.repeat(250)]) {
       failsOn({ [variable]: bad }, variable, /1-249 letters/);
     }
   }
+  // Kafka takes any group id: only control characters and an over-long one are refused.
+  assert.equal(
+    loadConfig({ ...BASE, HELIOS_KAFKA_GROUP: 'team a/workers' }).kafka.consumerGroup,
+    'team a/workers',
+  );
+  for (const bad of ['tab\there', 'x'.repeat(250)])
+    failsOn({ HELIOS_KAFKA_GROUP: bad }, 'HELIOS_KAFKA_GROUP', /control/);
   failsOn({ HELIOS_KAFKA_TOPIC: 'jobs', HELIOS_KAFKA_DLQ_TOPIC: 'jobs' }, 'HELIOS_KAFKA_DLQ_TOPIC', /differ/);
   failsOn({ HELIOS_KAFKA_DLQ_TOPIC: 'helios_runs' }, 'HELIOS_KAFKA_DLQ_TOPIC', /HELIOS_KAFKA_TOPIC/);
 });
