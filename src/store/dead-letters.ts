@@ -77,12 +77,17 @@ const MARK_REPLAYED = `
  * max_attempts (attempt numbers keep counting up, so the budget is attempt + max_attempts),
  * and its forgiven claim expiries start again from zero: an operator who replays a run that died
  * in a crash loop gets the same protection from a lost claim acknowledgement as a new run.
- * The target is the run's own snapshot. Returns a RequeuedRun (REQUEUED_RUN_COLUMNS, qualified
- * here: jobs has timeout_ms and concurrency too). $1 = run id.
+ * The run takes a fresh copy of its job as it is now (target, timeout, back-off, concurrency,
+ * misfire: RUN_SNAPSHOT_COLUMNS), as the runbook has it: fix the job, then replay. Its copy from
+ * when it was created was the definition that failed; a masked header goes with the job's URL it
+ * was stored for. Returns a RequeuedRun (REQUEUED_RUN_COLUMNS, qualified here: jobs has
+ * timeout_ms and concurrency too). $1 = run id.
  */
 const REQUEUE_DEAD = `
   UPDATE runs r SET state = 'queued', not_before = now(), finished_at = NULL, reason = 'replayed',
-                    max_attempts = r.attempt + j.max_attempts, expiries = 0
+                    max_attempts = r.attempt + j.max_attempts, expiries = 0,
+                    target = j.target, timeout_ms = j.timeout_ms, backoff_ms = j.backoff_ms,
+                    backoff_multiplier = j.backoff_multiplier, concurrency = j.concurrency, misfire = j.misfire
   FROM jobs j
   WHERE r.id = $1 AND r.state = 'dead' AND j.id = r.job_id
   RETURNING r.id, r.job_id AS "jobId", r.attempt, r.scheduled_for AS "scheduledFor",

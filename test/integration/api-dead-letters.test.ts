@@ -90,6 +90,35 @@ test('replay re-queues the dead run as a new attempt with its message, once', as
   assert.match(again.headers.get('content-type') ?? '', /problem\+json/);
 });
 
+test('a replay calls the job as it is now: fix the target, then replay', async () => {
+  const { runId, letterId, jobId } = await deadRun('dl-fixed');
+  const fixed = `http://127.0.0.1:9/fixed`;
+  const patch = await api.call('PATCH', `/api/v1/jobs/${jobId}`, {
+    body: {
+      target: { url: fixed, method: 'PUT' },
+      timeoutMs: 7000,
+      retry: { maxAttempts: 2, backoffMs: 10 },
+    },
+  });
+  assert.equal(patch.status, 200, JSON.stringify(patch.body));
+  assert.equal((await api.call('POST', `/api/v1/dead-letters/${letterId}/replay`)).status, 202);
+  const { rows } = await api.db.pool.query(
+    'SELECT target, timeout_ms, backoff_ms, max_attempts FROM runs WHERE id = $1',
+    [runId],
+  );
+  assert.deepEqual(rows[0], {
+    target: { url: fixed, method: 'PUT', headers: {} },
+    timeout_ms: 7000,
+    backoff_ms: 10,
+    max_attempts: 5,
+  });
+  const outbox = await api.db.pool.query(
+    `SELECT payload FROM outbox WHERE topic = $1 AND payload->>'runId' = $2`,
+    [api.runsTopic, runId],
+  );
+  assert.equal(outbox.rows[0].payload.timeoutMs, 7000, 'announced with the timeout it now has');
+});
+
 test('replaying an unknown or malformed dead letter id is a 404 problem', async () => {
   const unknown = await api.call('POST', '/api/v1/dead-letters/00000000-0000-4000-8000-000000000000/replay');
   assert.equal(unknown.status, 404);
