@@ -46,8 +46,6 @@ export interface RunSnapshot {
   readonly backoffMs: number;
   readonly backoffMultiplier: number;
   readonly concurrency: ConcurrencyPolicy;
-  /** Applied by a worker to a run created in time that no worker could claim in time. */
-  readonly misfire: MisfirePolicy;
 }
 
 /** The fields of RunSnapshot, for comparing two versions of a job. */
@@ -58,7 +56,6 @@ export const RUN_SNAPSHOT_FIELDS = [
   'backoffMs',
   'backoffMultiplier',
   'concurrency',
-  'misfire',
 ] as const satisfies readonly (keyof RunSnapshot)[];
 
 /**

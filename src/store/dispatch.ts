@@ -102,8 +102,12 @@ export const FIRST_ATTEMPT_MESSAGE = `jsonb_build_object('runId', id, 'jobId', j
                             'timeoutMs', timeout_ms, 'concurrency', concurrency)`;
 
 /**
- * The `runs` columns a run copies from its job (RunSnapshot in model.ts), and the same columns of
- * the job aliased `j`, in the same order: every statement that creates a run from a job uses both.
+ * The `runs` columns a run copies from its job (RunSnapshot in model.ts, and `misfire`), and the
+ * same columns of the job aliased `j`, in the same order: every statement that creates a run from
+ * a job uses both. `misfire` is copied for the workers' misfire test of runs made before an outage
+ * (runs.ts misfiredAtClaim) but is not in RunSnapshot: an edit of it alone withdraws nothing (the
+ * runs made ahead would then wait for a leader to be made again, and one back too late would
+ * drop occurrences healthy workers would have run).
  */
 export const RUN_SNAPSHOT_COLUMNS =
   'max_attempts, target, timeout_ms, backoff_ms, backoff_multiplier, concurrency, misfire';

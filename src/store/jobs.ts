@@ -1,7 +1,7 @@
 import { performance } from 'node:perf_hooks';
 import { isDeepStrictEqual } from 'node:util';
 import type { DbClient, Queryable } from './db.js';
-import { RUN_SNAPSHOT_FIELDS, type RunSnapshot } from '../model.js';
+import { RUN_SNAPSHOT_FIELDS, type MisfirePolicy, type RunSnapshot } from '../model.js';
 
 /**
  * Every column a job is written with (what the API validated and defaulted): the ones its runs
@@ -11,6 +11,7 @@ export interface JobFields extends RunSnapshot {
   readonly name: string;
   readonly schedule: string;
   readonly timezone: string;
+  readonly misfire: MisfirePolicy;
   readonly maxCatchUp: number;
   readonly enabled: boolean;
   readonly nextRunAt: Date | null;

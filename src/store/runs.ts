@@ -32,34 +32,43 @@ const CLAIMED_COLUMNS = `
 
 /**
  * Whether queued run `r` (SQL) is a misfire its job's policy drops when a worker comes to claim it
- * (`threshold`, SQL: milliseconds, NULL for never): a scheduled occurrence created in time and
- * never claimed, due more than the threshold ago, of a `skip` job, or of a `fire-once` job with a
- * later occurrence that is late too, made into a run or still to be (that one fires: one run for
- * the latest missed occurrence, whichever of the workers and the dispatcher comes first after an
- * outage). The policy is the run's copy of its job's (a later edit does not change it; the job's
- * for runs created before runs had the column). The dispatcher, and a command's createDueRuns,
- * apply the policy to occurrences they find late, and the runs they create late are theirs to
- * fire; this covers the runs created ahead, in time, that no worker could take in time (the
- * cluster was down, cut off from PostgreSQL, or saturated). A run a worker had claimed (attempt >
- * 0: a retry, a replay, a claim handed back or forgiven) and a manual run are owed and never
- * dropped: a frozen worker's claim is not the cluster being down. Cheap tests first: the jobs and
- * runs lookups are made only for a late, never-claimed scheduled run.
+ * (`threshold`, SQL: milliseconds, NULL for never): a scheduled occurrence that a leader created,
+ * that no worker claimed, that is due (or, made late by a catch-up, was made) more than the
+ * threshold ago, and whose leader's epoch
+ * has ended since (a newer epoch has written: the cluster was leaderless, or down, in between), of
+ * a `skip` job, or of a `fire-once` job with a later occurrence that is late too, made into a run
+ * or still to be (that one fires: one run for the latest missed occurrence, whichever of the
+ * workers and the new leader comes first). The policy is the run's copy of its job's (a later edit
+ * does not change it; the job's for runs created before runs had the column). The dispatcher and
+ * a command's createDueRuns apply the policy to occurrences they find late, and the runs they make
+ * late are theirs to fire; this covers the runs a leader made ahead, in time, before the cluster
+ * went down. A run merely delayed while its leader stays (a worker blocked, Kafka away, a
+ * saturated cluster) is delayed, never dropped (contract item 5); nor is a run a worker had
+ * claimed (attempt > 0: a retry, a replay, a claim handed back or forgiven) or a manual run. Cheap
+ * tests first: the fence, jobs and runs lookups are made only for a late, never-claimed run.
+ * Always true or false, never NULL.
  */
 export const misfiredAtClaim = (r: string, threshold: string): string => {
   const late = `statement_timestamp() - ${threshold}::int * interval '1 millisecond'`;
-  return `(
-  ${threshold}::int IS NOT NULL AND ${r}.attempt = 0 AND ${r}.trigger = 'schedule' AND ${r}.scheduled_for < ${late}
-  AND ${r}.created_at <= ${r}.scheduled_for + ${threshold}::int * interval '1 millisecond'
+  // IS TRUE: a run made through the API has no created_epoch, and NULL here would leave it
+  // unclaimed for ever (NOT NULL is not true).
+  return `((
+  ${threshold}::int IS NOT NULL AND ${r}.attempt = 0 AND ${r}.trigger = 'schedule'
+  AND greatest(${r}.scheduled_for, ${r}.created_at) < ${late}
+  AND ${r}.created_epoch < (SELECT f.token FROM leader_fence f WHERE f.id)
   AND EXISTS (
     SELECT 1 FROM jobs j
     WHERE j.id = ${r}.job_id AND (coalesce(${r}.misfire, j.misfire) = 'skip' OR (coalesce(${r}.misfire, j.misfire) = 'fire-once' AND (
-      -- The dispatcher has yet to create the later occurrences missed (next_run_at is the first
-      -- not made into a run, after every run's): it fires the latest of them, unless paused.
-      (j.enabled AND j.next_run_at < ${late})
+      -- The new leader has yet to create the later occurrences missed (next_run_at is the first
+      -- not made into a run, after every run's): it fires the latest of them, unless paused or
+      -- now \`skip\`.
+      (j.enabled AND j.misfire <> 'skip' AND j.next_run_at < ${late})
+      -- A later late occurrence's run that fires in this one's place: not one that copied \`skip\`.
       OR EXISTS (
         SELECT 1 FROM runs later
         WHERE later.job_id = ${r}.job_id AND later.trigger = 'schedule' AND later.scheduled_for > ${r}.scheduled_for
-          AND later.scheduled_for < ${late}))))))`;
+          AND later.scheduled_for < ${late} AND coalesce(later.misfire, j.misfire) <> 'skip'))))))
+  IS TRUE)`;
 };
 
 /**
@@ -257,7 +266,7 @@ const EXPLAIN_MISS = `
          (r.concurrency = 'forbid' AND EXISTS (
            SELECT 1 FROM runs o WHERE o.job_id = r.job_id AND o.id <> r.id
              AND (o.state = 'running' OR (o.state = 'queued' AND o.attempt > 0)))) AS "forbidBlocked",
-         (r.state = 'queued' AND ${misfiredAtClaim('r', '$2')}) IS TRUE AS misfired
+         (r.state = 'queued' AND ${misfiredAtClaim('r', '$2')}) AS misfired
   FROM runs r WHERE r.id = $1`;
 
 export async function explainClaimMiss(

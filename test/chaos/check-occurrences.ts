@@ -3,6 +3,7 @@
  * exactly once (or its absence is a misfire the job's policy allows), none that must not run
  * did, no occurrence was delivered by two different runs, and each went to the target in force.
  */
+import { leaderEpochs } from './check-leaders.js';
 import { arrivalDeadline } from './check-runs.js';
 import { expectations, whyNot, type JobHistory, type JobVersion } from './model.js';
 import {
@@ -14,6 +15,8 @@ import {
   type RunRow,
 } from './observations.js';
 
+/** Log timestamps of two processes, and a leader's log line against its first write. */
+const LOG_SLACK_MS = 250;
 /** Boundary fuzz of "late" (created after the misfire threshold) vs "on time". */
 const LATE_FUZZ_MS = 300;
 /** Report at most this many lines per kind of violation (the count is always reported). */
@@ -260,8 +263,9 @@ export function checkOccurrences(obs: Observations): Findings {
 
 /**
  * Runs a worker skipped at its claim as misfires (reason `misfire`, store/runs.ts misfiredAtClaim):
- * each must be a scheduled occurrence created in time and never claimed, skipped more than the
- * threshold after it was due, of a `skip` job, or of a `fire-once` job with a later occurrence late
+ * each must be a scheduled occurrence a leader created, never claimed, whose leader's epoch ended
+ * before the skip (a newer one began), skipped more than the threshold after it was due (or made,
+ * for a catch-up's run), of a `skip` job, or of a `fire-once` job with a later occurrence late
  * too (a run due more than the threshold before the skip, or one the dispatcher or a command
  * created late: the latest missed, which fires), and near a fault: without one no worker should
  * have come that late.
@@ -270,6 +274,7 @@ export function checkMisfireSkips(obs: Observations, runsByJob: Map<string, RunR
   const problems: string[] = [];
   const threshold = obs.settings.misfireThresholdMs;
   const jobs = new Map(obs.jobs.map((j) => [j.id, j]));
+  const epochs = leaderEpochs(obs.processes);
   for (const run of obs.runs) {
     const job = jobs.get(run.jobId);
     if (run.state !== 'skipped' || run.reason !== 'misfire' || !job) continue;
@@ -278,18 +283,23 @@ export function checkMisfireSkips(obs: Observations, runsByJob: Map<string, RunR
     if (job.misfire === 'fire-all') problems.push(`${label}, though fire-all fires every missed occurrence`);
     if (run.trigger !== 'schedule' || run.attempt > 0)
       problems.push(`${label}, a ${run.trigger} run after ${run.attempt} attempts: it was owed`);
-    if (isLate(run, obs))
+
+    const created = run.createdEpoch;
+    if (created === null || !epochs.some((e) => e.token > created && e.start <= at + LOG_SLACK_MS))
       problems.push(
-        `${label}, though it was created late: its creator applied the policy, the run was its to fire`,
+        `${label}, though no newer leader epoch had begun: a run whose leader stays is delayed, not dropped`,
       );
-    if (at - run.scheduledFor < threshold - LATE_FUZZ_MS)
-      problems.push(`${label}, ${at - run.scheduledFor} ms after it was due: under the threshold`);
+    // A run a catch-up made late was its to fire: late only from when it was made.
+    const since = Math.max(run.scheduledFor, run.createdAt);
+    if (at - since < threshold - LATE_FUZZ_MS)
+      problems.push(`${label}, ${at - since} ms after it was due or made: under the threshold`);
     if (
       job.misfire === 'fire-once' &&
       !(runsByJob.get(run.jobId) ?? []).some(
         (o) =>
           o.scheduledFor > run.scheduledFor &&
-          (o.scheduledFor < at - threshold + LATE_FUZZ_MS || isLate(o, obs)),
+          (o.scheduledFor < at - threshold + LATE_FUZZ_MS ||
+            o.createdAt - o.scheduledFor > threshold - LATE_FUZZ_MS),
       )
     )
       problems.push(`${label}, with no later late occurrence to fire in its place`);

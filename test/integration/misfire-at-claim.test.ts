@@ -25,8 +25,12 @@ const options: ClaimOptions = {
   misfireThresholdMs: THRESHOLD_MS,
 };
 
+/** The epoch of the leader that made the runs ahead; a newer one leads now (the fence's token). */
+const OLD_EPOCH = 1;
+
 before(async () => {
   db = await createTestDatabase();
+  await db.pool.query('UPDATE leader_fence SET token = $1', [OLD_EPOCH + 1]);
 });
 after(() => db.drop());
 afterEach(() => db.pool.query('DELETE FROM jobs'));
@@ -61,16 +65,19 @@ interface RunSpec {
   createdLateMs?: number;
   /** The run's copy of its job's policy; default the job's when the run was made. */
   misfire?: string;
+  /** The epoch that made it; default OLD_EPOCH (null: made through the API). */
+  epoch?: number | null;
 }
 
 /** A queued run of `jobId` due `agoMs` ago. */
 async function run(jobId: string, spec: RunSpec): Promise<string> {
   const { rows } = await db.pool.query<{ id: string }>(
     `INSERT INTO runs (job_id, scheduled_for, trigger, state, attempt, max_attempts, target, timeout_ms,
-                       backoff_ms, backoff_multiplier, not_before, started_at, created_at, misfire)
+                       backoff_ms, backoff_multiplier, not_before, started_at, created_at, misfire,
+                       created_epoch)
      SELECT id, now() - $2 * interval '1 millisecond', $3, 'queued', $4, 3, target, timeout_ms, 0, 1,
             now() - $2 * interval '1 millisecond', CASE WHEN $5 THEN now() - interval '1 minute' END,
-            now() - ($2 - $6) * interval '1 millisecond', coalesce($7, misfire)
+            now() - ($2 - $6) * interval '1 millisecond', coalesce($7, misfire), $8
      FROM jobs WHERE id = $1 RETURNING id`,
     [
       jobId,
@@ -80,6 +87,7 @@ async function run(jobId: string, spec: RunSpec): Promise<string> {
       spec.startedAt ?? false,
       spec.createdLateMs ?? -3000,
       spec.misfire ?? null,
+      spec.epoch === undefined ? OLD_EPOCH : spec.epoch,
     ],
   );
   return rows[0]!.id;
@@ -182,11 +190,29 @@ test("the policy is the run's copy of its job's, and a run its creator made late
   // Made 6 s after it was due (the dispatcher's or an edit's catch-up, which applied the policy).
   const caughtUp = await run(await job('skip'), { agoMs: 8000, createdLateMs: 6000 });
   assert.equal((await claimAnnounced(caughtUp, 0)).kind, 'claimed');
+  // A catch-up's run left unclaimed through a second outage: late again from when it was made.
+  const stale = await run(await job('skip'), { agoMs: 70_000, createdLateMs: 6000 });
+  assert.deepEqual(await claimAnnounced(stale, 0), { kind: 'done', misfiresSkipped: 1 });
+  // fire-once keeps its latest late run unless the later one does not fire in its place: a later
+  // run that copied `skip`, or a dispatcher catch-up under a job now `skip`.
+  const switched = await job('fire-once', 6000);
+  await db.pool.query(`UPDATE jobs SET misfire = 'skip' WHERE id = $1`, [switched]);
+  const kept = await run(switched, { agoMs: 9000, misfire: 'fire-once' });
+  await run(switched, { agoMs: 7000, misfire: 'skip' });
+  assert.equal((await claimAnnounced(kept, 0)).kind, 'claimed', 'nothing later fires in its place');
   // Rows from before runs had the column: the job's policy.
   const legacy = await job('skip');
   const old = await run(legacy, { agoMs: 8000 });
   await db.pool.query('UPDATE runs SET misfire = NULL WHERE id = $1', [old]);
   assert.deepEqual(await claimAnnounced(old, 0), { kind: 'done', misfiresSkipped: 1 });
+});
+
+test('a run whose leader still leads (a worker blocked, Kafka away, a saturated cluster) is delayed, not dropped; so is one made through the API', async () => {
+  const skip = await job('skip');
+  const sameEpoch = await run(skip, { agoMs: 60_000, epoch: OLD_EPOCH + 1 });
+  const madeByCommand = await run(skip, { agoMs: 8000, createdLateMs: 0, epoch: null });
+  assert.equal((await claimAnnounced(sameEpoch, 0)).kind, 'claimed');
+  assert.equal((await claimAnnounced(madeByCommand, 0)).kind, 'claimed');
 });
 
 test('without a threshold (an older caller) nothing is dropped at the claim', async () => {
