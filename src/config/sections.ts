@@ -181,9 +181,9 @@ export interface WorkerConfig {
    */
   readonly claimLeadMs: number;
   /**
-   * HELIOS_MISFIRE_THRESHOLD_MS (the leader's too): a run created in time that no worker could claim
-   * until this long after it was due is a misfire, which its job's policy may drop at the claim
-   * (store/runs.ts misfiredAtClaim); default 5000.
+   * HELIOS_MISFIRE_THRESHOLD_MS (the leader's too): a run a leader made before an outage (its epoch
+   * has ended since) that no worker claimed until this long after it was due is a misfire, which
+   * its job's policy may drop at the claim (store/runs.ts misfiredAtClaim); default 5000.
    */
   readonly misfireThresholdMs: number;
   /** HELIOS_POLL_INTERVAL_MS: period of the workers' polling fallback; default 1000. */
