@@ -1,8 +1,8 @@
 // Types every layer shares. They live here, below every folder, so that no layer has to import
 // another sideways or upwards to name a policy or a run (store/ used to import scheduling/ for
 // MisfirePolicy). A new job field is declared in JobFields (store/jobs.ts); if runs copy it, it
-// is also added to RunSnapshot and RUN_SNAPSHOT_FIELDS here and to RUN_SNAPSHOT_COLUMNS in
-// store/dispatch.ts.
+// is also added to RunSnapshot and RUN_SNAPSHOT_FIELDS here and to COPIED_COLUMNS in
+// store/dispatch.ts (runs are created, and replays recopied, from it).
 
 export const MISFIRE_POLICIES = ['fire-once', 'fire-all', 'skip'] as const;
 /** What the dispatcher does with occurrences missed while the cluster was down or leaderless. */

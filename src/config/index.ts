@@ -240,7 +240,6 @@ function kafkaConfig(env: Env): KafkaConfig {
     deadLetterTopic,
     partitions: int(env, 'HELIOS_KAFKA_PARTITIONS', 6, 1, 1000),
     replicationFactor: int(env, 'HELIOS_KAFKA_REPLICATION_FACTOR', 1, 1, 32),
-    // Kafka itself takes any group id; the topic rules keep it printable and one word in logs.
     consumerGroup: consumerGroup(env),
   });
 }

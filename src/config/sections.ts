@@ -94,7 +94,7 @@ export interface KafkaConfig {
    * `min.insync.replicas` at 2 (the publisher uses acks=all). An existing topic is left as it is.
    */
   readonly replicationFactor: number;
-  /** HELIOS_KAFKA_GROUP: consumer group of the workers (Kafka's topic name rules); default `helios-workers`. */
+  /** HELIOS_KAFKA_GROUP: consumer group of the workers (1-249 characters, no control characters); default `helios-workers`. */
   readonly consumerGroup: string;
 }
 

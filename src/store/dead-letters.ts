@@ -3,6 +3,7 @@ import { isUuid } from '../model.js';
 import type { Queryable } from './db.js';
 import { inTransaction } from './db.js';
 import { enqueueAttempt, type RequeuedRun } from './runs.js';
+import { RECOPY_JOB } from './dispatch.js';
 
 /** Records a dead run. $1 = run id, $2 = job id, $3 = last attempt, $4 = error, $5 = status. */
 const INSERT_DEAD_LETTER = `
@@ -78,16 +79,14 @@ const MARK_REPLAYED = `
  * and its forgiven claim expiries start again from zero: an operator who replays a run that died
  * in a crash loop gets the same protection from a lost claim acknowledgement as a new run.
  * The run takes a fresh copy of its job as it is now (target, timeout, back-off, concurrency,
- * misfire: RUN_SNAPSHOT_COLUMNS), as the runbook has it: fix the job, then replay. Its copy from
+ * misfire: RECOPY_JOB), as the runbook has it: fix the job, then replay. Its copy from
  * when it was created was the definition that failed; a masked header goes with the job's URL it
  * was stored for. Returns a RequeuedRun (REQUEUED_RUN_COLUMNS, qualified here: jobs has
  * timeout_ms and concurrency too). $1 = run id.
  */
 const REQUEUE_DEAD = `
   UPDATE runs r SET state = 'queued', not_before = now(), finished_at = NULL, reason = 'replayed',
-                    max_attempts = r.attempt + j.max_attempts, expiries = 0,
-                    target = j.target, timeout_ms = j.timeout_ms, backoff_ms = j.backoff_ms,
-                    backoff_multiplier = j.backoff_multiplier, concurrency = j.concurrency, misfire = j.misfire
+                    max_attempts = r.attempt + j.max_attempts, expiries = 0, ${RECOPY_JOB}
   FROM jobs j
   WHERE r.id = $1 AND r.state = 'dead' AND j.id = r.job_id
   RETURNING r.id, r.job_id AS "jobId", r.attempt, r.scheduled_for AS "scheduledFor",

@@ -102,17 +102,26 @@ export const FIRST_ATTEMPT_MESSAGE = `jsonb_build_object('runId', id, 'jobId', j
                             'timeoutMs', timeout_ms, 'concurrency', concurrency)`;
 
 /**
- * The `runs` columns a run copies from its job (RunSnapshot in model.ts, and `misfire`), and the
- * same columns of the job aliased `j`, in the same order: every statement that creates a run from
- * a job uses both. `misfire` is copied for the workers' misfire test of runs made before an outage
- * (runs.ts misfiredAtClaim) but is not in RunSnapshot: an edit of it alone withdraws nothing (the
- * runs made ahead would then wait for a leader to be made again, and one back too late would
- * drop occurrences healthy workers would have run).
+ * The `runs` columns a run copies from its job as they are, besides max_attempts (RunSnapshot in
+ * model.ts, and `misfire`). `misfire` is copied for the workers' misfire test of runs made before
+ * an outage (runs.ts misfiredAtClaim) but is not in RunSnapshot: an edit of it alone withdraws
+ * nothing (the runs made ahead would then wait for a leader to be made again, and one back too late
+ * would drop occurrences healthy workers would have run).
  */
-export const RUN_SNAPSHOT_COLUMNS =
-  'max_attempts, target, timeout_ms, backoff_ms, backoff_multiplier, concurrency, misfire';
-export const JOB_SNAPSHOT_VALUES =
-  'j.max_attempts, j.target, j.timeout_ms, j.backoff_ms, j.backoff_multiplier, j.concurrency, j.misfire';
+const COPIED_COLUMNS = ['target', 'timeout_ms', 'backoff_ms', 'backoff_multiplier', 'concurrency', 'misfire'];
+
+/**
+ * The `runs` columns a run copies from its job, and the same columns of the job aliased `j`, in the
+ * same order: every statement that creates a run from a job uses both.
+ */
+export const RUN_SNAPSHOT_COLUMNS = ['max_attempts', ...COPIED_COLUMNS].join(', ');
+export const JOB_SNAPSHOT_VALUES = ['max_attempts', ...COPIED_COLUMNS].map((c) => `j.${c}`).join(', ');
+
+/**
+ * A SET clause (of `runs`, with the job aliased `j`) that takes a fresh copy of the job into a run,
+ * max_attempts aside (a replay budgets it from the run's attempts).
+ */
+export const RECOPY_JOB = `(${COPIED_COLUMNS.join(', ')}) = (${COPIED_COLUMNS.map((c) => `j.${c}`).join(', ')})`;
 
 /**
  * Creates one queued run per (job, occurrence) with a snapshot of the job, skipping occurrences
