@@ -313,15 +313,25 @@ export async function skipMisfiredRun(
 }
 
 /**
- * `replace`: fails every running run of job $1 except the newest occurrence, records their
- * attempts as replaced, and NOTIFYs `helios_runs` so their workers abort the HTTP call. Returns
- * them, and the newest running run (id, attempt, node) in a row of its own (replaced = false).
- * Run after a claim committed: whichever of two racing claims runs this last sees both.
+ * When run `r` was asked for, which orders `replace` runs: a scheduled or manual run at its
+ * occurrence (scheduled_for; a retry belongs to its occurrence), a replayed one when it was last
+ * replayed. So a replay, which an operator asks for now, replaces the job's running newer
+ * occurrence rather than being replaced by it with no call (its dead letter used up).
+ */
+const requestedAt = (r: string) =>
+  `greatest(${r}.scheduled_for, (SELECT max(d.replayed_at) FROM dead_letters d WHERE d.run_id = ${r}.id))`;
+
+/**
+ * `replace`: fails every running run of job $1 except the one asked for last (requestedAt),
+ * records their attempts as replaced, and NOTIFYs `helios_runs` so their workers abort the HTTP
+ * call. Returns them, and the run left running (id, attempt, node) in a row of its own
+ * (replaced = false). Run after a claim committed: whichever of two racing claims runs this last
+ * sees both.
  */
 const REPLACE_OLDER = `
   WITH newest AS (
-    SELECT id, attempt, claimed_by FROM runs WHERE job_id = $1 AND state = 'running'
-    ORDER BY scheduled_for DESC LIMIT 1
+    SELECT r.id, r.attempt, r.claimed_by FROM runs r WHERE r.job_id = $1 AND r.state = 'running'
+    ORDER BY ${requestedAt('r')} DESC, r.id DESC LIMIT 1
   ), replaced AS (
     UPDATE runs r SET state = 'failed', reason = 'replaced', finished_at = now(),
                       claim_expires_at = NULL
@@ -343,7 +353,7 @@ const REPLACE_OLDER = `
 export interface Replacement {
   /** The runs failed as replaced (possibly including the caller's own). */
   readonly replaced: string[];
-  /** The attempt left running, the newest occurrence's; null when none runs. */
+  /** The attempt left running, of the run asked for last; null when none runs. */
   readonly running: { readonly id: string; readonly attempt: number; readonly nodeId: string } | null;
 }
 

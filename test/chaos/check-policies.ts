@@ -2,7 +2,8 @@
  * Operations and concurrency policies: a trigger makes exactly one manual run that executes; a
  * replay runs the dead run again, to success once the target is healed; `forbid` skips an
  * occurrence only while another run of the job is active, never a retry or a replay, and never
- * has two calls open at once; `replace` fails a run as replaced only when a newer one started.
+ * has two calls open at once; `replace` fails a run as replaced only when one asked for later
+ * (an occurrence at its scheduled time, a replayed run at its last replay) started.
  */
 import { explainingFault } from './check-runs.js';
 import { FAULTS_EXPLAINING_REDELIVERY } from './faults.js';
@@ -147,8 +148,12 @@ export function checkPolicies(obs: Observations): Findings {
   }
   report(violations, 'forbid violations', forbid);
 
-  // replace.
+  // replace: runs are ordered by when they were asked for, a replayed run by its last replay.
   const replace: string[] = [];
+  const lastReplay = new Map<string, number>();
+  for (const d of obs.deadLetters)
+    if (d.replayedAt !== null) lastReplay.set(d.runId, Math.max(d.replayedAt, lastReplay.get(d.runId) ?? 0));
+  const askedAt = (r: RunRow) => Math.max(r.scheduledFor, lastReplay.get(r.id) ?? -Infinity);
   for (const [jobId, runs] of groupBy(
     obs.runs.filter((r) => r.concurrency === 'replace'),
     (r) => r.jobId,
@@ -157,13 +162,13 @@ export function checkPolicies(obs: Observations): Findings {
     for (const run of runs.filter((r) => r.reason === 'replaced')) {
       const newer = runs.find(
         (o) =>
-          o.scheduledFor > run.scheduledFor &&
+          askedAt(o) > askedAt(run) &&
           o.startedAt !== null &&
           o.startedAt <= (run.finishedAt ?? Infinity) + SLACK_MS,
       );
       if (!newer) replace.push(`${name}: run ${run.id} was replaced with no newer run started`);
     }
-    const sorted = [...runs].sort((a, b) => a.scheduledFor - b.scheduledFor);
+    const sorted = [...runs].sort((a, b) => askedAt(a) - askedAt(b));
     for (let i = 0; i + 1 < sorted.length; i++) {
       const older = sorted[i]!;
       const newer = sorted[i + 1]!;

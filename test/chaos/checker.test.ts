@@ -670,3 +670,48 @@ test('misfires a worker skipped at its claim: allowed late, near a fault, by ski
     reported,
   );
 });
+
+/**
+ * A `replace` job's occurrence of 10 s that went dead and was replayed at 15 s, and its occurrence
+ * of 14 s, running then. `replayWins`: the replay replaced the 14 s run and succeeded; otherwise
+ * the replay was replaced with no call while the 14 s run went on.
+ */
+function replacedAroundReplay(replayWins: boolean): string {
+  const obs = history();
+  obs.jobs.push(job('r1', 'replace', '*/2 * * * * *'));
+  const on = { concurrency: 'replace' } as const;
+  const replayed = run('r1', 10, 1n, {
+    ...on,
+    attempt: 2,
+    maxAttempts: 2,
+    finishedAt: replayWins ? sec(16) : sec(15) + 50,
+    ...(replayWins ? {} : { state: 'failed', reason: 'replaced' }),
+  });
+  const newer = run('r1', 14, 1n, {
+    ...on,
+    finishedAt: replayWins ? sec(15) + 50 : sec(18),
+    ...(replayWins ? { state: 'failed', reason: 'replaced' } : {}),
+  });
+  obs.runs.push(replayed, newer);
+  obs.deadLetters.push({ id: 'dl-r1', runId: replayed.id, jobId: 'r1', attempt: 1, replayedAt: sec(15) });
+  obs.deliveries.push(
+    { ...delivery(replayed), path: '/ok/r1/v0', status: 503, endedAt: sec(10) + 100 },
+    {
+      ...delivery(newer),
+      path: '/ok/r1/v0',
+      endedAt: newer.finishedAt!,
+      ...(replayWins ? { aborted: true } : {}),
+    },
+  );
+  if (replayWins)
+    obs.deliveries.push({ ...delivery(replayed, 2, sec(15) + 5), path: '/ok/r1/v0', endedAt: sec(16) });
+  return violations(obs);
+}
+
+test('replace orders a replayed run by its replay: it may replace a newer occurrence, and must not be replaced by an older one', () => {
+  assert.doesNotMatch(replacedAroundReplay(true), /replace violations/);
+  assert.match(
+    replacedAroundReplay(false),
+    /replace violations:\n.*r1: run r1-10 was replaced with no newer run started/,
+  );
+});

@@ -1,9 +1,13 @@
 import assert from 'node:assert/strict';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { after, before, test } from 'node:test';
+import { inTransaction } from '../../src/store/db.js';
+import { buryRun, replayDeadLetter } from '../../src/store/dead-letters.js';
+import { JOB_SNAPSHOT_VALUES, RUN_SNAPSHOT_COLUMNS } from '../../src/store/dispatch.js';
+import { createManualRun } from '../../src/store/manual-run.js';
 import { integrationFixture, type IntegrationFixture } from '../support/fixture.js';
 import { uniqueId } from '../support/env.js';
-import { attemptsOf, insertJob, nextWholeSecond, runsOf, stopJobs } from '../support/execution.js';
+import { attemptsOf, insertJob, nextWholeSecond, runsOf, stopJobs, waitFor } from '../support/execution.js';
 
 let fx: IntegrationFixture;
 
@@ -91,5 +95,60 @@ test(
     }
     const running = runs.filter((r) => r.state === 'running');
     assert.ok(running.length <= 1, 'at most the newest run is still running');
+  },
+);
+
+test(
+  'replace: a replay is asked for now, so it replaces the running newer occurrence and is called',
+  { timeout: 40_000 },
+  async () => {
+    // A yearly job (nothing of its schedule falls in the test) whose calls hang.
+    const jobId = await insertJob(fx.db.pool, {
+      name: `replace-replay-${uniqueId()}`,
+      schedule: '0 0 0 1 1 *',
+      target: { url: `${fx.target.url}/never` },
+      nextRunAt: new Date(Date.now() + 200 * 86_400_000),
+      concurrency: 'replace',
+      timeoutMs: 20_000,
+      maxAttempts: 1,
+    });
+    // An occurrence of a minute ago that went dead, dead-lettered as the worker does it.
+    const letterId = await inTransaction(fx.db.pool, async (client) => {
+      const { rows } = await client.query<{ id: string; scheduledFor: Date }>(
+        `INSERT INTO runs (job_id, scheduled_for, state, attempt, ${RUN_SNAPSHOT_COLUMNS}, not_before, finished_at)
+         SELECT j.id, now() - interval '1 minute', 'dead', 1, ${JOB_SNAPSHOT_VALUES}, now() - interval '1 minute', now()
+         FROM jobs j WHERE j.id = $1
+         RETURNING id, scheduled_for AS "scheduledFor"`,
+        [jobId],
+      );
+      const dead = rows[0]!;
+      return buryRun(
+        client,
+        { id: dead.id, jobId, attempt: 1, scheduledFor: dead.scheduledFor },
+        { error: 'HTTP 503', statusCode: 503 },
+        { deadLetterTopic: `${fx.topic}.dlq` },
+      );
+    });
+    // A newer run (a trigger: due now, after the dead occurrence) is running, its call open.
+    const manualId = (await createManualRun(fx.db.pool, jobId, fx.topic))!;
+    await waitFor('the manual run is called', () =>
+      fx.target.forJob(jobId).some((c) => c.runId === manualId),
+    );
+
+    const replay = (await replayDeadLetter(fx.db.pool, letterId, { runsTopic: fx.topic }))!;
+    const call = await waitFor('the replayed run is called', () =>
+      fx.target.forJob(jobId).find((c) => c.runId === replay.runId && c.attempt === replay.attempt),
+    );
+    // The manual run, asked for before the replay, is the one replaced: its call aborted.
+    const manual = await waitFor('the manual run replaced', async () =>
+      (await runsOf(fx.db.pool, jobId)).find((r) => r.id === manualId && r.state === 'failed'),
+    );
+    assert.equal(manual.reason, 'replaced');
+    await waitFor('the manual run call aborted', () =>
+      fx.target.forJob(jobId).find((c) => c.runId === manualId && c.aborted),
+    );
+    const replayed = (await runsOf(fx.db.pool, jobId)).find((r) => r.id === replay.runId)!;
+    assert.equal(replayed.state, 'running', `the replayed run ended ${replayed.state} (${replayed.reason})`);
+    assert.ok(!call.aborted, 'the replayed call was aborted');
   },
 );
