@@ -21,7 +21,12 @@ import {
 import { createEtcdClient } from './coordination/etcd.js';
 import { listNodes, NodeRegistry } from './coordination/registry.js';
 import { clusterView } from './coordination/cluster-view.js';
-import { endpointOfUrl } from './security/cluster-endpoints.js';
+import {
+  endpointOfHostPort,
+  endpointOfUrl,
+  endpointsOfEtcdMembers,
+  type Endpoint,
+} from './security/cluster-endpoints.js';
 import { LeaderElection, type Leadership } from './coordination/election.js';
 import { LeaderStallWatch } from './coordination/leader-stall.js';
 import {
@@ -235,7 +240,7 @@ export class HeliosNode {
     const address = app.server.address();
     const port = typeof address === 'object' && address ? address.port : config.api.port;
     this._apiUrl = apiUrlOf(config.api, port);
-    await this.watchClusterEndpoints(etcd, { host: config.api.host, port, what: 'node API' });
+    await this.watchClusterEndpoints(etcd, probe, { host: config.api.host, port, what: 'node API' });
 
     const registry = new NodeRegistry({
       client: etcd,
@@ -321,10 +326,13 @@ export class HeliosNode {
 
   /**
    * Keeps the target policy's list of the cluster's own servers current: this node's API once its
-   * port is bound, and every registered node's apiUrl, with names resolved again each pass.
+   * port is bound, every registered node's apiUrl, every etcd member's client and peer URLs and
+   * every Kafka broker the metadata lists (a cluster's servers beyond the configured ones), with
+   * names resolved again each pass. A source that does not answer keeps its last answer.
    */
   private async watchClusterEndpoints(
     etcd: Etcd3,
+    kafka: KafkaProbe,
     ownApi: { host: string; port: number; what: string },
   ): Promise<void> {
     const { config, logger } = this;
@@ -332,17 +340,27 @@ export class HeliosNode {
     if (!cluster) return;
     const own = endpointOfUrl(this._apiUrl ?? '', 'node API');
     cluster.add(own ? [ownApi, own] : [ownApi]);
-    const pass = async () => {
+    const learn = async (source: string, read: () => Promise<Endpoint[]>) => {
       try {
-        const nodes = await withTimeout(
-          listNodes(etcd, config.etcd.prefix),
-          3000,
-          'reading the node registry',
-        );
-        cluster.setNodes(nodes.flatMap((n) => (n.apiUrl ? (endpointOfUrl(n.apiUrl, 'node API') ?? []) : [])));
+        cluster.setDiscovered(source, await withTimeout(read(), 3000, `reading the cluster's ${source}`));
       } catch (err) {
-        logger.debug({ err: toError(err) }, 'node registry not read; keeping the known API addresses');
+        logger.debug({ err: toError(err), source }, 'cluster endpoints not read; keeping the known ones');
       }
+    };
+    const pass = async () => {
+      await Promise.all([
+        learn('nodes', async () =>
+          (await listNodes(etcd, config.etcd.prefix)).flatMap((n) =>
+            n.apiUrl ? (endpointOfUrl(n.apiUrl, 'node API') ?? []) : [],
+          ),
+        ),
+        learn('etcd members', async () =>
+          endpointsOfEtcdMembers((await etcd.cluster.memberList({})).members),
+        ),
+        learn('kafka brokers', async () =>
+          (await kafka.brokers()).flatMap((b) => endpointOfHostPort(b, 'Kafka broker') ?? []),
+        ),
+      ]);
       await cluster.refresh();
     };
     // The first pass completes before any job can execute here: names are resolved by then.

@@ -15,10 +15,19 @@ export class KafkaProbe {
 
   /** Resolves when the cluster answered with at least one broker. */
   async check(timeoutMs = 2000): Promise<void> {
+    if ((await this.metadata(timeoutMs)).brokers.size === 0) throw new Error('kafka reports no brokers');
+  }
+
+  /** Every broker the cluster's metadata lists, as `host:port`. */
+  async brokers(timeoutMs = 2000): Promise<string[]> {
+    const { brokers } = await this.metadata(timeoutMs);
+    return [...brokers.values()].map((b) => `${b.host}:${b.port}`);
+  }
+
+  private metadata(timeoutMs: number) {
     const asked = this.admin.metadata({ topics: [], forceUpdate: true });
     asked.catch(() => undefined); // abandoned when the deadline wins
-    const cluster = await withTimeout(asked, timeoutMs, 'kafka metadata');
-    if (cluster.brokers.size === 0) throw new Error('kafka reports no brokers');
+    return withTimeout(asked, timeoutMs, 'kafka metadata');
   }
 
   async close(): Promise<void> {

@@ -5,8 +5,10 @@ import ipaddr from 'ipaddr.js';
 
 // The cluster's own servers as job targets are the worst SSRF there is: a POST to etcd's gateway
 // can rewrite the leader key, a GET can read the keyspace back through the response excerpt. So
-// the configured etcd, Kafka and PostgreSQL endpoints and every node's API are refused on their
-// ports, compared after DNS like every other check of the target policy.
+// the configured etcd, Kafka and PostgreSQL endpoints, every etcd member (client and peer URLs)
+// and Kafka broker the running cluster lists, and every node's API are refused on their ports,
+// compared after DNS like every other check of the target policy. A KRaft controller's listener
+// is not among them: brokers do not tell clients where the controllers listen.
 
 type Address = ipaddr.IPv4 | ipaddr.IPv6;
 
@@ -67,6 +69,16 @@ export function endpointOfHostPort(hostPort: string, what: string): Endpoint | n
   return match ? { host: bare(match[1]!), port: Number(match[2]), what } : null;
 }
 
+/** Every member's client and peer URLs, from etcd's member list. */
+export function endpointsOfEtcdMembers(
+  members: readonly { readonly clientURLs: readonly string[]; readonly peerURLs: readonly string[] }[],
+): Endpoint[] {
+  return members.flatMap((m) => [
+    ...m.clientURLs.flatMap((url) => endpointOfUrl(url, 'etcd', 2379) ?? []),
+    ...m.peerURLs.flatMap((url) => endpointOfUrl(url, 'etcd peer', 2380) ?? []),
+  ]);
+}
+
 /** The cluster's own servers as configured: never valid job targets. */
 export function configuredEndpoints(
   etcdEndpoints: readonly string[],
@@ -123,7 +135,8 @@ const isLocal = (ip: Address, local: readonly Address[]) => {
  */
 export class ClusterEndpoints {
   private fixed: readonly Endpoint[];
-  private nodes: readonly Endpoint[] = [];
+  /** Learnt while running, by source (the node registry, etcd's members, Kafka's brokers). */
+  private readonly discovered = new Map<string, readonly Endpoint[]>();
   private resolved: readonly ResolvedEndpoint[] = [];
   private readonly lastGood = new Map<string, readonly Address[]>();
   private local: readonly Address[] = localAddresses();
@@ -145,16 +158,20 @@ export class ClusterEndpoints {
     this.generation += 1;
   }
 
-  /** Replaces the endpoints learnt from the node registry (every node's apiUrl). */
-  setNodes(endpoints: readonly Endpoint[]): void {
-    this.nodes = [...endpoints];
+  /**
+   * Replaces the endpoints learnt from `source` (`nodes`: every node's apiUrl; `etcd`: every
+   * member's client and peer URLs; `kafka`: every broker the cluster's metadata lists). A source
+   * that cannot be read is not set again, so its last answer stays in force.
+   */
+  setDiscovered(source: string, endpoints: readonly Endpoint[]): void {
+    this.discovered.set(source, [...endpoints]);
     this.resolved = this.compile();
     this.generation += 1;
   }
 
-  /** Every endpoint, as configured. */
+  /** Every endpoint, as configured and as learnt. */
   list(): readonly Endpoint[] {
-    return [...this.fixed, ...this.nodes];
+    return [...this.fixed, ...[...this.discovered.values()].flat()];
   }
 
   /** Resolves every name again (bounded by `timeoutMs` each); never throws. */

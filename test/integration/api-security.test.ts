@@ -149,14 +149,18 @@ test('a PATCH that sends "***" for a stored secret to a new origin is a 400 nami
   assert.equal(resent.status, 200, resent.text);
 });
 
-test("jobs aimed at the cluster's own etcd, Kafka, PostgreSQL and node API are refused at save time", async () => {
+test("jobs aimed at the cluster's own etcd (its peer port too), Kafka, PostgreSQL and node API are refused at save time", async () => {
   const etcdPort = new URL(serverEnv().etcdEndpoints.split(',')[0]!).port;
+  // Not configured anywhere: the node learns it from etcd's member list.
+  const { members } = await etcd.cluster.memberList({});
+  const peerPort = new URL(members[0]!.peerURLs[0]!).port;
   const kafkaPort = serverEnv().kafkaBrokers.split(',')[0]!.split(':').at(-1)!;
   const pgPort = new URL(serverEnv().databaseUrl).port;
   const apiPort = new URL(api).port;
   const before = await snapshot();
   for (const [what, port] of [
     ['etcd', etcdPort],
+    ['etcd peer', peerPort],
     ['Kafka broker', kafkaPort],
     ['PostgreSQL', pgPort],
     ['node API', apiPort],

@@ -14,7 +14,7 @@ import {
   TargetDeniedError,
 } from '../../src/security/target-policy.js';
 import { HttpExecutor } from '../../src/execution/http-executor.js';
-import { ClusterEndpoints } from '../../src/security/cluster-endpoints.js';
+import { ClusterEndpoints, endpointsOfEtcdMembers } from '../../src/security/cluster-endpoints.js';
 
 const defaults = compileTargetPolicy();
 // Loopback denied too: a name that resolves to 127.0.0.1 / ::1 (localhost, from /etc/hosts, no
@@ -199,6 +199,40 @@ test('a cluster endpoint given by name is refused once resolved, and stays refus
   };
   await cluster.refresh();
   assert.ok(deniedReason('10.9.8.7', policy, 2379), 'a DNS failure must not open the port');
-  cluster.setNodes([{ host: '10.1.1.1', port: 8080, what: 'node API' }]);
+  cluster.setDiscovered('nodes', [{ host: '10.1.1.1', port: 8080, what: 'node API' }]);
   assert.match(deniedReason('10.1.1.1', policy, 8080) ?? '', /node API/);
+});
+
+test("every etcd member's client and peer URLs are refused, each source replacing only its own", () => {
+  const cluster = new ClusterEndpoints([]);
+  const policy = compileTargetPolicy({ cluster });
+  cluster.setDiscovered(
+    'etcd members',
+    endpointsOfEtcdMembers([
+      { clientURLs: ['http://10.2.0.1:2379'], peerURLs: ['http://10.2.0.1:2380'] },
+      { clientURLs: ['https://10.2.0.2'], peerURLs: ['http://[fd00::2]'] },
+    ]),
+  );
+  cluster.setDiscovered('kafka brokers', [{ host: '10.3.0.1', port: 9092, what: 'Kafka broker' }]);
+  assert.match(deniedReason('10.2.0.1', policy, 2379) ?? '', /cluster's own etcd$/);
+  assert.match(deniedReason('10.2.0.1', policy, 2380) ?? '', /cluster's own etcd peer/);
+  assert.match(
+    deniedReason('10.2.0.2', policy, 2379) ?? '',
+    /etcd/,
+    "a client URL without a port is etcd's 2379",
+  );
+  assert.match(
+    deniedReason('fd00::2', policy, 2380) ?? '',
+    /etcd peer/,
+    "a peer URL without a port is etcd's 2380",
+  );
+  assert.equal(deniedReason('10.2.0.1', policy, 8080), null, 'only their ports');
+  // A member removed: the next answer replaces the members, and leaves the brokers.
+  cluster.setDiscovered(
+    'etcd members',
+    endpointsOfEtcdMembers([{ clientURLs: [], peerURLs: ['http://10.2.0.1:2380'] }]),
+  );
+  assert.equal(deniedReason('10.2.0.2', policy, 2379), null);
+  assert.ok(deniedReason('10.2.0.1', policy, 2380));
+  assert.match(deniedReason('10.3.0.1', policy, 9092) ?? '', /Kafka broker/);
 });
