@@ -59,8 +59,8 @@ export function problems(...statuses: number[]): Record<number, typeof PROBLEM_R
   return Object.fromEntries(statuses.map((status) => [status, PROBLEM_RESPONSE]));
 }
 
-/** Statuses every /api/v1 route can answer with (auth, rate limit, server failure). */
-export const COMMON_PROBLEMS = [401, 403, 429, 500] as const;
+/** Statuses every /api/v1 route can answer with (auth, rate limit, server failure, database outage). */
+export const COMMON_PROBLEMS = [401, 403, 429, 500, 503] as const;
 
 /** What the job commands need, from the API's options (one place for the defaults). */
 export function commandOptions(options: ApiOptions): CommandOptions {

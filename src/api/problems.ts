@@ -2,7 +2,11 @@ import type { FastifyError, FastifyReply, FastifyRequest } from 'fastify';
 import type { Logger } from '../observability/logger.js';
 import { toError } from '../errors.js';
 import { JobDeleteInterruptedError } from '../jobs/commands.js';
+import { isDatabaseOutage } from '../store/db.js';
 import { DuplicateJobNameError } from '../store/jobs.js';
+
+/** What a 503 for a database outage asks the caller to wait before trying again, in seconds. */
+const DATABASE_RETRY_AFTER_S = 2;
 
 /** One failing input field; `field` is a dotted path such as `target.url` or `limit`. */
 export interface FieldError {
@@ -122,6 +126,18 @@ export function toProblem(error: unknown): ProblemError {
       'a concurrent change got in the way; nothing was written, try again',
     );
   }
+  // PostgreSQL could not be reached, or did not answer within its statement_timeout: the request
+  // is all-or-nothing (a transaction), and the caller may try it again shortly.
+  if (isDatabaseOutage(e)) {
+    return new ProblemError(
+      503,
+      'database-unavailable',
+      'Service unavailable',
+      'the database could not be reached or did not answer in time; try again (a write is all or nothing)',
+      undefined,
+      { 'retry-after': String(DATABASE_RETRY_AFTER_S) },
+    );
+  }
   return new ProblemError(500, 'internal', 'Internal server error', 'the server failed; see its log');
 }
 
@@ -134,7 +150,9 @@ export function sendProblem(
 ): FastifyReply {
   const problem = toProblem(error);
   if (problem.status >= 500) {
-    logger.error(
+    // A database outage is logged by every request it fails, so it is a warning: the node's own
+    // loops report the outage itself.
+    logger[problem.status === 503 ? 'warn' : 'error'](
       { err: toError(error), method: request.method, route: request.routeOptions.url },
       'request failed',
     );

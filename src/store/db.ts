@@ -37,6 +37,37 @@ export function isServerError(err: unknown): err is { code: string } {
   return typeof code === 'string' && /^[0-9A-Z]{5}$/.test(code);
 }
 
+/** System error codes of a connection to PostgreSQL that could not be made or was lost. */
+const NETWORK_CODES = new Set([
+  'ECONNREFUSED',
+  'ECONNRESET',
+  'ETIMEDOUT',
+  'EPIPE',
+  'EHOSTUNREACH',
+  'ENETUNREACH',
+  'ENOTFOUND',
+  'EAI_AGAIN',
+]);
+
+/**
+ * Narrower than isDatabaseUnavailable, for errors whose origin is unknown (an API request's):
+ * true only when PostgreSQL said so (SQLSTATE classes 08, 53, 57, 58: a statement cancelled by
+ * its statement_timeout is 57014) or the error is one node-postgres raises for a connection that
+ * could not be made, was lost or did not answer; never for a bug of ours (a TypeError).
+ */
+export function isDatabaseOutage(err: unknown): boolean {
+  if (isServerError(err)) return /^(08|53|57|58)/.test(err.code);
+  if (!(err instanceof Error)) return false;
+  const code = (err as { code?: unknown }).code;
+  if (typeof code === 'string' && NETWORK_CODES.has(code)) return true;
+  return (
+    isReadTimeout(err) ||
+    /^(Connection terminated|timeout exceeded when trying to connect|Client has encountered a connection error)/.test(
+      err.message,
+    )
+  );
+}
+
 /** How long a pooled client waits for a statement's answer; 5 s past the server's statement_timeout. */
 const QUERY_READ_TIMEOUT_MS = 35_000;
 

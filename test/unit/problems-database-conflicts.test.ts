@@ -32,3 +32,28 @@ test("a job's delete stopped after some of its history went says so, never that 
   assert.equal(failed.status, 500);
   assert.match(failed.detail ?? '', /after 1 finished runs/);
 });
+
+test('a database that cannot be reached or did not answer in time is a 503 with Retry-After; a bug is still a 500', () => {
+  const outages = [
+    Object.assign(new Error('canceling statement due to statement timeout'), { code: '57014' }),
+    Object.assign(new Error('the database system is shutting down'), { code: '57P03' }),
+    Object.assign(new Error('sorry, too many clients already'), { code: '53300' }),
+    Object.assign(new Error('connect ECONNREFUSED 127.0.0.1:5432'), { code: 'ECONNREFUSED' }),
+    new Error('Connection terminated unexpectedly'),
+    new Error('timeout exceeded when trying to connect'),
+    new Error('Query read timeout'),
+  ];
+  for (const err of outages) {
+    const problem = toProblem(err);
+    assert.equal(problem.status, 503, err.message);
+    assert.equal(problem.slug, 'database-unavailable', err.message);
+    assert.equal(problem.headers['retry-after'], '2', err.message);
+  }
+  for (const err of [
+    new TypeError("Cannot read properties of undefined (reading 'id')"),
+    new Error('ENOENT'),
+  ]) {
+    assert.equal(toProblem(err).status, 500, err.message);
+  }
+  assert.equal(toProblem(Object.assign(new Error('x'), { code: 'ENOENT' })).status, 500);
+});

@@ -21,7 +21,7 @@ export function clusterRoutes(app: Api, options: ApiOptions): void {
         tags: ['cluster'],
         summary:
           'Leader, live nodes, pending outbox rows, queued, overdue and running runs, open dead letters',
-        response: { 200: Cluster, ...problems(503, ...COMMON_PROBLEMS) },
+        response: { 200: Cluster, ...problems(...COMMON_PROBLEMS) },
       },
     },
     async () => {
