@@ -148,32 +148,45 @@ export function checkPolicies(obs: Observations): Findings {
   }
   report(violations, 'forbid violations', forbid);
 
-  // replace: runs are ordered by when they were asked for, a replayed run by its last replay.
+  // replace: runs are ordered by when they were asked for, a replayed run by its last replay
+  // before the instant in question (a replay after a replacement did not order it).
   const replace: string[] = [];
-  const lastReplay = new Map<string, number>();
+  const replaysOf = new Map<string, number[]>();
   for (const d of obs.deadLetters)
-    if (d.replayedAt !== null) lastReplay.set(d.runId, Math.max(d.replayedAt, lastReplay.get(d.runId) ?? 0));
-  const askedAt = (r: RunRow) => Math.max(r.scheduledFor, lastReplay.get(r.id) ?? -Infinity);
+    if (d.replayedAt !== null) replaysOf.set(d.runId, [...(replaysOf.get(d.runId) ?? []), d.replayedAt]);
+  const askedAt = (r: RunRow, by = Infinity) =>
+    Math.max(r.scheduledFor, ...(replaysOf.get(r.id) ?? []).filter((t) => t <= by));
+  // When r began: its first START (runs.started_at; a replay keeps it), its attempts (claimed, or
+  // their calls' starts once written) and its calls' arrivals.
+  const attemptStarts = groupBy(obs.attempts, (a) => a.runId);
+  const starts = (r: RunRow) => [
+    ...(r.startedAt === null ? [] : [r.startedAt]),
+    ...(attemptStarts.get(r.id) ?? []).map((a) => a.startedAt),
+    ...(byRun.get(r.id) ?? []).map((d) => d.arrivedAt),
+  ];
   for (const [jobId, runs] of groupBy(
     obs.runs.filter((r) => r.concurrency === 'replace'),
     (r) => r.jobId,
   )) {
     const name = jobById.get(jobId)?.name ?? jobId;
     for (const run of runs.filter((r) => r.reason === 'replaced')) {
-      const newer = runs.find(
-        (o) =>
-          askedAt(o) > askedAt(run) &&
-          o.startedAt !== null &&
-          o.startedAt <= (run.finishedAt ?? Infinity) + SLACK_MS,
-      );
+      const end = run.finishedAt ?? Infinity;
+      // A run asked for after this one (as of its replacement) that began since it was asked for.
+      const newer = runs.find((o) => {
+        const asked = askedAt(o, end);
+        return (
+          asked > askedAt(run, end) && starts(o).some((t) => t >= asked - SLACK_MS && t <= end + SLACK_MS)
+        );
+      });
       if (!newer) replace.push(`${name}: run ${run.id} was replaced with no newer run started`);
     }
     const sorted = [...runs].sort((a, b) => askedAt(a) - askedAt(b));
     for (let i = 0; i + 1 < sorted.length; i++) {
       const older = sorted[i]!;
       const newer = sorted[i + 1]!;
-      const call = byRun.get(older.id)?.at(-1);
-      const next = byRun.get(newer.id)?.[0];
+      // The newer run's first call since it was asked for, and the older's last call begun before it.
+      const next = byRun.get(newer.id)?.find((d) => d.arrivedAt >= askedAt(newer) - SLACK_MS);
+      const call = next && byRun.get(older.id)?.findLast((d) => d.arrivedAt <= next.arrivedAt);
       if (!call || !next || call.endedAt === undefined) continue;
       // The older call was still open well after the newer one began: the older must be replaced.
       if (

@@ -715,3 +715,53 @@ test('replace orders a replayed run by its replay: it may replace a newer occurr
     /replace violations:\n.*r1: run r1-10 was replaced with no newer run started/,
   );
 });
+
+test('replace: a replay orders its run only from the replay on, and only calls since it count', () => {
+  // The 14 s occurrence ran 14.0–14.9 s; the 10 s run, dead at 10 s, was replayed at 15 s and called
+  // 15.0–15.2 s: no overlap, nothing replaced (its first call, at 10 s, is not one since the replay).
+  const apart = history();
+  apart.jobs.push(job('r1', 'replace', '*/2 * * * * *'));
+  const replayed = run('r1', 10, 1n, {
+    concurrency: 'replace',
+    attempt: 2,
+    maxAttempts: 2,
+    finishedAt: sec(15) + 200,
+  });
+  const occurrence = run('r1', 14, 1n, { concurrency: 'replace', finishedAt: sec(14) + 900 });
+  apart.runs.push(replayed, occurrence);
+  apart.deadLetters.push({ id: 'dl-r1', runId: replayed.id, jobId: 'r1', attempt: 1, replayedAt: sec(15) });
+  apart.deliveries.push(
+    { ...delivery(replayed), path: '/ok/r1/v0', status: 503, endedAt: sec(10) + 100 },
+    { ...delivery(occurrence), path: '/ok/r1/v0', endedAt: sec(14) + 900 },
+    { ...delivery(replayed, 2, sec(15) + 5), path: '/ok/r1/v0', endedAt: sec(15) + 200 },
+  );
+  assert.doesNotMatch(violations(apart), /replace violations/);
+
+  // The 14 s occurrence replaced at 14.5 s with nothing newer begun: the 10 s run's replay came
+  // only at 20 s, after the replacement, so it does not explain it.
+  const wrong = history();
+  wrong.jobs.push(job('r1', 'replace', '*/2 * * * * *'));
+  const late = run('r1', 10, 1n, {
+    concurrency: 'replace',
+    attempt: 2,
+    maxAttempts: 2,
+    finishedAt: sec(20) + 200,
+  });
+  const dropped = run('r1', 14, 1n, {
+    concurrency: 'replace',
+    state: 'failed',
+    reason: 'replaced',
+    finishedAt: sec(14) + 500,
+  });
+  wrong.runs.push(late, dropped);
+  wrong.deadLetters.push({ id: 'dl-r1', runId: late.id, jobId: 'r1', attempt: 1, replayedAt: sec(20) });
+  wrong.deliveries.push(
+    { ...delivery(late), path: '/ok/r1/v0', status: 503, endedAt: sec(10) + 100 },
+    { ...delivery(dropped), path: '/ok/r1/v0', endedAt: sec(14) + 500, aborted: true },
+    { ...delivery(late, 2, sec(20) + 5), path: '/ok/r1/v0', endedAt: sec(20) + 200 },
+  );
+  assert.match(
+    violations(wrong),
+    /replace violations:\n.*r1: run r1-14 was replaced with no newer run started/,
+  );
+});
