@@ -5,6 +5,7 @@ import {
   isForbidViolation,
   misfiredAtClaim,
   skipMisfiredRun,
+  skipMisfiredRuns,
   skipRun,
   type ClaimedRun,
   type ClaimOptions,
@@ -60,13 +61,12 @@ export async function claimOverdueRuns(
   const batch: OverdueRow[] = [];
   const heldBack: OverdueRow[] = [];
   const forbidJobs = new Set<string>();
-  let misfired = 0;
+  // Locked by us: the skip judges the same rows again and finds them so. In one statement: after
+  // an outage a poll may find hundreds, inside this transaction.
+  const misfires = threshold === null ? [] : rows.filter((row) => row.misfired).map((row) => row.id);
+  let misfired = threshold === null ? 0 : await skipMisfiredRuns(client, misfires, threshold);
   for (const row of rows) {
-    // Locked by us: the skip judges the same row again and finds it so.
-    if (row.misfired && threshold !== null) {
-      if (await skipMisfiredRun(client, row.id, threshold)) misfired += 1;
-      continue;
-    }
+    if (row.misfired && threshold !== null) continue;
     const forbid = row.concurrency === 'forbid';
     if (forbid && (row.blocked || forbidJobs.has(row.jobId))) heldBack.push(row);
     else batch.push(row);

@@ -300,7 +300,7 @@ export async function skipRun(db: Queryable, runId: string, reason: string): Pro
  */
 const SKIP_MISFIRED = `
   UPDATE runs r SET state = 'skipped', reason = 'misfire', finished_at = statement_timestamp(), claimed_by = NULL
-  WHERE r.id = $1 AND r.state = 'queued' AND ${misfiredAtClaim('r', '$2')}`;
+  WHERE r.id = ANY($1::uuid[]) AND r.state = 'queued' AND ${misfiredAtClaim('r', '$2')}`;
 
 /** Returns true if this call skipped the run (false: taken meanwhile, or no longer a misfire). */
 export async function skipMisfiredRun(
@@ -308,8 +308,18 @@ export async function skipMisfiredRun(
   runId: string,
   misfireThresholdMs: number,
 ): Promise<boolean> {
-  const { rowCount } = await db.query(SKIP_MISFIRED, [runId, misfireThresholdMs]);
-  return rowCount === 1;
+  return (await skipMisfiredRuns(db, [runId], misfireThresholdMs)) === 1;
+}
+
+/** skipMisfiredRun for many runs in one statement; returns how many it skipped. */
+export async function skipMisfiredRuns(
+  db: Queryable,
+  runIds: readonly string[],
+  misfireThresholdMs: number,
+): Promise<number> {
+  if (runIds.length === 0) return 0;
+  const { rowCount } = await db.query(SKIP_MISFIRED, [runIds, misfireThresholdMs]);
+  return rowCount ?? 0;
 }
 
 /**
