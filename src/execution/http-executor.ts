@@ -274,7 +274,10 @@ class ExcerptHandler implements Dispatcher.DispatchHandler {
   stop(reason: Error): void {
     if (this.ended) return;
     this.stopReason ??= reason;
-    this.controller?.abort(reason);
+    if (this.controller) this.controller.abort(reason);
+    // Still resolving or connecting: no byte of the request was written, and the late
+    // onRequestStart aborts it before any is. End the call now, not at undici's connect timeout.
+    else this.end({ error: reason });
   }
 
   // undici calls this once the request is about to be written to a connection; a stop before

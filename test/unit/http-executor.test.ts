@@ -1,7 +1,8 @@
 import assert from 'node:assert/strict';
+import { spawn } from 'node:child_process';
 import { once } from 'node:events';
 import { createServer, type IncomingMessage, type ServerResponse } from 'node:http';
-import type { AddressInfo, Socket } from 'node:net';
+import { connect, type AddressInfo, type Socket } from 'node:net';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { after, before, test } from 'node:test';
 import { HttpExecutor, type HttpCall } from '../../src/execution/http-executor.js';
@@ -193,6 +194,53 @@ test('cancelling aborts the call with the cancel reason; an already-cancelled ca
   assert.equal(early.outcome, 'cancelled');
   assert.equal(seen.length, calls, 'no request was sent');
 });
+
+test(
+  "the timeout and a cancel end a call whose connection is never made, not undici's 10 s connect timeout",
+  { timeout: 30_000 },
+  async (t) => {
+    // A listener whose process never accepts (its event loop is blocked) and whose accept queue is
+    // full drops every new SYN: a connect hangs, as to a firewalled or dead host.
+    const stuck = spawn(
+      process.execPath,
+      [
+        '-e',
+        `require('node:net').createServer().listen({ port: 0, host: '127.0.0.1', backlog: 1 }, function () {
+         process.stdout.write(String(this.address().port) + '\\n');
+         setTimeout(() => Atomics.wait(new Int32Array(new SharedArrayBuffer(4)), 0, 0), 50);
+       });`,
+      ],
+      { stdio: ['ignore', 'pipe', 'inherit'] },
+    );
+    t.after(() => stuck.kill('SIGKILL'));
+    const [line] = (await once(stuck.stdout!, 'data')) as [Buffer];
+    const port = Number(String(line).trim());
+    await sleep(200);
+    const fillers = Array.from({ length: 8 }, () => connect(port, '127.0.0.1').on('error', () => undefined));
+    t.after(() => fillers.forEach((f) => f.destroy()));
+    await sleep(300);
+    const hung = (timeoutMs: number): HttpCall => ({
+      ...call('/'),
+      target: { url: `http://127.0.0.1:${port}/` },
+      timeoutMs,
+    });
+
+    let started = performance.now();
+    const timedOut = await executor.execute(hung(500), never);
+    let took = performance.now() - started;
+    assert.equal(timedOut.outcome, 'timeout', JSON.stringify(timedOut));
+    assert.ok(took < 2000, `the 500 ms timeout ended the call after ${took.toFixed(0)} ms`);
+
+    const cancel = new AbortController();
+    started = performance.now();
+    const pending = executor.execute(hung(60_000), cancel.signal);
+    setTimeout(() => cancel.abort(new Error('claim lost')), 300);
+    const cancelled = await pending;
+    took = performance.now() - started;
+    assert.equal(cancelled.outcome, 'cancelled', JSON.stringify(cancelled));
+    assert.ok(took < 2000, `a cancel at 300 ms ended the call after ${took.toFixed(0)} ms`);
+  },
+);
 
 test('a refused connection and a bad target are failed attempts with the reason', async () => {
   const closed = createServer();
