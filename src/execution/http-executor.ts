@@ -140,13 +140,14 @@ export class HttpExecutor {
   private report(ending: CallEnding, run: HttpCall, cancel: AbortSignal, started: number): AttemptReport {
     const durationMs = performance.now() - started;
     if (ending.error === undefined) {
-      const { statusCode } = ending;
+      const { statusCode, cut } = ending;
       const ok = statusCode >= 200 && statusCode < 300;
+      const note = cut ? `the response body was cut: ${describe(cut)}` : null;
       return {
         outcome: ok ? 'succeeded' : 'failed',
         statusCode,
         durationMs,
-        error: ok ? null : `HTTP ${statusCode}`,
+        error: ok ? note : note ? `HTTP ${statusCode}; ${note}` : `HTTP ${statusCode}`,
         responseExcerpt: ending.excerpt,
       };
     }
@@ -227,9 +228,17 @@ interface PreparedCall {
   readonly body: string | undefined;
 }
 
-/** How a call ended: a response (status and excerpt), or an error before it completed. */
+/**
+ * How a call ended: a response (status and excerpt; `cut`: the connection failed while its body
+ * was read), or an error before its status arrived, or the run's timeout or a cancel.
+ */
 type CallEnding =
-  | { readonly error?: undefined; readonly statusCode: number; readonly excerpt: string | null }
+  | {
+      readonly error?: undefined;
+      readonly statusCode: number;
+      readonly excerpt: string | null;
+      readonly cut?: Error;
+    }
   | { readonly error: Error };
 
 /** The abort reason of a call that ran past the run's timeoutMs. */
@@ -309,6 +318,10 @@ class ExcerptHandler implements Dispatcher.DispatchHandler {
   onResponseError(_controller: Dispatcher.DispatchController | undefined, err: Error): void {
     if (this.stopReason instanceof ExcerptCompleteError) {
       this.end({ statusCode: this.statusCode, excerpt: this.excerpt() });
+    } else if (this.statusCode !== 0 && this.stopReason === undefined) {
+      // The target answered (its status arrived) and the connection failed while the body was
+      // read: the status is its answer. A retry of a 2xx would make the call a second time.
+      this.end({ statusCode: this.statusCode, excerpt: this.excerpt(), cut: err });
     } else {
       this.end({ error: this.stopReason ?? err });
     }

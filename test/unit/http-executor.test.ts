@@ -47,6 +47,15 @@ const handlers: Record<string, (req: IncomingMessage, res: ServerResponse) => vo
     });
   },
   '/never': () => undefined,
+  // The status and part of the body, then the connection is reset.
+  '/cut-200': (_req, res) => {
+    res.writeHead(200, { 'content-length': '1000' });
+    res.write('done, and then', () => setTimeout(() => res.socket?.resetAndDestroy(), 20));
+  },
+  '/cut-503': (_req, res) => {
+    res.writeHead(503, { 'content-length': '1000' });
+    res.write('busy, and then', () => setTimeout(() => res.socket?.resetAndDestroy(), 20));
+  },
   '/empty': (_req, res) => {
     res.statusCode = 204;
     res.end();
@@ -241,6 +250,19 @@ test(
     assert.ok(took < 2000, `a cancel at 300 ms ended the call after ${took.toFixed(0)} ms`);
   },
 );
+
+test('a connection that fails while the body is read keeps the status the target answered with', async () => {
+  const ok = await executor.execute(call('/cut-200'), never);
+  assert.equal(ok.outcome, 'succeeded', JSON.stringify(ok));
+  assert.equal(ok.statusCode, 200);
+  assert.equal(ok.responseExcerpt, 'done, and then');
+  assert.match(ok.error ?? '', /^the response body was cut: /);
+  assert.notEqual(ok.retryable, true);
+  const failed = await executor.execute(call('/cut-503'), never);
+  assert.equal(failed.outcome, 'failed', JSON.stringify(failed));
+  assert.equal(failed.statusCode, 503);
+  assert.match(failed.error ?? '', /^HTTP 503; the response body was cut: /);
+});
 
 test('a refused connection and a bad target are failed attempts with the reason', async () => {
   const closed = createServer();
