@@ -6,14 +6,18 @@ import { databaseEpochMs, type Queryable } from '../store/db.js';
  * A worker holds a run until its `not_before` by *this* clock, so a node whose own clock is off
  * still fires on time. The offset is sampled NTP-style (midpoint of the round trip, best of a few
  * samples): its error is at most half the round trip, well inside the claim's skew tolerance.
+ * Between samples the estimate runs on the monotonic clock (`performance.now()`), not on the
+ * wall clock: a step of this host's wall clock (an NTP correction, a VM resumed) does not move
+ * it, only the two clocks' drift does (parts per million over the seconds between samples).
  */
 export class DbClock {
-  private offsetMs = 0;
+  /** Database time minus `performance.now()`, in ms; until the first sample, the wall clock's. */
+  private offsetMs = performance.timeOrigin;
   private lastSync = -Infinity;
 
   /** Database time now, in ms since the epoch, as estimated locally. */
   now(): number {
-    return Date.now() + this.offsetMs;
+    return performance.now() + this.offsetMs;
   }
 
   /** Milliseconds from now until `instant` (database time); negative when past. */
@@ -21,9 +25,9 @@ export class DbClock {
     return instant.getTime() - this.now();
   }
 
-  /** Current estimate of (database clock − local clock), in ms. */
+  /** Current estimate of (database clock − this host's wall clock), in ms. */
   get offset(): number {
-    return this.offsetMs;
+    return this.now() - Date.now();
   }
 
   /** Re-samples the offset if the last sample is older than `maxAgeMs`; errors propagate. */
@@ -31,12 +35,11 @@ export class DbClock {
     if (performance.now() - this.lastSync < maxAgeMs) return;
     let best: { rtt: number; offset: number } | undefined;
     for (let i = 0; i < samples; i++) {
-      const before = Date.now();
       const t0 = performance.now();
       const dbMs = await databaseEpochMs(db);
       const rtt = performance.now() - t0;
       if (dbMs === undefined) continue;
-      const offset = dbMs - (before + rtt / 2);
+      const offset = dbMs - (t0 + rtt / 2);
       if (!best || rtt < best.rtt) best = { rtt, offset };
     }
     if (best) this.offsetMs = best.offset;
