@@ -11,13 +11,23 @@ import { databaseEpochMs, type Queryable } from '../store/db.js';
  * it, only the two clocks' drift does (parts per million over the seconds between samples).
  */
 export class DbClock {
-  /** Database time minus `performance.now()`, in ms; until the first sample, the wall clock's. */
-  private offsetMs = performance.timeOrigin;
+  /** Database time minus the monotonic clock, in ms; until the first sample, the wall clock's. */
+  private offsetMs: number;
   private lastSync = -Infinity;
+
+  private readonly monotonic: () => number;
+
+  /** `monotonic`: ms from an origin of its own that never steps (tests with mocked timers pass theirs). */
+  constructor(monotonic?: () => number) {
+    this.monotonic = monotonic ?? (() => performance.now());
+    // performance.timeOrigin is the wall clock at performance.now()'s origin, to the microsecond
+    // (Date.now() is to the millisecond: the estimate would start up to 1 ms behind).
+    this.offsetMs = monotonic ? Date.now() - monotonic() : performance.timeOrigin;
+  }
 
   /** Database time now, in ms since the epoch, as estimated locally. */
   now(): number {
-    return performance.now() + this.offsetMs;
+    return this.monotonic() + this.offsetMs;
   }
 
   /** Milliseconds from now until `instant` (database time); negative when past. */
@@ -32,17 +42,17 @@ export class DbClock {
 
   /** Re-samples the offset if the last sample is older than `maxAgeMs`; errors propagate. */
   async sync(db: Queryable, maxAgeMs = 0, samples = 3): Promise<void> {
-    if (performance.now() - this.lastSync < maxAgeMs) return;
+    if (this.monotonic() - this.lastSync < maxAgeMs) return;
     let best: { rtt: number; offset: number } | undefined;
     for (let i = 0; i < samples; i++) {
-      const t0 = performance.now();
+      const t0 = this.monotonic();
       const dbMs = await databaseEpochMs(db);
-      const rtt = performance.now() - t0;
+      const rtt = this.monotonic() - t0;
       if (dbMs === undefined) continue;
       const offset = dbMs - (t0 + rtt / 2);
       if (!best || rtt < best.rtt) best = { rtt, offset };
     }
     if (best) this.offsetMs = best.offset;
-    this.lastSync = performance.now();
+    this.lastSync = this.monotonic();
   }
 }
