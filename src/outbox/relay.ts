@@ -53,6 +53,8 @@ export class OutboxRelay {
     let failures = 0;
     while (!signal.aborted) {
       let rows: OutboxRow[] = [];
+      // Read first: a row committed while this pass reads the outbox ends the sleep below.
+      const seen = notifications.seen('helios_outbox');
       try {
         rows = await selectDueOutbox(pool, batchSize);
         if (rows.length > 0) {
@@ -68,7 +70,7 @@ export class OutboxRelay {
         }
         const untilDue = await msUntilNextOutboxRow(pool);
         const sleepMs = untilDue === null ? MAX_SLEEP_MS : Math.min(MAX_SLEEP_MS, Math.max(untilDue, 5));
-        await notifications.wait('helios_outbox', sleepMs, signal);
+        await notifications.wait('helios_outbox', sleepMs, signal, seen);
       } catch (err) {
         if (signal.aborted) return;
         metrics.outboxPublishFailures.inc();

@@ -87,12 +87,19 @@ export class Dispatcher {
       leadership,
       name: 'dispatch',
       pass: async () => {
+        // Read first: a job change committed while this pass reads the jobs ends the sleep below.
+        const seen = notifications.seen('helios_jobs');
         const { jobs, full } = await this.dispatchBatch();
         if (full) return; // more due jobs are waiting
         const untilDue = await msUntilNextDue(this.options.pool);
         const sleepMs = untilDue === null ? MAX_SLEEP_MS : Math.min(MAX_SLEEP_MS, untilDue - lookaheadMs);
         // A due job that another transaction holds locked must not turn this into a busy loop.
-        await notifications.wait('helios_jobs', Math.max(sleepMs, jobs === 0 ? 20 : 0), leadership.signal);
+        await notifications.wait(
+          'helios_jobs',
+          Math.max(sleepMs, jobs === 0 ? 20 : 0),
+          leadership.signal,
+          seen,
+        );
       },
       wait: (ms, signal) => notifications.wait('helios_jobs', ms, signal),
       maxBackoffMs: 2000,

@@ -28,6 +28,8 @@ export interface NotificationsOptions {
 export class Notifications {
   private client?: pg.Client;
   private readonly waiters = new Map<Channel, Set<() => void>>();
+  /** Wake-ups per channel so far (notifications, reconnects, stop): see {@link seen}. */
+  private readonly wakeUps = new Map<Channel, number>();
   private readonly subscribers = new Map<Channel, Set<(payload: string) => void>>();
   private readonly abort = new AbortController();
   private loop?: Promise<void>;
@@ -101,6 +103,7 @@ export class Notifications {
   }
 
   private notify(channel: Channel): void {
+    this.wakeUps.set(channel, this.seen(channel) + 1);
     const set = this.waiters.get(channel);
     if (!set) return;
     this.waiters.delete(channel);
@@ -129,9 +132,21 @@ export class Notifications {
     }
   }
 
-  /** Sleeps up to `ms`; returns early on a notification on `channel` or when `signal` aborts. */
-  async wait(channel: Channel, ms: number, signal: AbortSignal): Promise<void> {
+  /**
+   * How many wake-ups `channel` has had: a loop reads it before it looks at the database and
+   * passes it to {@link wait}, so a notification that came while it looked is not lost.
+   */
+  seen(channel: Channel): number {
+    return this.wakeUps.get(channel) ?? 0;
+  }
+
+  /**
+   * Sleeps up to `ms`; returns early on a notification on `channel` or when `signal` aborts, and at
+   * once when `since` (a {@link seen} reading) is behind: a notification came since it was read.
+   */
+  async wait(channel: Channel, ms: number, signal: AbortSignal, since?: number): Promise<void> {
     if (signal.aborted || ms <= 0) return;
+    if (since !== undefined && since !== this.seen(channel)) return;
     let wake!: () => void;
     const woken = new Promise<void>((resolve) => (wake = resolve));
     let set = this.waiters.get(channel);

@@ -111,3 +111,29 @@ test('a server that accepts and never answers: connecting times out and is retri
     await new Promise<void>((resolve) => server.close(() => resolve()));
   }
 });
+
+test('a notification that comes before the wait begins, after the loop read seen(), ends the wait at once', async () => {
+  const notifications = new Notifications(db.url, ['helios_jobs'], quiet);
+  notifications.start();
+  try {
+    const never = new AbortController().signal;
+    await waitFor('listening', async () => {
+      const woken = notifications.wait('helios_jobs', 200, never).then(() => true);
+      await db.pool.query(`NOTIFY helios_jobs`);
+      return woken;
+    });
+    const seen = notifications.seen('helios_jobs');
+    // The loop looks at the database; meanwhile a change commits and its notification arrives.
+    await db.pool.query(`NOTIFY helios_jobs`);
+    await waitFor('the notification', () => notifications.seen('helios_jobs') > seen);
+    let started = performance.now();
+    await notifications.wait('helios_jobs', 2000, never, seen);
+    assert.ok(performance.now() - started < 100, 'the wait since an earlier reading returns at once');
+    // Without a notification since the reading, it sleeps.
+    started = performance.now();
+    await notifications.wait('helios_jobs', 300, never, notifications.seen('helios_jobs'));
+    assert.ok(performance.now() - started >= 290, 'no notification since: the wait sleeps');
+  } finally {
+    await notifications.stop();
+  }
+});
