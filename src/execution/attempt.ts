@@ -236,7 +236,7 @@ async function startOrWithdrawn(ctx: AttemptContext, run: ClaimedRun, log: () =>
       return false;
     } catch (err) {
       // Worth another try only while a call started after it could still end within the claim.
-      const spareMs = ctx.clock.msUntil(run.claimExpiresAt) - run.timeoutMs;
+      const spareMs = ctx.clock.msLeftUntil(run.claimExpiresAt) - run.timeoutMs;
       if (spareMs <= pauseMs) {
         ctx.metrics.runsExecuted.inc({ outcome: 'start-failed' });
         log().warn(
@@ -275,7 +275,7 @@ function whyNotStart(
   }
   // A claim whose answer arrived late (a network that dropped then retransmitted it, a pause)
   // may expire before the call could end, or have expired and been taken back by the reaper.
-  const claimLeftMs = ctx.clock.msUntil(run.claimExpiresAt);
+  const claimLeftMs = ctx.clock.msLeftUntil(run.claimExpiresAt);
   if (claimLeftMs <= run.timeoutMs) {
     return {
       outcome: 'claim-too-late',
@@ -316,7 +316,7 @@ async function whileClaimed<T>(
     try {
       return await write();
     } catch (err) {
-      const leftMs = ctx.clock.msUntil(run.claimExpiresAt);
+      const leftMs = ctx.clock.msLeftUntil(run.claimExpiresAt);
       if (leftMs <= 0) throw err;
       ctx.metrics.settleRetries.inc();
       if (tries === 1)

@@ -137,7 +137,7 @@ export function completionMayWait(
     holdMs > 0 &&
     run.concurrency === 'allow' &&
     (report.responseExcerpt?.length ?? 0) <= WAITING_EXCERPT_MAX &&
-    clock.msUntil(run.claimExpiresAt) >= holdMs + CLAIM_LEFT_AFTER_HOLD_MS
+    clock.msLeftUntil(run.claimExpiresAt) >= holdMs + CLAIM_LEFT_AFTER_HOLD_MS
   );
 }
 

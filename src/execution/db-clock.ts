@@ -2,37 +2,56 @@ import { performance } from 'node:perf_hooks';
 import { databaseEpochMs, type Queryable } from '../store/db.js';
 
 /**
+ * How far this host's wall clock and monotonic clock may drift apart since a sample before the
+ * estimate is re-sampled at the next sync, whatever its age: one of them stepped or stopped.
+ */
+const CLOCKS_DISAGREE_MS = 50;
+
+/**
  * This process's estimate of the database clock, the one clock for scheduling decisions.
  * A worker holds a run until its `not_before` by *this* clock, so a node whose own clock is off
  * still fires on time. The offset is sampled NTP-style (midpoint of the round trip, best of a few
  * samples): its error is at most half the round trip, well inside the claim's skew tolerance.
- * Between samples the estimate runs on the monotonic clock (`performance.now()`), not on the
- * wall clock: a step of this host's wall clock (an NTP correction, a VM resumed) does not move
- * it, only the two clocks' drift does (parts per million over the seconds between samples).
+ *
+ * Between samples it runs on both of this host's clocks, which fail differently: the wall clock
+ * steps (an NTP correction), the monotonic clock stops while the host is suspended. While they
+ * agree either will do; once they disagree, a due time is judged by the earlier estimate (a run
+ * is never called early for a clock that jumped ahead) and a claim's remaining time by the later
+ * one (a call is never begun on time the claim no longer has), until the next sync re-samples.
  */
 export class DbClock {
-  /** Database time minus the monotonic clock, in ms; until the first sample, the wall clock's. */
-  private offsetMs: number;
+  /** Database time minus the monotonic clock, and minus the wall clock, in ms. */
+  private monotonicOffsetMs: number;
+  private wallOffsetMs = 0;
   private lastSync = -Infinity;
-
   private readonly monotonic: () => number;
 
   /** `monotonic`: ms from an origin of its own that never steps (tests with mocked timers pass theirs). */
   constructor(monotonic?: () => number) {
     this.monotonic = monotonic ?? (() => performance.now());
-    // performance.timeOrigin is the wall clock at performance.now()'s origin, to the microsecond
-    // (Date.now() is to the millisecond: the estimate would start up to 1 ms behind).
-    this.offsetMs = monotonic ? Date.now() - monotonic() : performance.timeOrigin;
+    // Until the first sample, the wall clock. performance.timeOrigin is the wall clock at
+    // performance.now()'s origin, to the microsecond (Date.now() is to the millisecond).
+    this.monotonicOffsetMs = monotonic ? Date.now() - monotonic() : performance.timeOrigin;
   }
 
-  /** Database time now, in ms since the epoch, as estimated locally. */
+  /** Database time now, in ms since the epoch, as estimated locally (the earlier estimate). */
   now(): number {
-    return this.monotonic() + this.offsetMs;
+    return Math.min(this.monotonic() + this.monotonicOffsetMs, Date.now() + this.wallOffsetMs);
   }
 
-  /** Milliseconds from now until `instant` (database time); negative when past. */
+  /** Milliseconds from now until `instant` (database time); negative when past. For due times. */
   msUntil(instant: Date): number {
     return instant.getTime() - this.now();
+  }
+
+  /** Database time now by the later estimate (the same as now() while the clocks agree). */
+  latestNow(): number {
+    return Math.max(this.monotonic() + this.monotonicOffsetMs, Date.now() + this.wallOffsetMs);
+  }
+
+  /** Milliseconds left until the deadline `instant` by the later estimate. For claims' deadlines. */
+  msLeftUntil(instant: Date): number {
+    return instant.getTime() - this.latestNow();
   }
 
   /** Current estimate of (database clock − this host's wall clock), in ms. */
@@ -40,19 +59,33 @@ export class DbClock {
     return this.now() - Date.now();
   }
 
-  /** Re-samples the offset if the last sample is older than `maxAgeMs`; errors propagate. */
+  /** True when the two clocks have drifted apart since the last sample (see CLOCKS_DISAGREE_MS). */
+  get disagreeing(): boolean {
+    const byMonotonic = this.monotonic() + this.monotonicOffsetMs;
+    const byWall = Date.now() + this.wallOffsetMs;
+    return Math.abs(byMonotonic - byWall) > CLOCKS_DISAGREE_MS;
+  }
+
+  /**
+   * Re-samples the offsets if the last sample is older than `maxAgeMs` (by the monotonic clock)
+   * or the clocks disagree; errors propagate.
+   */
   async sync(db: Queryable, maxAgeMs = 0, samples = 3): Promise<void> {
-    if (this.monotonic() - this.lastSync < maxAgeMs) return;
-    let best: { rtt: number; offset: number } | undefined;
+    if (this.monotonic() - this.lastSync < maxAgeMs && !this.disagreeing) return;
+    let best: { rtt: number; monotonicOffset: number; wallOffset: number } | undefined;
     for (let i = 0; i < samples; i++) {
       const t0 = this.monotonic();
+      const wall0 = Date.now();
       const dbMs = await databaseEpochMs(db);
       const rtt = this.monotonic() - t0;
       if (dbMs === undefined) continue;
-      const offset = dbMs - (t0 + rtt / 2);
-      if (!best || rtt < best.rtt) best = { rtt, offset };
+      const sample = { rtt, monotonicOffset: dbMs - (t0 + rtt / 2), wallOffset: dbMs - (wall0 + rtt / 2) };
+      if (!best || rtt < best.rtt) best = sample;
     }
-    if (best) this.offsetMs = best.offset;
+    if (best) {
+      this.monotonicOffsetMs = best.monotonicOffset;
+      this.wallOffsetMs = best.wallOffset;
+    }
     this.lastSync = this.monotonic();
   }
 }

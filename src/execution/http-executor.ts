@@ -297,7 +297,8 @@ class ExcerptHandler implements Dispatcher.DispatchHandler {
   }
 
   onResponseStart(_controller: Dispatcher.DispatchController, statusCode: number): void {
-    this.statusCode = statusCode;
+    // undici passes informational responses (102, 103) here too: only a final status answers.
+    if (statusCode >= 200) this.statusCode = statusCode;
   }
 
   onResponseData(_controller: Dispatcher.DispatchController, chunk: Buffer): void {

@@ -37,6 +37,9 @@ export class MovableClock extends DbClock {
   override now(): number {
     return super.now() + this.shiftMs;
   }
+  override latestNow(): number {
+    return super.latestNow() + this.shiftMs;
+  }
 }
 
 /**

@@ -52,6 +52,11 @@ const handlers: Record<string, (req: IncomingMessage, res: ServerResponse) => vo
     res.writeHead(200, { 'content-length': '1000' });
     res.write('done, and then', () => setTimeout(() => res.socket?.resetAndDestroy(), 20));
   },
+  '/early-hints-then-cut': (_req, res) => {
+    res.writeEarlyHints({ link: '</style.css>; rel=preload; as=style' }, () =>
+      setTimeout(() => res.socket?.resetAndDestroy(), 20),
+    );
+  },
   '/cut-503': (_req, res) => {
     res.writeHead(503, { 'content-length': '1000' });
     res.write('busy, and then', () => setTimeout(() => res.socket?.resetAndDestroy(), 20));
@@ -262,6 +267,11 @@ test('a connection that fails while the body is read keeps the status the target
   assert.equal(failed.outcome, 'failed', JSON.stringify(failed));
   assert.equal(failed.statusCode, 503);
   assert.match(failed.error ?? '', /^HTTP 503; the response body was cut: /);
+  // An informational response (103) is not the answer: a reset after it is a connection error.
+  const hinted = await executor.execute(call('/early-hints-then-cut'), never);
+  assert.equal(hinted.outcome, 'failed', JSON.stringify(hinted));
+  assert.equal(hinted.statusCode, null);
+  assert.doesNotMatch(hinted.error ?? '', /HTTP 103/);
 });
 
 test('a refused connection and a bad target are failed attempts with the reason', async () => {
