@@ -21,12 +21,7 @@ import {
 import { createEtcdClient } from './coordination/etcd.js';
 import { listNodes, NodeRegistry } from './coordination/registry.js';
 import { clusterView } from './coordination/cluster-view.js';
-import {
-  endpointOfHostPort,
-  endpointOfUrl,
-  endpointsOfEtcdMembers,
-  type Endpoint,
-} from './security/cluster-endpoints.js';
+import { endpointOfUrl, endpointsOfEtcdMembers, type Endpoint } from './security/cluster-endpoints.js';
 import { LeaderElection, type Leadership } from './coordination/election.js';
 import { LeaderStallWatch } from './coordination/leader-stall.js';
 import {
@@ -358,7 +353,7 @@ export class HeliosNode {
           endpointsOfEtcdMembers((await etcd.cluster.memberList({})).members),
         ),
         learn('kafka brokers', async () =>
-          (await kafka.brokers()).flatMap((b) => endpointOfHostPort(b, 'Kafka broker') ?? []),
+          (await kafka.brokers()).map((b) => ({ ...b, what: 'Kafka broker' })),
         ),
       ]);
       await cluster.refresh();

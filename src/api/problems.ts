@@ -152,7 +152,7 @@ export function sendProblem(
   if (problem.status >= 500) {
     // A database outage is logged by every request it fails, so it is a warning: the node's own
     // loops report the outage itself.
-    logger[problem.status === 503 ? 'warn' : 'error'](
+    logger[problem.slug === 'database-unavailable' ? 'warn' : 'error'](
       { err: toError(error), method: request.method, route: request.routeOptions.url },
       'request failed',
     );

@@ -18,10 +18,11 @@ export class KafkaProbe {
     if ((await this.metadata(timeoutMs)).brokers.size === 0) throw new Error('kafka reports no brokers');
   }
 
-  /** Every broker the cluster's metadata lists, as `host:port`. */
-  async brokers(timeoutMs = 2000): Promise<string[]> {
+  /** Every broker the cluster's metadata lists (an IPv6 host as Kafka sends it, without brackets). */
+  async brokers(timeoutMs = 2000): Promise<{ host: string; port: number }[]> {
     const { brokers } = await this.metadata(timeoutMs);
-    return [...brokers.values()].map((b) => `${b.host}:${b.port}`);
+    if (brokers.size === 0) throw new Error('kafka reports no brokers');
+    return [...brokers.values()].map((b) => ({ host: b.host, port: b.port }));
   }
 
   private metadata(timeoutMs: number) {

@@ -110,15 +110,16 @@ export async function runAttempt(
     if (run.concurrency === 'replace' && !cancel.aborted) {
       const { replaced, running } = await replaceOlderRuns(pool, run.jobId);
       if (replaced.length > 0) metrics.runsReplaced.inc(replaced.length);
-      // Called only if this attempt is the one left running. Otherwise a newer occurrence runs:
-      // this one was replaced before its call began, now or already (a newer run's claim replaced
-      // it while this one's START was on its way back), or its claim was lost.
+      // Called only if this attempt is the one left running. Otherwise a run asked for later (a
+      // newer occurrence, a trigger or a replay) runs: this one was replaced before its call began,
+      // now or already (that run's claim replaced it while this one's START was on its way back),
+      // or its claim was lost.
       if (running?.id !== run.id || running.attempt !== run.attempt || running.nodeId !== nodeId) {
         callEnded?.(false);
         metrics.runsExecuted.inc({ outcome: 'replaced' });
         log().info(
           { replaced: replaced.includes(run.id) },
-          'replaced by a newer run of the job before its call; no call made',
+          'replaced by a run of the job asked for later, before its call; no call made',
         );
         return;
       }

@@ -235,7 +235,7 @@ export function createMetrics(nodeId: string) {
     }),
     runsReplaced: new Counter({
       name: 'helios_runs_replaced_total',
-      help: 'Running runs failed with reason replaced by a newer run of a replace job',
+      help: 'Running runs failed with reason replaced: a run of their replace job asked for later started',
       registers: [registry],
     }),
     deadLetters: new Counter({

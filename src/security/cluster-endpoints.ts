@@ -159,9 +159,9 @@ export class ClusterEndpoints {
   }
 
   /**
-   * Replaces the endpoints learnt from `source` (`nodes`: every node's apiUrl; `etcd`: every
-   * member's client and peer URLs; `kafka`: every broker the cluster's metadata lists). A source
-   * that cannot be read is not set again, so its last answer stays in force.
+   * Replaces the endpoints learnt from `source` (node.ts: `nodes`, every node's apiUrl; `etcd
+   * members`, every member's client and peer URLs; `kafka brokers`, every broker the cluster's
+   * metadata lists). A source that cannot be read is not set again: its last answer stays.
    */
   setDiscovered(source: string, endpoints: readonly Endpoint[]): void {
     this.discovered.set(source, [...endpoints]);

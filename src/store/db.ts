@@ -34,7 +34,8 @@ export function isDatabaseUnavailable(err: unknown): boolean {
  */
 export function isServerError(err: unknown): err is { code: string } {
   const code = (err as { code?: unknown } | null)?.code;
-  return typeof code === 'string' && /^[0-9A-Z]{5}$/.test(code);
+  // Every SQLSTATE has a digit; a system code of five letters (EPIPE) is not one.
+  return typeof code === 'string' && /^[0-9A-Z]{5}$/.test(code) && /\d/.test(code);
 }
 
 /** System error codes of a connection to PostgreSQL that could not be made or was lost. */

@@ -349,7 +349,7 @@ const REPLACE_OLDER = `
     RETURNING r.id, r.attempt
   ), recorded AS (
     UPDATE run_attempts a SET outcome = 'replaced', finished_at = now(),
-                              error = 'replaced by a newer run of the job'
+                              error = 'replaced by a run of the job asked for later'
     FROM replaced WHERE a.run_id = replaced.id AND a.attempt = replaced.attempt AND a.outcome IS NULL
   )
   -- pg_notify returns void: "IS NULL" (false) only gives its call a column the union can carry.

@@ -39,6 +39,8 @@ test('a database that cannot be reached or did not answer in time is a 503 with 
     Object.assign(new Error('the database system is shutting down'), { code: '57P03' }),
     Object.assign(new Error('sorry, too many clients already'), { code: '53300' }),
     Object.assign(new Error('connect ECONNREFUSED 127.0.0.1:5432'), { code: 'ECONNREFUSED' }),
+    // Five capital letters like a SQLSTATE, but no digit: a system code.
+    Object.assign(new Error('write EPIPE'), { code: 'EPIPE' }),
     new Error('Connection terminated unexpectedly'),
     new Error('timeout exceeded when trying to connect'),
     new Error('Query read timeout'),

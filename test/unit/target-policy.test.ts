@@ -213,7 +213,12 @@ test("every etcd member's client and peer URLs are refused, each source replacin
       { clientURLs: ['https://10.2.0.2'], peerURLs: ['http://[fd00::2]'] },
     ]),
   );
-  cluster.setDiscovered('kafka brokers', [{ host: '10.3.0.1', port: 9092, what: 'Kafka broker' }]);
+  // Kafka's metadata names an IPv6 broker without brackets.
+  cluster.setDiscovered('kafka brokers', [
+    { host: '10.3.0.1', port: 9092, what: 'Kafka broker' },
+    { host: 'fd00::3', port: 9092, what: 'Kafka broker' },
+  ]);
+  assert.match(deniedReason('fd00::3', policy, 9092) ?? '', /Kafka broker/);
   assert.match(deniedReason('10.2.0.1', policy, 2379) ?? '', /cluster's own etcd$/);
   assert.match(deniedReason('10.2.0.1', policy, 2380) ?? '', /cluster's own etcd peer/);
   assert.match(
