@@ -15,10 +15,13 @@ export class KafkaProbe {
 
   /** Resolves when the cluster answered with at least one broker. */
   async check(timeoutMs = 2000): Promise<void> {
-    if ((await this.metadata(timeoutMs)).brokers.size === 0) throw new Error('kafka reports no brokers');
+    await this.brokers(timeoutMs);
   }
 
-  /** Every broker the cluster's metadata lists (an IPv6 host as Kafka sends it, without brackets). */
+  /**
+   * Every broker the cluster's metadata lists (an IPv6 host as Kafka sends it, without brackets);
+   * an answer with none is an error.
+   */
   async brokers(timeoutMs = 2000): Promise<{ host: string; port: number }[]> {
     const { brokers } = await this.metadata(timeoutMs);
     if (brokers.size === 0) throw new Error('kafka reports no brokers');

@@ -35,8 +35,9 @@ const CLAIMED_COLUMNS = `
  * (`threshold`, SQL: milliseconds, NULL for never): a scheduled occurrence that a leader created,
  * that no worker claimed, that is due (or, made late by a catch-up, was made) more than the
  * threshold ago, and whose leader's epoch has ended since (a newer epoch has written: the cluster
- * was leaderless, or down, in between), of a `skip` job, or of a `fire-once` job with a later occurrence that is late too, made into a run
- * or still to be (that one fires: one run for the latest missed occurrence, whichever of the
+ * was leaderless, or down, in between), of a `skip` job, or of a `fire-once` job with a later
+ * occurrence that is late too, made into a run or still to be (that one fires: one run for the
+ * latest missed occurrence, whichever of the
  * workers and the new leader comes first). The policy is the run's copy of its job's (a later edit
  * does not change it; the job's for runs created before runs had the column). The dispatcher and
  * a command's createDueRuns apply the policy to occurrences they find late, and the runs they make

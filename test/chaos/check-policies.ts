@@ -114,7 +114,11 @@ export function checkPolicies(obs: Observations): Findings {
   report(violations, 'replay violations', replays);
 
   // forbid.
-  const replayed = new Set(obs.deadLetters.filter((d) => d.replayedAt !== null).map((d) => d.runId));
+  // Each run's replays (dead letters replayed), for forbid and for replace's order below.
+  const replaysOf = new Map<string, number[]>();
+  for (const d of obs.deadLetters)
+    if (d.replayedAt !== null) replaysOf.set(d.runId, [...(replaysOf.get(d.runId) ?? []), d.replayedAt]);
+  const replayed = new Set(replaysOf.keys());
   const forbid: string[] = [];
   for (const [jobId, runs] of groupBy(
     obs.runs.filter((r) => r.concurrency === 'forbid'),
@@ -151,9 +155,6 @@ export function checkPolicies(obs: Observations): Findings {
   // replace: runs are ordered by when they were asked for, a replayed run by its last replay
   // before the instant in question (a replay after a replacement did not order it).
   const replace: string[] = [];
-  const replaysOf = new Map<string, number[]>();
-  for (const d of obs.deadLetters)
-    if (d.replayedAt !== null) replaysOf.set(d.runId, [...(replaysOf.get(d.runId) ?? []), d.replayedAt]);
   const askedAt = (r: RunRow, by = Infinity) =>
     Math.max(r.scheduledFor, ...(replaysOf.get(r.id) ?? []).filter((t) => t <= by));
   // When r began: its first START (runs.started_at; a replay keeps it), its attempts (claimed, or

@@ -672,96 +672,86 @@ test('misfires a worker skipped at its claim: allowed late, near a fault, by ski
 });
 
 /**
- * A `replace` job's occurrence of 10 s that went dead and was replayed at 15 s, and its occurrence
- * of 14 s, running then. `replayWins`: the replay replaced the 14 s run and succeeded; otherwise
- * the replay was replaced with no call while the 14 s run went on.
+ * A `replace` job r1 (every 2 s): its 10 s occurrence failed its call (503), went dead and was
+ * replayed at `replayedAt`; its 14 s occurrence was called. `replayed` and `occurrence` set their
+ * rows; `replayCall` is the replayed run's call after the replay, [arrived, ended] (none: it was
+ * not called); `occurrenceAborted`: the 14 s call was aborted. Returns the checker's violations.
  */
-function replacedAroundReplay(replayWins: boolean): string {
+function replaceAroundReplay(o: {
+  replayedAt: number;
+  replayed: Partial<RunRow>;
+  occurrence: Partial<RunRow>;
+  occurrenceAborted?: boolean;
+  replayCall?: [number, number];
+}): string {
   const obs = history();
   obs.jobs.push(job('r1', 'replace', '*/2 * * * * *'));
-  const on = { concurrency: 'replace' } as const;
-  const replayed = run('r1', 10, 1n, {
-    ...on,
-    attempt: 2,
-    maxAttempts: 2,
-    finishedAt: replayWins ? sec(16) : sec(15) + 50,
-    ...(replayWins ? {} : { state: 'failed', reason: 'replaced' }),
+  const replayed = run('r1', 10, 1n, { concurrency: 'replace', attempt: 2, maxAttempts: 2, ...o.replayed });
+  const occurrence = run('r1', 14, 1n, { concurrency: 'replace', ...o.occurrence });
+  obs.runs.push(replayed, occurrence);
+  obs.deadLetters.push({
+    id: 'dl-r1',
+    runId: replayed.id,
+    jobId: 'r1',
+    attempt: 1,
+    replayedAt: o.replayedAt,
   });
-  const newer = run('r1', 14, 1n, {
-    ...on,
-    finishedAt: replayWins ? sec(15) + 50 : sec(18),
-    ...(replayWins ? { state: 'failed', reason: 'replaced' } : {}),
-  });
-  obs.runs.push(replayed, newer);
-  obs.deadLetters.push({ id: 'dl-r1', runId: replayed.id, jobId: 'r1', attempt: 1, replayedAt: sec(15) });
   obs.deliveries.push(
     { ...delivery(replayed), path: '/ok/r1/v0', status: 503, endedAt: sec(10) + 100 },
     {
-      ...delivery(newer),
+      ...delivery(occurrence),
       path: '/ok/r1/v0',
-      endedAt: newer.finishedAt!,
-      ...(replayWins ? { aborted: true } : {}),
+      endedAt: occurrence.finishedAt!,
+      ...(o.occurrenceAborted ? { aborted: true } : {}),
     },
   );
-  if (replayWins)
-    obs.deliveries.push({ ...delivery(replayed, 2, sec(15) + 5), path: '/ok/r1/v0', endedAt: sec(16) });
+  if (o.replayCall) {
+    const [at, endedAt] = o.replayCall;
+    obs.deliveries.push({ ...delivery(replayed, 2, at), path: '/ok/r1/v0', endedAt });
+  }
   return violations(obs);
 }
 
+const REPLACED = { state: 'failed', reason: 'replaced' } as const;
+
 test('replace orders a replayed run by its replay: it may replace a newer occurrence, and must not be replaced by an older one', () => {
-  assert.doesNotMatch(replacedAroundReplay(true), /replace violations/);
-  assert.match(
-    replacedAroundReplay(false),
-    /replace violations:\n.*r1: run r1-10 was replaced with no newer run started/,
-  );
+  // The replay at 15 s replaced the 14 s occurrence and succeeded.
+  const replayWins = replaceAroundReplay({
+    replayedAt: sec(15),
+    replayed: { finishedAt: sec(16) },
+    occurrence: { ...REPLACED, finishedAt: sec(15) + 50 },
+    occurrenceAborted: true,
+    replayCall: [sec(15) + 5, sec(16)],
+  });
+  assert.doesNotMatch(replayWins, /replace violations/);
+  // The replay was replaced with no call while the 14 s occurrence went on.
+  const replayLost = replaceAroundReplay({
+    replayedAt: sec(15),
+    replayed: { ...REPLACED, finishedAt: sec(15) + 50 },
+    occurrence: { finishedAt: sec(18) },
+  });
+  assert.match(replayLost, /replace violations:\n.*r1: run r1-10 was replaced with no newer run started/);
 });
 
 test('replace: a replay orders its run only from the replay on, and only calls since it count', () => {
   // The 14 s occurrence ran 14.0–14.9 s; the 10 s run, dead at 10 s, was replayed at 15 s and called
   // 15.0–15.2 s: no overlap, nothing replaced (its first call, at 10 s, is not one since the replay).
-  const apart = history();
-  apart.jobs.push(job('r1', 'replace', '*/2 * * * * *'));
-  const replayed = run('r1', 10, 1n, {
-    concurrency: 'replace',
-    attempt: 2,
-    maxAttempts: 2,
-    finishedAt: sec(15) + 200,
+  const apart = replaceAroundReplay({
+    replayedAt: sec(15),
+    replayed: { finishedAt: sec(15) + 200 },
+    occurrence: { finishedAt: sec(14) + 900 },
+    replayCall: [sec(15) + 5, sec(15) + 200],
   });
-  const occurrence = run('r1', 14, 1n, { concurrency: 'replace', finishedAt: sec(14) + 900 });
-  apart.runs.push(replayed, occurrence);
-  apart.deadLetters.push({ id: 'dl-r1', runId: replayed.id, jobId: 'r1', attempt: 1, replayedAt: sec(15) });
-  apart.deliveries.push(
-    { ...delivery(replayed), path: '/ok/r1/v0', status: 503, endedAt: sec(10) + 100 },
-    { ...delivery(occurrence), path: '/ok/r1/v0', endedAt: sec(14) + 900 },
-    { ...delivery(replayed, 2, sec(15) + 5), path: '/ok/r1/v0', endedAt: sec(15) + 200 },
-  );
-  assert.doesNotMatch(violations(apart), /replace violations/);
+  assert.doesNotMatch(apart, /replace violations/);
 
   // The 14 s occurrence replaced at 14.5 s with nothing newer begun: the 10 s run's replay came
   // only at 20 s, after the replacement, so it does not explain it.
-  const wrong = history();
-  wrong.jobs.push(job('r1', 'replace', '*/2 * * * * *'));
-  const late = run('r1', 10, 1n, {
-    concurrency: 'replace',
-    attempt: 2,
-    maxAttempts: 2,
-    finishedAt: sec(20) + 200,
+  const wrong = replaceAroundReplay({
+    replayedAt: sec(20),
+    replayed: { finishedAt: sec(20) + 200 },
+    occurrence: { ...REPLACED, finishedAt: sec(14) + 500 },
+    occurrenceAborted: true,
+    replayCall: [sec(20) + 5, sec(20) + 200],
   });
-  const dropped = run('r1', 14, 1n, {
-    concurrency: 'replace',
-    state: 'failed',
-    reason: 'replaced',
-    finishedAt: sec(14) + 500,
-  });
-  wrong.runs.push(late, dropped);
-  wrong.deadLetters.push({ id: 'dl-r1', runId: late.id, jobId: 'r1', attempt: 1, replayedAt: sec(20) });
-  wrong.deliveries.push(
-    { ...delivery(late), path: '/ok/r1/v0', status: 503, endedAt: sec(10) + 100 },
-    { ...delivery(dropped), path: '/ok/r1/v0', endedAt: sec(14) + 500, aborted: true },
-    { ...delivery(late, 2, sec(20) + 5), path: '/ok/r1/v0', endedAt: sec(20) + 200 },
-  );
-  assert.match(
-    violations(wrong),
-    /replace violations:\n.*r1: run r1-14 was replaced with no newer run started/,
-  );
+  assert.match(wrong, /replace violations:\n.*r1: run r1-14 was replaced with no newer run started/);
 });
