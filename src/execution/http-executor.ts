@@ -77,8 +77,9 @@ export class HttpExecutor {
   }
 
   /**
-   * Calls the run's target. `cancel` aborts the call (replaced, claim lost, shutdown); the run's
-   * `timeoutMs` aborts it too and is reported as outcome `timeout`.
+   * Calls the run's target. `cancel` aborts the call (replaced, claim lost, shutdown): outcome
+   * `cancelled`, unless the target's final status had arrived, which stays the answer (the body
+   * cut short). The run's `timeoutMs` aborts it too and is reported as outcome `timeout`.
    *
    * Uses undici's handler interface (`dispatch`) rather than `request()`: no body stream, no
    * promise chain and no signal plumbing per call, which is about a third of the CPU per call and
@@ -229,8 +230,9 @@ interface PreparedCall {
 }
 
 /**
- * How a call ended: a response (status and excerpt; `cut`: the connection failed while its body
- * was read), or an error before its status arrived, or the run's timeout or a cancel.
+ * How a call ended: a response (status and excerpt; `cut`: the connection failed, or a cancel
+ * stopped the call, while its body was read), or an error or a cancel before its status arrived,
+ * or the run's timeout.
  */
 type CallEnding =
   | {
@@ -319,10 +321,12 @@ class ExcerptHandler implements Dispatcher.DispatchHandler {
   onResponseError(_controller: Dispatcher.DispatchController | undefined, err: Error): void {
     if (this.stopReason instanceof ExcerptCompleteError) {
       this.end({ statusCode: this.statusCode, excerpt: this.excerpt() });
-    } else if (this.statusCode !== 0 && this.stopReason === undefined) {
-      // The target answered (its status arrived) and the connection failed while the body was
-      // read: the status is its answer. A retry of a 2xx would make the call a second time.
-      this.end({ statusCode: this.statusCode, excerpt: this.excerpt(), cut: err });
+    } else if (this.statusCode !== 0 && !(this.stopReason instanceof CallTimeoutError)) {
+      // The target answered (its status arrived), then the connection failed or the call was
+      // cancelled (a draining worker, a lost claim) while the body was read: the status is its
+      // answer. Handing back or retrying a 2xx would make the call a second time. The run's own
+      // timeout still ends it as a timeout: the whole response had to arrive within it.
+      this.end({ statusCode: this.statusCode, excerpt: this.excerpt(), cut: this.stopReason ?? err });
     } else {
       this.end({ error: this.stopReason ?? err });
     }

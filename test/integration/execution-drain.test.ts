@@ -23,8 +23,13 @@ let fx: IntegrationFixture;
 
 before(async () => {
   fx = await integrationFixture({
-    // `/slow` answers after a second, anything else at once.
-    behaviour: (request) => (request.path === '/slow' ? { status: 200, delayMs: 1000 } : { status: 200 }),
+    // `/slow` answers after a second; `/status-first` sends its status at once and, on a run's
+    // first call, its body 20 s later; anything else answers at once.
+    behaviour: (request, nth) => {
+      if (request.path === '/slow') return { status: 200, delayMs: 1000 };
+      if (request.path === '/status-first' && nth === 1) return { status: 200, bodyAfterMs: 20_000 };
+      return { status: 200 };
+    },
   });
   const leader = fx.spawn('drain-leader', { HELIOS_ROLES: 'scheduler' });
   await leader.waitForLog((l) => l.msg === 'became leader', 30_000);
@@ -134,5 +139,54 @@ test(
       late.firstCallAt - at.getTime() < 1000,
       `handed over, called ${late.firstCallAt - at.getTime()} ms late`,
     );
+  },
+);
+
+test(
+  'a call the drain cuts after the target answered 2xx is recorded as succeeded, not handed back and made again',
+  { timeout: 90_000 },
+  async () => {
+    const name = 'drain-c';
+    const peer = fx.spawn(`${name}-peer`, {
+      HELIOS_ROLES: 'worker',
+      HELIOS_KAFKA_TOPIC: `${fx.topic}.quiet`,
+      HELIOS_KAFKA_DLQ_TOPIC: `${fx.topic}.quiet.dlq`,
+      HELIOS_KAFKA_GROUP: `${fx.topic}.quiet.workers`,
+    });
+    const stopping = fx.spawn(name, { HELIOS_ROLES: 'worker', HELIOS_SHUTDOWN_TIMEOUT_MS: '1000' });
+    await peer.waitForLog((l) => l.msg === 'joined consumer group', 30_000);
+    await stopping.waitForLog((l) => l.msg === 'joined consumer group', 30_000);
+
+    const at = await nextWholeSecond(fx.db.pool, 2500);
+    const job = await insertJob(fx.db.pool, {
+      name: `drain-answered-${uniqueId()}`,
+      schedule: oncePerMinuteAt(at),
+      target: { url: `${fx.target.url}/status-first` },
+      nextRunAt: at,
+      timeoutMs: 30_000,
+      maxAttempts: 3,
+    });
+    await fx.db.pool.query('NOTIFY helios_jobs');
+    // The target has answered 200 (its body still to come) when the worker is told to stop.
+    await waitFor('the call to arrive', () => fx.target.forJob(job).length === 1, 15_000);
+    await sleep(200);
+    stopping.signal('SIGTERM');
+    assert.equal((await stopping.exited).code, 0);
+
+    const [run] = await runsOf(fx.db.pool, job);
+    assert.equal(run?.state, 'succeeded');
+    const attempts = await attemptsOf(fx.db.pool, run.id);
+    assert.deepEqual(
+      attempts.map((a) => [a.attempt, a.nodeId, a.outcome]),
+      [[1, name, 'succeeded']],
+    );
+    // Handed back instead (before), the peer called it a second time.
+    await sleep(3000);
+    assert.deepEqual(
+      fx.target.forJob(job).map((c) => c.attempt),
+      [1],
+    );
+    peer.signal('SIGTERM');
+    await peer.exited;
   },
 );

@@ -36,6 +36,8 @@ export type Behaviour = (
   delayMs?: number;
   /** Never answer (until the client gives up). */
   hang?: boolean;
+  /** Send the status and headers at once (after `delayMs`), the body this much later. */
+  bodyAfterMs?: number;
   body?: string;
 };
 
@@ -79,7 +81,10 @@ export class TargetServer {
         const respond = () => {
           if (res.destroyed) return;
           res.writeHead(answer.status ?? 200, { 'content-type': 'text/plain' });
-          res.end(answer.body ?? 'ok');
+          if (answer.bodyAfterMs === undefined) return res.end(answer.body ?? 'ok');
+          res.flushHeaders();
+          const timer = setTimeout(() => res.end(answer.body ?? 'ok'), answer.bodyAfterMs);
+          res.on('close', () => clearTimeout(timer));
         };
         if (answer.delayMs) setTimeout(respond, answer.delayMs);
         else respond();

@@ -61,6 +61,11 @@ const handlers: Record<string, (req: IncomingMessage, res: ServerResponse) => vo
     res.writeHead(503, { 'content-length': '1000' });
     res.write('busy, and then', () => setTimeout(() => res.socket?.resetAndDestroy(), 20));
   },
+  // The status and part of the body, the rest never.
+  '/status-then-stall': (_req, res) => {
+    res.writeHead(200, { 'content-length': '1000' });
+    res.write('accepted, and then');
+  },
   '/empty': (_req, res) => {
     res.statusCode = 204;
     res.end();
@@ -272,6 +277,22 @@ test('a connection that fails while the body is read keeps the status the target
   assert.equal(hinted.outcome, 'failed', JSON.stringify(hinted));
   assert.equal(hinted.statusCode, null);
   assert.doesNotMatch(hinted.error ?? '', /HTTP 103/);
+});
+
+test('a cancel after the final status keeps the answer; the run timeout after it is still a timeout', async () => {
+  // A draining worker that aborted here and handed the run back would have it called a second
+  // time, though the target had answered 200.
+  const cancel = new AbortController();
+  const pending = executor.execute(call('/status-then-stall'), cancel.signal);
+  setTimeout(() => cancel.abort(new Error('the worker stops')), 200);
+  const kept = await pending;
+  assert.equal(kept.outcome, 'succeeded', JSON.stringify(kept));
+  assert.equal(kept.statusCode, 200);
+  assert.equal(kept.responseExcerpt, 'accepted, and then');
+  assert.match(kept.error ?? '', /^the response body was cut: .*the worker stops/);
+  const late = await executor.execute(call('/status-then-stall', {}, 200), never);
+  assert.equal(late.outcome, 'timeout', JSON.stringify(late));
+  assert.equal(late.statusCode, null);
 });
 
 test('a refused connection and a bad target are failed attempts with the reason', async () => {
