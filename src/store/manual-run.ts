@@ -2,15 +2,28 @@ import type { Queryable } from './db.js';
 import { FIRST_ATTEMPT_MESSAGE, JOB_SNAPSHOT_VALUES, RUN_SNAPSHOT_COLUMNS } from './dispatch.js';
 
 /**
- * Creates a queued run of job $1 for `now()` with a snapshot of the job, and its outbox row on
- * topic $2, in one statement (so in one transaction), with the same message the dispatcher
- * writes (FIRST_ATTEMPT_MESSAGE). A scheduled occurrence at the very same microsecond makes the insert a no-op.
+ * The instant a manual run asked for at `clock` is scheduled for: `clock`, or, when that falls in
+ * the first millisecond of a second, the end of that millisecond. Occurrences are whole seconds:
+ * a manual run there would take the occurrence's slot (one run per job and instant), and the
+ * occurrence would get no run; within its millisecond it would carry the occurrence's
+ * `X-Helios-Scheduled-For` (milliseconds). Moved by less than a millisecond, never earlier.
+ */
+export function manualRunInstant(clock: string): string {
+  const second = `date_trunc('second', ${clock})`;
+  return `greatest(${clock}, ${second} + interval '1 millisecond')`;
+}
+
+/**
+ * Creates a queued run of job $1 due now (manualRunInstant) with a snapshot of the job, and its
+ * outbox row on topic $2, in one statement (so in one transaction), with the same message the
+ * dispatcher writes (FIRST_ATTEMPT_MESSAGE). Another manual run at the very same microsecond makes
+ * the insert a no-op.
  */
 const CREATE_MANUAL_RUN = `
   WITH created AS (
     INSERT INTO runs (job_id, scheduled_for, trigger, state, ${RUN_SNAPSHOT_COLUMNS}, not_before)
-    SELECT j.id, now(), 'manual', 'queued', ${JOB_SNAPSHOT_VALUES}, now()
-    FROM jobs j WHERE j.id = $1
+    SELECT j.id, at.instant, 'manual', 'queued', ${JOB_SNAPSHOT_VALUES}, at.instant
+    FROM jobs j, (SELECT ${manualRunInstant('now()')} AS instant) at WHERE j.id = $1
     ON CONFLICT (job_id, scheduled_for) DO NOTHING
     RETURNING id, job_id, scheduled_for, not_before, timeout_ms, concurrency
   ), queued AS (

@@ -1,6 +1,7 @@
 import assert from 'node:assert/strict';
 import { after, before, test } from 'node:test';
 import { parseCron } from '../../src/scheduling/cron.js';
+import { manualRunInstant } from '../../src/store/manual-run.js';
 import { jobBody, startTestApi, type TestApi } from '../support/api.js';
 
 let api: TestApi;
@@ -358,4 +359,35 @@ test('DELETE answers 204, removes the job and its runs, then 404', async () => {
   assert.equal(rows.length, 0);
   assertProblem(await api.call('DELETE', `/api/v1/jobs/${job.id}`), 404);
   assertProblem(await api.call('GET', `/api/v1/jobs/${job.id}`), 404);
+});
+
+test("a manual run never takes an occurrence's instant (a whole second) nor its millisecond", async () => {
+  // Triggered in the first millisecond of a second, the run once took the occurrence's slot (one
+  // run per job and instant): the occurrence got no run.
+  const cases: [string, string][] = [
+    ['2026-12-06T10:00:00.000000Z', '2026-12-06T10:00:00.001000Z'],
+    ['2026-12-06T10:00:00.000400Z', '2026-12-06T10:00:00.001000Z'],
+    ['2026-12-06T10:00:00.001000Z', '2026-12-06T10:00:00.001000Z'],
+    ['2026-12-06T10:00:00.001500Z', '2026-12-06T10:00:00.001500Z'],
+    ['2026-12-06T10:00:59.999999Z', '2026-12-06T10:00:59.999999Z'],
+  ];
+  for (const [clock, expected] of cases) {
+    const { rows } = await api.db.pool.query<{ same: boolean; at: string }>(
+      `SELECT ${manualRunInstant('$1::timestamptz')} = $2::timestamptz AS same,
+              to_char(${manualRunInstant('$1::timestamptz')} AT TIME ZONE 'UTC', 'HH24:MI:SS.US') AS at`,
+      [clock, expected],
+    );
+    assert.ok(rows[0]!.same, `asked at ${clock}: scheduled for ${rows[0]!.at}, expected ${expected}`);
+  }
+  // And the trigger uses it (its run is due when scheduled).
+  const job = (await api.call('POST', '/api/v1/jobs', { body: jobBody('manual-instant') }))
+    .body as JobResponse;
+  assert.equal((await api.call('POST', `/api/v1/jobs/${job.id}/trigger`)).status, 202);
+  const { rows } = await api.db.pool.query<{ ms: string }>(
+    `SELECT (extract(microseconds FROM scheduled_for)::bigint % 1000000) / 1000.0 AS ms
+     FROM runs WHERE job_id = $1 AND trigger = 'manual' AND not_before = scheduled_for`,
+    [job.id],
+  );
+  assert.equal(rows.length, 1);
+  assert.ok(Number(rows[0]!.ms) >= 1, `scheduled ${rows[0]!.ms} ms into its second`);
 });
