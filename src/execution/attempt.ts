@@ -13,7 +13,7 @@ import {
   type FailureResult,
   type Topics,
 } from '../store/attempts.js';
-import { replaceOlderRuns, type ClaimedRun } from '../store/runs.js';
+import { replaceOlderRuns, type ClaimedRun, type StartAnswer } from '../store/runs.js';
 import { retryDelayMs } from './backoff.js';
 import type { DbClock } from './db-clock.js';
 import type { HttpExecutor } from './http-executor.js';
@@ -38,9 +38,10 @@ export interface AttemptContext {
   readonly handOff?: (messages: RunMessage[]) => void;
   /**
    * Marks a run claimed ahead of its time started (batched): true when it may be called, false
-   * when a pause or an edit withdrew it meanwhile, or its claim was lost.
+   * when a pause or an edit withdrew it meanwhile, or its claim was lost; not started when it is
+   * not yet due by the database clock (StartAnswer).
    */
-  readonly start: (run: ClaimedRun) => Promise<boolean>;
+  readonly start: (run: ClaimedRun) => Promise<StartAnswer>;
   /** Records a success if this node still holds the claim (batched); false when stale. */
   readonly complete: (run: ClaimedRun, report: AttemptReport) => Promise<boolean>;
   /**
@@ -101,7 +102,12 @@ export async function runAttempt(
     // First, before anything acts for this run: a withdrawn run must not replace another (below).
     // Not for a run aborted while it waited for its time (a drain, a lost claim): no call follows,
     // and marking it started before it is due would keep it from a pause after it is handed back.
-    if (run.startPending && !cancel.aborted && !(await startOrWithdrawn(ctx, run, log))) {
+    // Aborted while it waited for the database clock, it goes on to be handed back or dropped below.
+    if (
+      run.startPending &&
+      !cancel.aborted &&
+      (await startWhenDue(ctx, run, cancel, log)) === 'not-started'
+    ) {
       callEnded?.(false);
       return;
     }
@@ -217,24 +223,47 @@ export async function runAttempt(
 
 /**
  * A run claimed ahead of its time: marks it started, after which a pause or an edit no longer
- * withdraws it. False (no call) when it was withdrawn or its claim lost. A write that fails
+ * withdraws it. `not-started` (no call) when it was withdrawn or its claim lost. A write that fails
  * (PostgreSQL restarting, a pool timeout) is tried again while the claim still covers the call
  * (START is repeatable); past that the run is left to the reaper, which re-queues it once its claim
  * expires without using up an attempt. Calling it unmarked could race a pause. A run marked started
  * and then handed back uncalled (whyNotStart) keeps started_at: it is due by then (an aborted run
  * is not marked), so no later pause would withdraw it anyway (only later occurrences are withdrawn).
+ *
+ * START also checks the run is due by the database clock itself (within the skew tolerance): when
+ * this worker's estimate of that clock ran early (a host clock stepped or slewed since the last
+ * sample), it says how long is left; the call waits that long, the estimate is re-sampled, and
+ * START is asked again. `aborted` when the cancel came during that wait: not started, no call.
  */
-async function startOrWithdrawn(ctx: AttemptContext, run: ClaimedRun, log: () => RunLog): Promise<boolean> {
+async function startWhenDue(
+  ctx: AttemptContext,
+  run: ClaimedRun,
+  cancel: AbortSignal,
+  log: () => RunLog,
+): Promise<'started' | 'not-started' | 'aborted'> {
   for (
     let tries = 1, pauseMs = SETTLE_RETRY_MS;
     ;
     tries++, pauseMs = Math.min(SETTLE_RETRY_MAX_MS, pauseMs * 2)
   ) {
     try {
-      if (await ctx.start(run)) return true;
-      ctx.metrics.runsExecuted.inc({ outcome: 'withdrawn' });
-      log().info('run withdrawn (paused, edited or deleted) or its claim lost before its call; no call made');
-      return false;
+      const answer = await ctx.start(run);
+      if (answer === true) return 'started';
+      if (answer === false) {
+        ctx.metrics.runsExecuted.inc({ outcome: 'withdrawn' });
+        log().info(
+          'run withdrawn (paused, edited or deleted) or its claim lost before its call; no call made',
+        );
+        return 'not-started';
+      }
+      ctx.metrics.startsEarly.inc();
+      log().warn(
+        { dueInMs: Math.round(answer.dueInMs) },
+        "not due yet by the database clock (this worker's estimate of it ran early); the call waits",
+      );
+      void ctx.clock.sync(ctx.pool).catch(() => undefined);
+      await sleep(Math.ceil(answer.dueInMs) + 1, undefined, { signal: cancel }).catch(() => undefined);
+      if (cancel.aborted) return 'aborted';
     } catch (err) {
       // Worth another try only while a call started after it could still end within the claim.
       const spareMs = ctx.clock.msLeftUntil(run.claimExpiresAt) - run.timeoutMs;
@@ -244,7 +273,7 @@ async function startOrWithdrawn(ctx: AttemptContext, run: ClaimedRun, log: () =>
           { err: toError(err), tries },
           'could not mark the run started; no call made, the reaper re-queues it once its claim expires',
         );
-        return false;
+        return 'not-started';
       }
       if (tries === 1)
         log().warn(

@@ -18,6 +18,7 @@ import {
   claimRuns,
   isForbidViolation,
   startRuns,
+  type StartAnswer,
   type ClaimedRun,
   type ClaimOptions,
   type ClaimRequest,
@@ -270,16 +271,21 @@ export interface StartRequest {
 
 /**
  * Starts claimed-ahead runs in batches (see MicroBatcher; a herd's runs all start at their
- * instant): true when the run may be called, false when it was withdrawn or its claim lost. A
- * batch that fails is retried item by item, as completions are.
+ * instant): see StartAnswer. A run is started only when due by the database clock within
+ * `dueWithinMs` (the clock skew tolerance). A batch that fails is retried item by item, as
+ * completions are.
  */
-export function createStartBatcher(pool: Connections, nodeId: string): MicroBatcher<StartRequest, boolean> {
+export function createStartBatcher(
+  pool: Connections,
+  nodeId: string,
+  dueWithinMs: number,
+): MicroBatcher<StartRequest, StartAnswer> {
   return new MicroBatcher(
     async (runs) => {
       try {
-        return await startRuns(pool, nodeId, runs);
+        return await startRuns(pool, nodeId, runs, dueWithinMs);
       } catch {
-        return oneByOne(runs, async (run) => (await startRuns(pool, nodeId, [run]))[0]!);
+        return oneByOne(runs, async (run) => (await startRuns(pool, nodeId, [run], dueWithinMs))[0]!);
       }
     },
     MAX_BATCH,

@@ -24,6 +24,8 @@ export class DbClock {
   private monotonicOffsetMs: number;
   private wallOffsetMs = 0;
   private lastSync = -Infinity;
+  /** The sampling in progress, if any (see sync). */
+  private sampling: Promise<void> | undefined;
   private readonly monotonic: () => number;
 
   /** `monotonic`: ms from an origin of its own that never steps (tests with mocked timers pass theirs). */
@@ -72,6 +74,12 @@ export class DbClock {
    */
   async sync(db: Queryable, maxAgeMs = 0, samples = 3): Promise<void> {
     if (this.monotonic() - this.lastSync < maxAgeMs && !this.disagreeing) return;
+    // One sampling at a time: callers that ask meanwhile (a herd's runs) share it.
+    this.sampling ??= this.sample(db, samples).finally(() => (this.sampling = undefined));
+    return this.sampling;
+  }
+
+  private async sample(db: Queryable, samples: number): Promise<void> {
     let best: { rtt: number; monotonicOffset: number; wallOffset: number } | undefined;
     for (let i = 0; i < samples; i++) {
       const t0 = this.monotonic();

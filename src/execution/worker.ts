@@ -105,7 +105,7 @@ export class Worker {
     const writeMayWait = (run: ClaimedRun, report: AttemptReport) =>
       completionMayWait(run, report, this.clock, holdMs);
     const claims = createClaimBatcher(options.pool, this.claimOptions());
-    const starts = createStartBatcher(options.pool, options.nodeId);
+    const starts = createStartBatcher(options.pool, options.nodeId, options.settings.skewToleranceMs);
     const topics = { runsTopic: options.runsTopic, deadLetterTopic: options.deadLetterTopic };
     const failures = createFailureBatcher(options.pool, options.nodeId, topics);
     const releases = createReleaseBatcher(options.pool, options.nodeId, topics.runsTopic);

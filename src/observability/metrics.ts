@@ -217,6 +217,11 @@ export function createMetrics(nodeId: string) {
       help: 'Jobs the dispatcher parked (no next run) because their schedule could not be evaluated',
       registers: [registry],
     }),
+    startsEarly: new Counter({
+      name: 'helios_starts_early_total',
+      help: "Calls held back because PostgreSQL found their run not yet due: this worker's estimate of the database clock ran early by more than HELIOS_CLOCK_SKEW_TOLERANCE_MS",
+      registers: [registry],
+    }),
     settleRetries: new Counter({
       name: 'helios_settle_retries_total',
       help: 'Writes of an attempt outcome (completion, retry, dead letter) retried after a failure while the claim held',

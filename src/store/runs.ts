@@ -202,19 +202,22 @@ export async function claimRun(
 
 /**
  * Marks runs claimed ahead of their time (ClaimedRun.startPending) started, where node $3 still
- * holds the attempt: from here on a pause or an edit no longer withdraws them (WITHDRAW_FUTURE_RUNS
- * only takes runs whose started_at is NULL). Both statements write the row, so whichever commits
- * first wins and the other sees it: a withdrawn run is not started (nothing to update), a started
- * run is not withdrawn (the delete re-reads the row it waited for). Parallel arrays: $1 = run ids,
- * $2 = attempts. Returns the ids started. Repeatable: a retry after a commit whose answer was lost
- * finds the run started and says so. started_at is not indexed, so this is a HOT update when the
- * page has room (the completion later narrows it to when the call began).
+ * holds the attempt and the run is due by the database clock, give or take $4 ms (the workers'
+ * clock skew tolerance; NULL: whenever): from here on a pause or an edit no longer withdraws them
+ * (WITHDRAW_FUTURE_RUNS only takes runs whose started_at is NULL). Both statements write the row,
+ * so whichever commits first wins and the other sees it: a withdrawn run is not started (nothing
+ * to update), a started run is not withdrawn (the delete re-reads the row it waited for).
+ * Parallel arrays: $1 = run ids, $2 = attempts. Returns the ids started. Repeatable: a retry after
+ * a commit whose answer was lost finds the run started and says so. started_at is not indexed, so
+ * this is a HOT update when the page has room (the completion later narrows it to when the call
+ * began).
  */
 const START = `
   WITH input AS MATERIALIZED (
     -- As in the completion statement: node and state as columns of a materialised input keep the
     -- plan one primary-key lookup per run, whatever the statistics say about running runs.
-    SELECT s.*, $3::text AS node, 'running'::text AS running
+    SELECT s.*, $3::text AS node, 'running'::text AS running,
+           coalesce(statement_timestamp() + $4::float8 * interval '1 millisecond', 'infinity') AS due_by
     FROM unnest($1::uuid[], $2::int[]) AS s (id, attempt)
   )
   -- Locks its runs in its plan's order, not necessarily by id: a pause holding one of them while it
@@ -222,26 +225,53 @@ const START = `
   UPDATE runs r SET started_at = coalesce(r.started_at, statement_timestamp())
   FROM input s
   WHERE r.id = s.id AND r.attempt = s.attempt AND r.claimed_by = s.node AND r.state = s.running
+    AND (r.not_before <= s.due_by OR r.started_at IS NOT NULL)
   RETURNING r.id, r.attempt`;
 
 /**
- * Starts claimed-ahead runs (see START) in one statement; returns, per run, whether it may be
- * called: false when it was withdrawn (a pause, an edit, a deletion) or its claim lost.
+ * Of runs START did not start, those node $3 may still start (its claim, running, not started):
+ * START found them not yet due. How long until they are, by the database clock (≤ 0: due since).
+ */
+const NOT_YET_DUE = `
+  SELECT r.id, r.attempt, extract(epoch FROM r.not_before - clock_timestamp())::float8 * 1000 AS due_in_ms
+  FROM unnest($1::uuid[], $2::int[]) AS s (id, attempt)
+  JOIN runs r ON r.id = s.id AND r.attempt = s.attempt
+  WHERE r.claimed_by = $3 AND r.state = 'running' AND r.started_at IS NULL`;
+
+/**
+ * What START answered for one run: true, started (it may be called); false, withdrawn (a pause, an
+ * edit, a deletion) or its claim lost; or not due yet by the database clock, for `dueInMs` more.
+ */
+export type StartAnswer = boolean | { readonly dueInMs: number };
+
+/**
+ * Starts claimed-ahead runs (see START) in one statement. `dueWithinMs`: how early by the database
+ * clock a run may start (the clock skew tolerance); omitted, a run starts whenever asked. Runs it
+ * did not start (withdrawn, or not yet due: rare) cost a second statement, which tells them apart.
  */
 export async function startRuns(
   db: Queryable,
   nodeId: string,
   runs: readonly { readonly id: string; readonly attempt: number }[],
-): Promise<boolean[]> {
+  dueWithinMs?: number,
+): Promise<StartAnswer[]> {
   if (runs.length === 0) return [];
   const sorted = inLockOrder(runs, (r) => r.id);
   const { rows } = await db.query<{ id: string; attempt: number }>(
     { name: 'helios-start-runs', text: START },
-    [sorted.map((r) => r.id), sorted.map((r) => r.attempt), nodeId],
+    [sorted.map((r) => r.id), sorted.map((r) => r.attempt), nodeId, dueWithinMs ?? null],
   );
   // By attempt: a stale attempt of a run in the same batch as its current one is not started.
-  const started = new Set(rows.map((r) => `${r.id}/${r.attempt}`));
-  return runs.map((r) => started.has(`${r.id}/${r.attempt}`));
+  const answers = new Map<string, StartAnswer>(rows.map((r) => [`${r.id}/${r.attempt}`, true]));
+  const missed = dueWithinMs === undefined ? [] : runs.filter((r) => !answers.has(`${r.id}/${r.attempt}`));
+  if (missed.length > 0) {
+    const { rows: waiting } = await db.query<{ id: string; attempt: number; due_in_ms: number }>(
+      { name: 'helios-start-not-yet-due', text: NOT_YET_DUE },
+      [missed.map((r) => r.id), missed.map((r) => r.attempt), nodeId],
+    );
+    for (const r of waiting) answers.set(`${r.id}/${r.attempt}`, { dueInMs: r.due_in_ms });
+  }
+  return runs.map((r) => answers.get(`${r.id}/${r.attempt}`) ?? false);
 }
 
 /** Why a claim returned nothing: the run as it is now. */

@@ -273,7 +273,7 @@ const success = (): AttemptReport => ({
 
 /** A worker's attempt context (real START batcher) whose executor records each call made. */
 function context(nodeId: string, calls: string[]): AttemptContext {
-  const starts = createStartBatcher(pool, nodeId);
+  const starts = createStartBatcher(pool, nodeId, 10);
   const executor = {
     execute: async (run: ClaimedRun, cancel: AbortSignal): Promise<AttemptReport> => {
       if (cancel.aborted) return { ...success(), outcome: 'cancelled', statusCode: null };

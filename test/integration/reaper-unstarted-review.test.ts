@@ -147,7 +147,7 @@ function context(
   calls: string[],
   during?: (run: ClaimedRun) => Promise<void>,
 ): AttemptContext {
-  const starts = createStartBatcher(pool, nodeId);
+  const starts = createStartBatcher(pool, nodeId, 10);
   const executor = {
     execute: async (run: ClaimedRun, cancel: AbortSignal): Promise<AttemptReport> => {
       if (cancel.aborted) return { ...success(), outcome: 'cancelled', statusCode: null };

@@ -74,7 +74,7 @@ test('a replace run STARTed, then replaced by the next occurrence before its own
       return { outcome: 'succeeded', statusCode: 200, durationMs: 1, error: null, responseExcerpt: null };
     },
   } as unknown as HttpExecutor;
-  const starts = createStartBatcher(db.pool, A);
+  const starts = createStartBatcher(db.pool, A, 10);
   const ctx: AttemptContext = {
     pool: db.pool,
     nodeId: A,

@@ -18,7 +18,7 @@ import { untilDbTime } from '../support/db-time.js';
 
 // START through the real start batcher (createStartBatcher: a failed
 // batch falls back to oneByOne, one statement per run) and the real runAttempt retry loop
-// (startOrWithdrawn), with a pool that loses the first START's answer (after or before it commits)
+// (startWhenDue), with a pool that loses the first START's answer (after or before it commits)
 // while a pause, or the reaper plus another node's re-claim, lands in between. Each case checks that
 // what the worker does (call or not) matches what the database says the pause / reaper saw, and
 // that the occurrence is called at most once.
@@ -93,7 +93,7 @@ function lossyPool(commit: boolean, between: () => Promise<void>): Connections &
 }
 
 function context(pool: Connections, nodeId: string, calls: string[]): AttemptContext {
-  const starts = createStartBatcher(pool, nodeId);
+  const starts = createStartBatcher(pool, nodeId, 10);
   const executor = {
     execute: async (run: ClaimedRun, cancel: AbortSignal): Promise<AttemptReport> => {
       if (!cancel.aborted) calls.push(`${nodeId}:${run.id}:${run.attempt}`);

@@ -76,3 +76,12 @@ test('before its first sample the estimate is the wall clock', () => {
   assert.ok(Math.abs(clock.now() - Date.now()) < 20);
   assert.equal(clock.disagreeing, false);
 });
+
+test('syncs asked for while one samples share it (a herd of early starts asks at once)', async () => {
+  const db = databaseAhead(1_000);
+  const clock = new DbClock();
+  await Promise.all([clock.sync(db), clock.sync(db), clock.sync(db)]);
+  assert.equal(db.samples, 3, 'one sampling of three round trips');
+  await clock.sync(db);
+  assert.equal(db.samples, 6, 'a sync after it samples again');
+});
