@@ -185,7 +185,10 @@ export async function runAttempt(
       return;
     }
 
-    metrics.runsExecuted.inc({ outcome: report.outcome });
+    // A call cut by a lost claim after its status arrived keeps that answer (http-executor.ts); its
+    // write below is then stale, like any other of a lost claim, and counted so.
+    const claimLost = cancel.aborted && cancel.reason instanceof ClaimLostError;
+    metrics.runsExecuted.inc({ outcome: claimLost ? 'claim-lost' : report.outcome });
     if (report.outcome === 'succeeded') {
       if (!(await whileClaimed(ctx, run, log, () => ctx.complete(run, report)))) {
         await staleOrRecorded(ctx, run, log, report.outcome);

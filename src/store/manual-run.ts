@@ -3,14 +3,15 @@ import { FIRST_ATTEMPT_MESSAGE, JOB_SNAPSHOT_VALUES, RUN_SNAPSHOT_COLUMNS } from
 
 /**
  * The instant a manual run asked for at `clock` is scheduled for: `clock`, or, when that falls in
- * the first millisecond of a second, the end of that millisecond. Occurrences are whole seconds:
- * a manual run there would take the occurrence's slot (one run per job and instant), and the
- * occurrence would get no run; within its millisecond it would carry the occurrence's
- * `X-Helios-Scheduled-For` (milliseconds). Moved by less than a millisecond, never earlier.
+ * the first millisecond of a second, a millisecond later. Occurrences are whole seconds: a manual
+ * run there would take the occurrence's slot (one run per job and instant), and the occurrence
+ * would get no run; within its millisecond it would carry the occurrence's
+ * `X-Helios-Scheduled-For` (milliseconds). Shifted, not rounded: two triggers at different
+ * microseconds stay two runs.
  */
 export function manualRunInstant(clock: string): string {
-  const second = `date_trunc('second', ${clock})`;
-  return `greatest(${clock}, ${second} + interval '1 millisecond')`;
+  return `(${clock} + CASE WHEN ${clock} < date_trunc('second', ${clock}) + interval '1 millisecond'
+                      THEN interval '1 millisecond' ELSE interval '0' END)`;
 }
 
 /**

@@ -363,10 +363,12 @@ test('DELETE answers 204, removes the job and its runs, then 404', async () => {
 
 test("a manual run never takes an occurrence's instant (a whole second) nor its millisecond", async () => {
   // Triggered in the first millisecond of a second, the run once took the occurrence's slot (one
-  // run per job and instant): the occurrence got no run.
+  // run per job and instant): the occurrence got no run. Shifted, not rounded, so that two
+  // triggers in that millisecond stay two runs.
   const cases: [string, string][] = [
     ['2026-12-06T10:00:00.000000Z', '2026-12-06T10:00:00.001000Z'],
-    ['2026-12-06T10:00:00.000400Z', '2026-12-06T10:00:00.001000Z'],
+    ['2026-12-06T10:00:00.000400Z', '2026-12-06T10:00:00.001400Z'],
+    ['2026-12-06T10:00:00.000999Z', '2026-12-06T10:00:00.001999Z'],
     ['2026-12-06T10:00:00.001000Z', '2026-12-06T10:00:00.001000Z'],
     ['2026-12-06T10:00:00.001500Z', '2026-12-06T10:00:00.001500Z'],
     ['2026-12-06T10:00:59.999999Z', '2026-12-06T10:00:59.999999Z'],
