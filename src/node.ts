@@ -19,6 +19,7 @@ import {
   probeLeaderSessions,
 } from './store/leader-sessions.js';
 import { createEtcdClient } from './coordination/etcd.js';
+import { EndedEpochs } from './coordination/ended-epochs.js';
 import { listNodes, NodeRegistry } from './coordination/registry.js';
 import { clusterView } from './coordination/cluster-view.js';
 import { endpointOfUrl, endpointsOfEtcdMembers, type Endpoint } from './security/cluster-endpoints.js';
@@ -272,6 +273,7 @@ export class HeliosNode {
         targetPolicy: config.targets.policy,
         // The registry's live workers but this one; bounded, as a stop waits for it.
         handOffPeers: () => this.liveWorkersBut(config.node.id),
+        endedEpochsBelow: await this.watchEndedEpochs(etcd),
         logger,
         runLines: this.runLines,
         metrics: this.metrics,
@@ -371,6 +373,37 @@ export class HeliosNode {
       abort.abort();
       await loop;
     });
+  }
+
+  /**
+   * Keeps a recent reading of which leader epochs have ended (EndedEpochs) for the worker's misfire
+   * rule: read every second (every quarter of the misfire threshold when that is shorter), each
+   * reading counting for half the threshold, at most 2.5 s. The first read is awaited (bounded),
+   * so that the worker's first claims have it. Not kept below a 1 s threshold (the fence alone).
+   */
+  private async watchEndedEpochs(etcd: Etcd3): Promise<(() => bigint | null) | undefined> {
+    const { config, logger } = this;
+    const thresholdMs = config.worker.misfireThresholdMs;
+    if (thresholdMs < 1000) return undefined;
+    const maxAgeMs = Math.min(2500, thresholdMs / 2);
+    const epochs = new EndedEpochs(etcd, `${config.etcd.prefix}/leader`, maxAgeMs);
+    const read = () =>
+      withTimeout(epochs.read(), maxAgeMs, 'reading the leader key').catch((err: unknown) =>
+        logger.debug({ err: toError(err) }, 'leader key not read; ended epochs as last known'),
+      );
+    await read();
+    const abort = new AbortController();
+    const loop = (async () => {
+      while (!abort.signal.aborted) {
+        await sleep(Math.min(1000, maxAgeMs / 2), undefined, { signal: abort.signal }).catch(() => undefined);
+        if (!abort.signal.aborted) await read();
+      }
+    })();
+    this.onStop('ended epochs watch', async () => {
+      abort.abort();
+      await loop;
+    });
+    return () => epochs.below();
   }
 
   /** Ends the sessions an earlier leader left inside a transaction (see endPredecessorSessions). */

@@ -1,5 +1,6 @@
 import type { Database } from '../store/db.js';
 import type { Etcd3 } from 'etcd3';
+import { lowestLiveToken } from './ended-epochs.js';
 import { readFence, setFence, type FenceRow } from '../store/fence.js';
 
 /**
@@ -39,19 +40,10 @@ export type FenceResetResult =
 
 /** Reads the fence and, in one etcd request, the leader key and etcd's current revision. */
 export async function fenceStatus(pool: Database, etcd: Etcd3, leaderKey: string): Promise<FenceStatus> {
-  const [fence, response] = await Promise.all([readFence(pool), etcd.get(leaderKey).exec()]);
-  const kv = response.kvs[0];
-  const leader = kv
-    ? {
-        nodeId: (JSON.parse(kv.value.toString()) as { nodeId?: string }).nodeId ?? '(unknown)',
-        token: BigInt(kv.create_revision),
-      }
-    : null;
-  const etcdRevision = BigInt(response.header.revision);
+  const [fence, live] = await Promise.all([readFence(pool), lowestLiveToken(etcd, leaderKey)]);
   // A held key's token is what its leader writes with; with no leader, the next one's token will
   // exceed the current revision.
-  const nextToken = leader ? leader.token : etcdRevision + 1n;
-  return { fence, etcdRevision, leader, fenceAhead: fence.token > nextToken };
+  return { fence, etcdRevision: live.revision, leader: live.leader, fenceAhead: fence.token > live.token };
 }
 
 /**

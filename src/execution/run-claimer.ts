@@ -37,6 +37,8 @@ export interface RunClaimerOptions {
   readonly claimLeadMs: number;
   /** A claim leaves a misfire its job's policy drops, which is then skipped (ClaimOptions.misfireThresholdMs). */
   readonly misfireThresholdMs?: number;
+  /** Leader epochs ended by etcd (ClaimOptions.endedEpochsBelow). */
+  readonly endedEpochsBelow?: () => bigint | null;
   readonly clock: DbClock;
   readonly metrics: Metrics;
 }
@@ -68,10 +70,11 @@ export class RunClaimer {
    */
   private async afterMiss(message: RunMessage, hold: HoldState): Promise<ClaimOutcome> {
     const { pool, metrics, skewToleranceMs, claimLeadMs, clock, misfireThresholdMs } = this.options;
-    const miss = await explainClaimMiss(pool, message.runId, misfireThresholdMs ?? null);
+    const endedBelow = this.options.endedEpochsBelow?.() ?? null;
+    const miss = await explainClaimMiss(pool, message.runId, misfireThresholdMs ?? null, endedBelow);
     const current = miss?.state === 'queued' && miss.attempt === message.attempt - 1;
     if (current && miss.misfired && misfireThresholdMs !== undefined) {
-      if (await skipMisfiredRun(pool, message.runId, misfireThresholdMs)) {
+      if (await skipMisfiredRun(pool, message.runId, misfireThresholdMs, endedBelow)) {
         metrics.runsSkipped.inc({ reason: 'misfire' });
         metrics.runClaims.inc({ source: 'kafka', result: 'skipped' });
       }

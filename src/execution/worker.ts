@@ -51,6 +51,11 @@ export interface WorkerOptions {
    * one of them). Default, or when it fails: none known, every worker receives every run.
    */
   readonly handOffPeers?: () => Promise<readonly string[]>;
+  /**
+   * Every leader epoch whose token is below this has ended, by etcd (EndedEpochs); null or absent:
+   * unknown, and the misfire rule knows of ended epochs from the fence alone.
+   */
+  readonly endedEpochsBelow?: () => bigint | null;
   readonly logger: Logger;
   /** The node's budget of lines about single runs. Default: no limit. */
   readonly runLines?: RunLines;
@@ -131,6 +136,7 @@ export class Worker {
       skewToleranceMs: options.settings.skewToleranceMs,
       claimLeadMs: options.settings.claimLeadMs,
       misfireThresholdMs: options.settings.misfireThresholdMs,
+      endedEpochsBelow: options.endedEpochsBelow,
       clock: this.clock,
       metrics: options.metrics,
     });
@@ -321,6 +327,7 @@ export class Worker {
       skewToleranceMs: this.options.settings.skewToleranceMs,
       leadMs: this.options.settings.claimLeadMs,
       misfireThresholdMs: this.options.settings.misfireThresholdMs,
+      endedEpochsBelow: this.options.endedEpochsBelow,
     };
   }
 }

@@ -38,7 +38,10 @@ const CLAIMED_COLUMNS = `
  * was leaderless, or down, in between), of a `skip` job, or of a `fire-once` job with a later
  * occurrence that is late too, made into a run or still to be (that one fires: one run for the
  * latest missed occurrence, whichever of the
- * workers and the new leader comes first). The policy is the run's copy of its job's (a later edit
+ * workers and the new leader comes first). Its epoch has ended when the fence has moved past it, or
+ * when etcd says so (`endedBelow`, SQL: every epoch with a lower token has ended; NULL: unknown,
+ * see EndedEpochs): the fence moves only at a new epoch's first write, and a worker back after
+ * the whole cluster was down, before any leader has written, would run such runs late. The policy is the run's copy of its job's (a later edit
  * does not change it; the job's for runs created before runs had the column). The dispatcher and
  * a command's createDueRuns apply the policy to occurrences they find late, and the runs they make
  * late are theirs to fire; this covers the runs a leader made ahead, in time, before the cluster
@@ -48,14 +51,14 @@ const CLAIMED_COLUMNS = `
  * tests first: the fence, jobs and runs lookups are made only for a late, never-claimed run.
  * Always true or false, never NULL.
  */
-export const misfiredAtClaim = (r: string, threshold: string): string => {
+export const misfiredAtClaim = (r: string, threshold: string, endedBelow: string): string => {
   const late = `statement_timestamp() - ${threshold}::int * interval '1 millisecond'`;
   // IS TRUE: a run made through the API has no created_epoch, and NULL here would leave it
   // unclaimed for ever (NOT NULL is not true).
   return `((
   ${threshold}::int IS NOT NULL AND ${r}.attempt = 0 AND ${r}.trigger = 'schedule'
   AND greatest(${r}.scheduled_for, ${r}.created_at) < ${late}
-  AND ${r}.created_epoch < (SELECT f.token FROM leader_fence f WHERE f.id)
+  AND ${r}.created_epoch < greatest((SELECT f.token FROM leader_fence f WHERE f.id), ${endedBelow}::bigint)
   AND EXISTS (
     SELECT 1 FROM jobs j
     WHERE j.id = ${r}.job_id AND (coalesce(${r}.misfire, j.misfire) = 'skip' OR (coalesce(${r}.misfire, j.misfire) = 'fire-once' AND (
@@ -111,7 +114,7 @@ const CLAIM = `
       AND NOT (r.concurrency = 'forbid' AND r.attempt = 0 AND EXISTS (
         SELECT 1 FROM runs o
         WHERE o.job_id = r.job_id AND o.id <> r.id AND o.state = 'queued' AND o.attempt > 0))
-      AND NOT ${misfiredAtClaim('r', '$7')}
+      AND NOT ${misfiredAtClaim('r', '$7', '$8')}
     RETURNING r.*
   ), recorded AS (
     INSERT INTO run_attempts (run_id, attempt, node_id, started_at)
@@ -146,6 +149,8 @@ export interface ClaimOptions {
    * but skipped. Default: none is.
    */
   readonly misfireThresholdMs?: number;
+  /** Every leader epoch whose token is below this has ended, by etcd (EndedEpochs); null: unknown. */
+  readonly endedEpochsBelow?: () => bigint | null;
 }
 
 /** Thrown by PostgreSQL when a claim would make a second run of a `forbid` job running. */
@@ -184,6 +189,7 @@ export async function claimRuns(
     sorted.map((r) => r.expectedAttempt),
     options.leadMs ?? 0,
     options.misfireThresholdMs ?? null,
+    options.endedEpochsBelow?.()?.toString() ?? null,
   ]);
   const byId = new Map(rows.map((run) => [run.id, run]));
   return requests.map((r) => byId.get(r.runId) ?? null);
@@ -233,10 +239,14 @@ const START = `
  * START found them not yet due. How long until they are, by the database clock (≤ 0: due since).
  */
 const NOT_YET_DUE = `
+  WITH input AS MATERIALIZED (
+    -- As in START: one primary-key lookup per run, whatever the statistics say.
+    SELECT s.*, $3::text AS node, 'running'::text AS running
+    FROM unnest($1::uuid[], $2::int[]) AS s (id, attempt)
+  )
   SELECT r.id, r.attempt, extract(epoch FROM r.not_before - clock_timestamp())::float8 * 1000 AS due_in_ms
-  FROM unnest($1::uuid[], $2::int[]) AS s (id, attempt)
-  JOIN runs r ON r.id = s.id AND r.attempt = s.attempt
-  WHERE r.claimed_by = $3 AND r.state = 'running' AND r.started_at IS NULL`;
+  FROM input s JOIN runs r ON r.id = s.id
+  WHERE r.attempt = s.attempt AND r.claimed_by = s.node AND r.state = s.running AND r.started_at IS NULL`;
 
 /**
  * What START answered for one run: true, started (it may be called); false, withdrawn (a pause, an
@@ -288,7 +298,7 @@ export interface ClaimMiss {
 
 /**
  * The run's state for a claim that missed; null if the run no longer exists. $1 = run id, $2 =
- * the misfire threshold ms (NULL: none).
+ * the misfire threshold ms (NULL: none), $3 = epochs ended below this token (misfiredAtClaim).
  */
 const EXPLAIN_MISS = `
   SELECT r.state, r.attempt,
@@ -296,15 +306,20 @@ const EXPLAIN_MISS = `
          (r.concurrency = 'forbid' AND EXISTS (
            SELECT 1 FROM runs o WHERE o.job_id = r.job_id AND o.id <> r.id
              AND (o.state = 'running' OR (o.state = 'queued' AND o.attempt > 0)))) AS "forbidBlocked",
-         (r.state = 'queued' AND ${misfiredAtClaim('r', '$2')}) AS misfired
+         (r.state = 'queued' AND ${misfiredAtClaim('r', '$2', '$3')}) AS misfired
   FROM runs r WHERE r.id = $1`;
 
 export async function explainClaimMiss(
   db: Queryable,
   runId: string,
   misfireThresholdMs: number | null = null,
+  endedEpochsBelow: bigint | null = null,
 ): Promise<ClaimMiss | null> {
-  const { rows } = await db.query<ClaimMiss>(EXPLAIN_MISS, [runId, misfireThresholdMs]);
+  const { rows } = await db.query<ClaimMiss>(EXPLAIN_MISS, [
+    runId,
+    misfireThresholdMs,
+    endedEpochsBelow?.toString() ?? null,
+  ]);
   return rows[0] ?? null;
 }
 
@@ -327,19 +342,21 @@ export async function skipRun(db: Queryable, runId: string, reason: string): Pro
 
 /**
  * Skips a queued run whose claim found it a misfire its job's policy drops (misfiredAtClaim, judged
- * again on the row this statement locks), with reason `misfire`. $1 = run id, $2 = the threshold ms.
+ * again on the row this statement locks), with reason `misfire`. $1 = run ids, $2 = the threshold ms,
+ * $3 = epochs ended below this token.
  */
 const SKIP_MISFIRED = `
   UPDATE runs r SET state = 'skipped', reason = 'misfire', finished_at = statement_timestamp(), claimed_by = NULL
-  WHERE r.id = ANY($1::uuid[]) AND r.state = 'queued' AND ${misfiredAtClaim('r', '$2')}`;
+  WHERE r.id = ANY($1::uuid[]) AND r.state = 'queued' AND ${misfiredAtClaim('r', '$2', '$3')}`;
 
 /** Returns true if this call skipped the run (false: taken meanwhile, or no longer a misfire). */
 export async function skipMisfiredRun(
   db: Queryable,
   runId: string,
   misfireThresholdMs: number,
+  endedEpochsBelow: bigint | null = null,
 ): Promise<boolean> {
-  return (await skipMisfiredRuns(db, [runId], misfireThresholdMs)) === 1;
+  return (await skipMisfiredRuns(db, [runId], misfireThresholdMs, endedEpochsBelow)) === 1;
 }
 
 /** skipMisfiredRun for many runs in one statement; returns how many it skipped. */
@@ -347,9 +364,14 @@ export async function skipMisfiredRuns(
   db: Queryable,
   runIds: readonly string[],
   misfireThresholdMs: number,
+  endedEpochsBelow: bigint | null = null,
 ): Promise<number> {
   if (runIds.length === 0) return 0;
-  const { rowCount } = await db.query(SKIP_MISFIRED, [runIds, misfireThresholdMs]);
+  const { rowCount } = await db.query(SKIP_MISFIRED, [
+    runIds,
+    misfireThresholdMs,
+    endedEpochsBelow?.toString() ?? null,
+  ]);
   return rowCount ?? 0;
 }
 

@@ -59,7 +59,12 @@ export function leaderEpochs(processes: readonly ProcessView[]): Epoch[] {
 }
 
 /** Was `node` frozen (SIGSTOP, not killed) at `at`? Returns the pause fault. */
-function frozenAt(faults: readonly Fault[], processes: readonly ProcessView[], node: string, at: number) {
+export function frozenAt(
+  faults: readonly Fault[],
+  processes: readonly ProcessView[],
+  node: string,
+  at: number,
+) {
   return faults.find(
     (f) =>
       f.haltedAt !== undefined &&

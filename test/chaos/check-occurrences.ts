@@ -3,7 +3,7 @@
  * exactly once (or its absence is a misfire the job's policy allows), none that must not run
  * did, no occurrence was delivered by two different runs, and each went to the target in force.
  */
-import { leaderEpochs } from './check-leaders.js';
+import { frozenAt, leaderEpochs } from './check-leaders.js';
 import { arrivalDeadline } from './check-runs.js';
 import { expectations, whyNot, type JobHistory, type JobVersion } from './model.js';
 import {
@@ -264,7 +264,8 @@ export function checkOccurrences(obs: Observations): Findings {
 /**
  * Runs a worker skipped at its claim as misfires (reason `misfire`, store/runs.ts misfiredAtClaim):
  * each must be a scheduled occurrence a leader created, never claimed, whose leader's epoch ended
- * before the skip (a newer one began), skipped more than the threshold after it was due (or made,
+ * before the skip (a newer one began, or its leader stepped down, died or froze: etcd's leader key
+ * is gone then, which the workers read), skipped more than the threshold after it was due (or made,
  * for a catch-up's run), of a `skip` job, or of a `fire-once` job with a later occurrence late
  * too (a run due more than the threshold before the skip, or one the dispatcher or a command
  * created late: the latest missed, which fires), and near a fault: without one no worker should
@@ -284,10 +285,16 @@ export function checkMisfireSkips(obs: Observations, runsByJob: Map<string, RunR
     if (run.trigger !== 'schedule' || run.attempt > 0)
       problems.push(`${label}, a ${run.trigger} run after ${run.attempt} attempts: it was owed`);
 
+    // Its epoch had ended: a newer one had begun (it wrote the fence), or, as etcd tells the
+    // workers, its leader had let go of the key: stepped down, died, or froze (its lease expires).
     const created = run.createdEpoch;
-    if (created === null || !epochs.some((e) => e.token > created && e.start <= at + LOG_SLACK_MS))
+    const ended = (e: (typeof epochs)[number]) =>
+      (e.token > (created ?? Infinity) && e.start <= at + LOG_SLACK_MS) ||
+      (e.token === created &&
+        (e.end <= at + LOG_SLACK_MS || frozenAt(obs.faults, obs.processes, e.node, at) !== undefined));
+    if (created === null || !epochs.some(ended))
       problems.push(
-        `${label}, though no newer leader epoch had begun: a run whose leader stays is delayed, not dropped`,
+        `${label}, though its leader's epoch had not ended (no newer one had begun; it had not stepped down, died or frozen): a run whose leader stays is delayed, not dropped`,
       );
     // A run a catch-up made late was its to fire: late only from when it was made.
     const since = Math.max(run.scheduledFor, run.createdAt);

@@ -659,7 +659,55 @@ test('misfires a worker skipped at its claim: allowed late, near a fault, by ski
     misfiresSkipped(
       (obs, skipped) => (obs.runs[obs.runs.indexOf(skipped[0]!)] = { ...skipped[0]!, createdEpoch: 2n }),
     ),
-    /run s1-12 .* though no newer leader epoch had begun/,
+    /run s1-12 .* though its leader's epoch had not ended/,
+  );
+  // Its leader gone by the skip with no newer epoch begun (killed, stepped down, frozen): etcd
+  // told the worker the epoch had ended. Not before it. (These crafted histories break other
+  // rules too, an epoch's order and an unexplained exit: only the misfire rule is judged here.)
+  const orphaned = (leader: (obs: Crafted) => void) =>
+    misfiresSkipped((obs, skipped) => {
+      obs.runs[obs.runs.indexOf(skipped[0]!)] = { ...skipped[0]!, createdEpoch: 2n };
+      leader(obs);
+    });
+  const chaosB = (
+    obs: Crafted,
+    change: (p: Crafted['processes'][number]) => Crafted['processes'][number],
+  ) => {
+    const i = obs.processes.findIndex((p) => p.name === 'chaos-b');
+    obs.processes[i] = change(obs.processes[i]!);
+  };
+  assert.doesNotMatch(
+    orphaned((obs) => chaosB(obs, (p) => ({ ...p, exitedAt: sec(18) }))),
+    /run s1-12 .* though its leader's epoch had not ended/,
+    'its leader died',
+  );
+  assert.doesNotMatch(
+    orphaned((obs) =>
+      chaosB(obs, (p) => ({
+        ...p,
+        logs: [...p.logs, { time: new Date(sec(19)).toISOString(), msg: 'stepped down', token: '2' }],
+      })),
+    ),
+    /run s1-12 .* though its leader's epoch had not ended/,
+    'its leader stepped down',
+  );
+  assert.doesNotMatch(
+    orphaned((obs) =>
+      obs.faults.push({
+        kind: 'pause-leader',
+        node: 'chaos-b',
+        start: sec(16),
+        end: sec(22),
+        haltedAt: sec(16),
+      }),
+    ),
+    /run s1-12 .* though its leader's epoch had not ended/,
+    'its leader was frozen',
+  );
+  assert.match(
+    orphaned((obs) => chaosB(obs, (p) => ({ ...p, exitedAt: sec(21) }))),
+    /run s1-12 .* though its leader's epoch had not ended/,
+    'its leader died after the skip',
   );
   // Counted as a forbid skip it would be "skipped with no other run active".
   assert.doesNotMatch(

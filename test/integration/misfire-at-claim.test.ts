@@ -103,15 +103,24 @@ async function outcome(runId: string): Promise<string> {
 }
 
 /** The worker's Kafka path: a claim of the announced run, and what a miss means (run-claimer.ts). */
-async function claimAnnounced(runId: string, attempt: number, threshold = THRESHOLD_MS) {
+async function claimAnnounced(
+  runId: string,
+  attempt: number,
+  threshold = THRESHOLD_MS,
+  endedBelow: bigint | null = null,
+) {
   const metrics = createMetrics('test');
+  const endedEpochsBelow = () => endedBelow;
   const claimer = new RunClaimer({
     pool: db.pool,
     claim: async (request) =>
-      (await claimRuns(db.pool, [request], { ...options, misfireThresholdMs: threshold }))[0] ?? 'missed',
+      (
+        await claimRuns(db.pool, [request], { ...options, misfireThresholdMs: threshold, endedEpochsBelow })
+      )[0] ?? 'missed',
     skewToleranceMs: 10,
     claimLeadMs: 0,
     misfireThresholdMs: threshold,
+    endedEpochsBelow,
     clock: new DbClock(),
     metrics,
   });
@@ -263,4 +272,30 @@ test('the polling fallback skips the misfires it selects and claims the rest', a
     [owed],
   );
   assert.deepEqual(await Promise.all(late.map(outcome)), ['skipped (misfire)', 'skipped (misfire)']);
+});
+
+test("etcd's word that the run's epoch ended counts before the fence has moved; a live leader's runs are still only delayed", async () => {
+  // The fence holds OLD_EPOCH + 1: by it alone, runs of that epoch are its leader's, still leading.
+  const live = OLD_EPOCH + 1;
+  const skip = await job('skip');
+  const held = await run(skip, { agoMs: 8000, epoch: live });
+  // etcd: the leader key is held with that token (it leads), or etcd was reset and its revisions
+  // are lower than the fence: nothing more is known to have ended.
+  assert.equal((await claimAnnounced(held, 0, THRESHOLD_MS, BigInt(live))).kind, 'claimed');
+  const afterReset = await run(skip, { agoMs: 8000, epoch: live });
+  assert.equal((await claimAnnounced(afterReset, 0, THRESHOLD_MS, 1n)).kind, 'claimed');
+  // etcd: no leader key, or a newer one: that epoch has ended, though no new leader has written.
+  const orphan = await run(skip, { agoMs: 8000, epoch: live });
+  assert.deepEqual(await claimAnnounced(orphan, 0, THRESHOLD_MS, BigInt(live + 1)), {
+    kind: 'done',
+    misfiresSkipped: 1,
+  });
+  assert.equal(await outcome(orphan), 'skipped (misfire)');
+  // The polling fallback the same.
+  const polled = await run(skip, { agoMs: 9000, epoch: live });
+  const result = await inTransaction(db.pool, (client) =>
+    claimOverdueRuns(client, 2000, 10, { ...options, endedEpochsBelow: () => BigInt(live + 1) }),
+  );
+  assert.equal(result.misfired, 1);
+  assert.equal(await outcome(polled), 'skipped (misfire)');
 });
