@@ -5,7 +5,8 @@ import type { Logger } from '../observability/logger.js';
 import type { Metrics } from '../observability/metrics.js';
 import type { Database } from '../store/db.js';
 import type { RetentionConfig } from '../config/index.js';
-import { databaseCutoff, pruneOutbox, pruneRuns } from '../store/retention.js';
+import { isDatabaseUnavailable, isServerError } from '../store/db.js';
+import { databaseCutoff, nextJobAfter, pruneOutbox, pruneRuns } from '../store/retention.js';
 import { loopBackoffMs } from '../loop-backoff.js';
 
 /** Options of {@link Pruner}. */
@@ -44,19 +45,25 @@ export class Pruner {
     const runSweepMs = this.options.runSweepMs ?? 60_000;
     let lastSweep = -Infinity;
     let failures = 0;
-    while (!signal.aborted) {
+    // Each part on its own: an outbox prune that fails does not stop the sweeps of runs.
+    const attempt = async (what: string, part: () => Promise<unknown>): Promise<boolean> => {
       try {
-        await this.pruneOutbox();
-        if (performance.now() - lastSweep >= runSweepMs) {
-          lastSweep = performance.now();
-          await this.sweepRuns();
-        }
-        failures = 0;
+        await part();
+        return true;
       } catch (err) {
-        if (signal.aborted) return;
-        failures += 1;
-        logger.warn({ err: toError(err), failures }, 'pruning failed; retrying');
+        if (!signal.aborted)
+          logger.warn({ err: toError(err), failures: failures + 1 }, `${what} failed; retrying`);
+        return false;
       }
+    };
+    while (!signal.aborted) {
+      let ok = await attempt('pruning the outbox', () => this.pruneOutbox());
+      if (!signal.aborted && performance.now() - lastSweep >= runSweepMs) {
+        lastSweep = performance.now();
+        ok = (await attempt('pruning finished runs', () => this.sweepRuns())) && ok;
+      }
+      if (signal.aborted) return;
+      failures = ok ? 0 : failures + 1;
       const pauseMs = failures === 0 ? intervalMs : Math.max(intervalMs, loopBackoffMs(failures, 60_000));
       await sleep(pauseMs, undefined, { signal }).catch(() => undefined);
     }
@@ -75,27 +82,63 @@ export class Pruner {
     return total;
   }
 
-  /** One pass over every job, pruning its finished runs past the retention. */
+  /**
+   * One pass over every job, pruning its finished runs past the retention. A batch that PostgreSQL
+   * refuses (a statement timeout, a trigger, a lock it cannot get) is tried again on fewer jobs,
+   * halving down to one; a job whose runs still cannot be pruned is left for the next sweep and
+   * the pass goes on past it, so no job keeps the others' history from being pruned. An outage
+   * ends the pass (it rejects).
+   */
   async sweepRuns(): Promise<number> {
-    const { pool, signal, metrics, retention } = this.options;
+    const { pool, signal, metrics, retention, logger } = this.options;
     const cutoff = await databaseCutoff(pool, retention.runsMs);
     let afterJob: string | null = null;
+    let jobs = JOBS_PER_BATCH;
     let total = 0;
+    let skipped = 0;
     while (!signal.aborted) {
-      const { lastJob, pruned } = await pruneRuns(pool, {
-        cutoff,
-        keepPerJob: retention.keepPerJob,
-        afterJob,
-        jobs: JOBS_PER_BATCH,
-        perJob: RUNS_PER_JOB,
-      });
-      total += pruned;
-      if (pruned > 0) metrics.pruned.inc({ table: 'runs' }, pruned);
+      let batch: { lastJob: string | null; pruned: number };
+      try {
+        batch = await pruneRuns(pool, {
+          cutoff,
+          keepPerJob: retention.keepPerJob,
+          afterJob,
+          jobs,
+          perJob: RUNS_PER_JOB,
+        });
+      } catch (err) {
+        if (signal.aborted || isOutage(err)) throw err;
+        if (jobs > 1) {
+          jobs = Math.ceil(jobs / 2);
+          continue;
+        }
+        const job = await nextJobAfter(pool, afterJob);
+        logger.warn(
+          { err: toError(err), job },
+          "a job's finished runs could not be pruned; left for the next sweep",
+        );
+        skipped += 1;
+        if (job === null) break;
+        afterJob = job;
+        continue;
+      }
+      total += batch.pruned;
+      if (batch.pruned > 0) metrics.pruned.inc({ table: 'runs' }, batch.pruned);
       // A job with more than RUNS_PER_JOB to prune is finished by the next sweeps.
-      if (lastJob === null) break;
-      afterJob = lastJob;
+      if (batch.lastJob === null) break;
+      afterJob = batch.lastJob;
+      jobs = Math.min(JOBS_PER_BATCH, jobs * 2);
     }
-    if (total > 0) this.options.logger.info({ runs: total, cutoff }, 'pruned finished runs');
+    if (total > 0 || skipped > 0)
+      logger.info({ runs: total, cutoff, jobsSkipped: skipped }, 'pruned finished runs');
     return total;
   }
+}
+
+/**
+ * The database could not be used at all (isDatabaseUnavailable), which no smaller batch mends; a
+ * statement cancelled by its timeout (57014) is this batch's, not an outage.
+ */
+function isOutage(err: unknown): boolean {
+  return isDatabaseUnavailable(err) && !(isServerError(err) && err.code === '57014');
 }

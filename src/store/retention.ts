@@ -51,6 +51,15 @@ export async function pruneRuns(
   return rows[0]!;
 }
 
+/** The first job after `afterJob` in id order (from the start when null); null when none is. */
+export async function nextJobAfter(db: Queryable, afterJob: string | null): Promise<string | null> {
+  const { rows } = await db.query<{ id: string }>(
+    'SELECT id FROM jobs WHERE $1::uuid IS NULL OR id > $1::uuid ORDER BY id LIMIT 1',
+    [afterJob],
+  );
+  return rows[0]?.id ?? null;
+}
+
 /**
  * Deletes at most $2 outbox rows published more than $1 ms ago (outbox_published_idx), by primary
  * key. The ids go in an array, which the subquery fills once whatever the plan around it: as

@@ -117,3 +117,55 @@ test('published outbox rows past their retention are deleted however many there 
     ['pending', 'recent'],
   );
 });
+
+test("a job whose runs cannot be pruned keeps neither the other jobs' history nor the sweeps from being pruned", async (t) => {
+  const stuck = await job('stuck');
+  await history(stuck, 10, 100);
+  const others = [await job('other-1'), await job('other-2'), await job('other-3')];
+  for (const id of others) await history(id, 10, 100);
+  // PostgreSQL refuses to delete the stuck job's runs (as a statement timeout or a lock would).
+  await db.pool.query(`
+    CREATE FUNCTION refuse_delete() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN RAISE EXCEPTION 'refused: %', TG_TABLE_NAME; END $$`);
+  await db.pool.query(
+    `CREATE TRIGGER refuse_stuck BEFORE DELETE ON runs FOR EACH ROW
+     WHEN (OLD.job_id = '${stuck}') EXECUTE FUNCTION refuse_delete()`,
+  );
+  t.after(() =>
+    db.pool.query('DROP TRIGGER IF EXISTS refuse_stuck ON runs; DROP FUNCTION refuse_delete CASCADE'),
+  );
+
+  assert.equal(
+    await pruner().sweepRuns(),
+    3 * 7,
+    "every other job's runs past the retention, all but 3 each",
+  );
+  assert.equal((await runsOfJob(stuck)).n, 10, 'the stuck job is left for the next sweep');
+  for (const id of others) assert.equal((await runsOfJob(id)).n, 3);
+
+  // The leader's loop: an outbox prune that fails does not keep the runs from being swept.
+  const more = await job('more');
+  await history(more, 10, 100);
+  await db.pool.query(
+    `CREATE TRIGGER refuse_outbox BEFORE DELETE ON outbox FOR EACH ROW EXECUTE FUNCTION refuse_delete()`,
+  );
+  t.after(() => db.pool.query('DROP TRIGGER IF EXISTS refuse_outbox ON outbox'));
+  await db.pool.query(
+    `INSERT INTO outbox (topic, key, payload, published_at) VALUES ('t', 'old', '{}', now() - interval '1 hour')`,
+  );
+  const stop = new AbortController();
+  const loop = new Pruner({
+    pool: db.pool,
+    signal: stop.signal,
+    retention: { runsMs: 30 * DAY, keepPerJob: 3, outboxMs: 600_000 },
+    intervalMs: 50,
+    runSweepMs: 50,
+    logger: silentLogger,
+    metrics: createMetrics('retention-loop-test'),
+  }).run();
+  const deadline = Date.now() + 10_000;
+  while ((await runsOfJob(more)).n > 3 && Date.now() < deadline) await new Promise((r) => setTimeout(r, 50));
+  stop.abort();
+  await loop;
+  assert.equal((await runsOfJob(more)).n, 3, 'swept while the outbox prune kept failing');
+});
