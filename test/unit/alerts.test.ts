@@ -84,6 +84,7 @@ test('every metric the alert rules and the dashboard name is one a Helios node e
 test('every alert says what happened and what to do, with a severity', () => {
   assert.deepEqual(rules.map((r) => r.alert).sort(), [
     'HeliosCallsNotRecorded',
+    'HeliosClockEstimateEarly',
     'HeliosDbPoolWaiting',
     'HeliosDeadLettersRising',
     'HeliosFenceRejections',
@@ -246,6 +247,25 @@ const CASES: Case[] = [
     series: { 'helios_stale_completions_total{node="b"}': '2x30' },
     at: '25m',
     alert: 'HeliosCallsNotRecorded',
+    fires: [],
+  },
+  {
+    name: "a worker's clock estimate ran early once",
+    interval: '1m',
+    series: {
+      'helios_starts_early_total{node="b"}': '0 0 3 3',
+      'helios_starts_early_total{node="c"}': '0 0 0 0',
+    },
+    at: '3m',
+    alert: 'HeliosClockEstimateEarly',
+    fires: [{ node: 'b' }],
+  },
+  {
+    name: 'no early estimate for 15 minutes',
+    interval: '1m',
+    series: { 'helios_starts_early_total{node="b"}': '3x30' },
+    at: '25m',
+    alert: 'HeliosClockEstimateEarly',
     fires: [],
   },
   {
