@@ -20,6 +20,7 @@ import {
 } from './store/leader-sessions.js';
 import { createEtcdClient } from './coordination/etcd.js';
 import { EndedEpochs } from './coordination/ended-epochs.js';
+import type { EndedEpochsReading } from './store/runs.js';
 import { listNodes, NodeRegistry } from './coordination/registry.js';
 import { clusterView } from './coordination/cluster-view.js';
 import { endpointOfUrl, endpointsOfEtcdMembers, type Endpoint } from './security/cluster-endpoints.js';
@@ -273,7 +274,7 @@ export class HeliosNode {
         targetPolicy: config.targets.policy,
         // The registry's live workers but this one; bounded, as a stop waits for it.
         handOffPeers: () => this.liveWorkersBut(config.node.id),
-        endedEpochsBelow: await this.watchEndedEpochs(etcd),
+        endedEpochs: await this.watchEndedEpochs(etcd),
         logger,
         runLines: this.runLines,
         metrics: this.metrics,
@@ -381,7 +382,7 @@ export class HeliosNode {
    * reading counting for half the threshold, at most 2.5 s. The first read is awaited (bounded),
    * so that the worker's first claims have it. Not kept below a 1 s threshold (the fence alone).
    */
-  private async watchEndedEpochs(etcd: Etcd3): Promise<(() => bigint | null) | undefined> {
+  private async watchEndedEpochs(etcd: Etcd3): Promise<(() => EndedEpochsReading | null) | undefined> {
     const { config, logger } = this;
     const thresholdMs = config.worker.misfireThresholdMs;
     if (thresholdMs < 1000) return undefined;
@@ -403,7 +404,7 @@ export class HeliosNode {
       abort.abort();
       await loop;
     });
-    return () => epochs.below();
+    return () => epochs.reading();
   }
 
   /** Ends the sessions an earlier leader left inside a transaction (see endPredecessorSessions). */

@@ -10,6 +10,11 @@ export interface Leadership {
   readonly nodeId: string;
   /** The leader key's create_revision: the fencing token of this epoch; it only grows. */
   readonly token: bigint;
+  /**
+   * The etcd cluster and leader key the token is a revision of (leaderKeyOf), kept with the fence;
+   * absent (a test's leadership): the fence names none.
+   */
+  readonly leaderKey?: string;
   readonly since: Date;
   /** Aborted the moment this node stops being leader, for whatever reason. */
   readonly signal: AbortSignal;
@@ -200,6 +205,7 @@ export class LeaderElection {
       leadership: {
         nodeId,
         token,
+        leaderKey: leaderKeyOf(result.header.cluster_id, this.options.key),
         since,
         signal: controller.signal,
         isValid: () => !controller.signal.aborted && performance.now() < epoch.deadline,
@@ -448,4 +454,12 @@ export async function readLeader(client: Etcd3, key: string): Promise<LeaderReco
   if (!kv) return null;
   const value = JSON.parse(kv.value.toString()) as { nodeId: string; since: string };
   return { nodeId: value.nodeId, since: value.since, token: BigInt(kv.create_revision) };
+}
+
+/**
+ * Names one leader key of one etcd cluster ("<cluster id>/<key>"): tokens (create_revisions) of
+ * the same name compare; those of another etcd or prefix do not (see EndedEpochs).
+ */
+export function leaderKeyOf(clusterId: string, key: string): string {
+  return `${clusterId}/${key}`;
 }

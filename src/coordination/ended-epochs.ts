@@ -1,4 +1,6 @@
 import type { Etcd3 } from 'etcd3';
+import type { EndedEpochsReading } from '../store/runs.js';
+import { leaderKeyOf } from './election.js';
 
 /**
  * The token below which every leader epoch has ended, from one read of the leader key: the key's
@@ -8,7 +10,13 @@ import type { Etcd3 } from 'etcd3';
 export async function lowestLiveToken(
   etcd: Etcd3,
   leaderKey: string,
-): Promise<{ token: bigint; leader: { nodeId: string; token: bigint } | null; revision: bigint }> {
+): Promise<{
+  token: bigint;
+  leader: { nodeId: string; token: bigint } | null;
+  revision: bigint;
+  /** Which cluster and key the token is of (leaderKeyOf). */
+  leaderKey: string;
+}> {
   const response = await etcd.get(leaderKey).exec();
   const kv = response.kvs[0];
   const revision = BigInt(response.header.revision);
@@ -18,11 +26,16 @@ export async function lowestLiveToken(
         token: BigInt(kv.create_revision),
       }
     : null;
-  return { token: leader ? leader.token : revision + 1n, leader, revision };
+  return {
+    token: leader ? leader.token : revision + 1n,
+    leader,
+    revision,
+    leaderKey: leaderKeyOf(response.header.cluster_id, leaderKey),
+  };
 }
 
 /**
- * Which leader epochs have ended, as etcd says: every epoch whose token is below `below()`. The
+ * Which leader epochs have ended, as etcd says (EndedEpochsReading). The
  * workers' misfire rule (misfiredAtClaim in store/runs.ts) reads it beside the fence, which learns
  * of a new epoch only at that epoch's first write: a worker back after the whole cluster was
  * down, before any leader has written, learns here that the leader of the runs it finds late is
@@ -36,7 +49,7 @@ export async function lowestLiveToken(
  * no reading is that recent: the fence alone decides, as before.
  */
 export class EndedEpochs {
-  private last: { token: bigint; at: number } | undefined;
+  private last: (EndedEpochsReading & { at: number }) | undefined;
 
   constructor(
     private readonly etcd: Etcd3,
@@ -44,16 +57,16 @@ export class EndedEpochs {
     private readonly maxAgeMs: number,
   ) {}
 
-  /** Every epoch whose token is below this has ended; null: no recent reading. */
-  below(): bigint | null {
+  /** The latest reading if recent enough; null: none is. */
+  reading(): EndedEpochsReading | null {
     if (!this.last || performance.now() - this.last.at > this.maxAgeMs) return null;
-    return this.last.token;
+    return { below: this.last.below, leaderKey: this.last.leaderKey };
   }
 
   /** Reads the leader key again; errors propagate (the last reading stays until it is too old). */
   async read(): Promise<void> {
     const at = performance.now();
-    const { token } = await lowestLiveToken(this.etcd, this.leaderKey);
-    this.last = { token, at };
+    const { token, leaderKey } = await lowestLiveToken(this.etcd, this.leaderKey);
+    this.last = { below: token, leaderKey, at };
   }
 }

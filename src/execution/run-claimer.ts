@@ -6,6 +6,7 @@ import {
   skipRun,
   type ClaimedRun,
   type ClaimRequest,
+  type EndedEpochsReading,
 } from '../store/runs.js';
 import type { ClaimResult } from './batching.js';
 import type { DbClock } from './db-clock.js';
@@ -37,8 +38,8 @@ export interface RunClaimerOptions {
   readonly claimLeadMs: number;
   /** A claim leaves a misfire its job's policy drops, which is then skipped (ClaimOptions.misfireThresholdMs). */
   readonly misfireThresholdMs?: number;
-  /** Leader epochs ended by etcd (ClaimOptions.endedEpochsBelow). */
-  readonly endedEpochsBelow?: () => bigint | null;
+  /** Leader epochs ended by etcd (ClaimOptions.endedEpochs). */
+  readonly endedEpochs?: () => EndedEpochsReading | null;
   readonly clock: DbClock;
   readonly metrics: Metrics;
 }
@@ -70,11 +71,11 @@ export class RunClaimer {
    */
   private async afterMiss(message: RunMessage, hold: HoldState): Promise<ClaimOutcome> {
     const { pool, metrics, skewToleranceMs, claimLeadMs, clock, misfireThresholdMs } = this.options;
-    const endedBelow = this.options.endedEpochsBelow?.() ?? null;
-    const miss = await explainClaimMiss(pool, message.runId, misfireThresholdMs ?? null, endedBelow);
+    const ended = this.options.endedEpochs?.() ?? null;
+    const miss = await explainClaimMiss(pool, message.runId, misfireThresholdMs ?? null, ended);
     const current = miss?.state === 'queued' && miss.attempt === message.attempt - 1;
     if (current && miss.misfired && misfireThresholdMs !== undefined) {
-      if (await skipMisfiredRun(pool, message.runId, misfireThresholdMs, endedBelow)) {
+      if (await skipMisfiredRun(pool, message.runId, misfireThresholdMs, ended)) {
         metrics.runsSkipped.inc({ reason: 'misfire' });
         metrics.runClaims.inc({ source: 'kafka', result: 'skipped' });
       }

@@ -11,7 +11,7 @@ import { inTransaction } from '../store/db.js';
 import { claimOverdueRuns } from '../store/overdue.js';
 import { HANDOFF_CHANNEL, handOffRuns, peersOrEveryone } from '../store/handoff.js';
 import type { RunMessage } from '../model.js';
-import type { ClaimedRun } from '../store/runs.js';
+import type { ClaimedRun, EndedEpochsReading } from '../store/runs.js';
 import type { AttemptReport } from '../store/attempts.js';
 import { runAttempt, WorkerStoppingError, type AttemptContext } from './attempt.js';
 import { watchClaims } from './claim-watch.js';
@@ -52,10 +52,10 @@ export interface WorkerOptions {
    */
   readonly handOffPeers?: () => Promise<readonly string[]>;
   /**
-   * Every leader epoch whose token is below this has ended, by etcd (EndedEpochs); null or absent:
-   * unknown, and the misfire rule knows of ended epochs from the fence alone.
+   * Which leader epochs have ended, by etcd (EndedEpochs); null or absent: unknown, and the
+   * misfire rule knows of ended epochs from the fence alone.
    */
-  readonly endedEpochsBelow?: () => bigint | null;
+  readonly endedEpochs?: () => EndedEpochsReading | null;
   readonly logger: Logger;
   /** The node's budget of lines about single runs. Default: no limit. */
   readonly runLines?: RunLines;
@@ -136,7 +136,7 @@ export class Worker {
       skewToleranceMs: options.settings.skewToleranceMs,
       claimLeadMs: options.settings.claimLeadMs,
       misfireThresholdMs: options.settings.misfireThresholdMs,
-      endedEpochsBelow: options.endedEpochsBelow,
+      endedEpochs: options.endedEpochs,
       clock: this.clock,
       metrics: options.metrics,
     });
@@ -327,7 +327,7 @@ export class Worker {
       skewToleranceMs: this.options.settings.skewToleranceMs,
       leadMs: this.options.settings.claimLeadMs,
       misfireThresholdMs: this.options.settings.misfireThresholdMs,
-      endedEpochsBelow: this.options.endedEpochsBelow,
+      endedEpochs: this.options.endedEpochs,
     };
   }
 }

@@ -2,9 +2,12 @@ import type pg from 'pg';
 import { StaleFencingTokenError } from '../errors.js';
 import { inTransaction, type Queryable } from './db.js';
 
-/** Raises the fence to our token unless a newer leader already wrote. $1 = token, $2 = node id. */
+/**
+ * Raises the fence to our token unless a newer leader already wrote. $1 = token, $2 = node id,
+ * $3 = the etcd cluster and leader key the token comes from (Leadership.leaderKey; NULL: unknown).
+ */
 const RAISE_FENCE = `
-  UPDATE leader_fence SET token = $1, node_id = $2, updated_at = now()
+  UPDATE leader_fence SET token = $1, node_id = $2, leader_key = $3, updated_at = now()
   WHERE id AND token <= $1`;
 
 /**
@@ -16,7 +19,7 @@ const RAISE_FENCE = `
  */
 export async function inFencedTransaction<T>(
   pool: pg.Pool,
-  fence: { token: bigint; nodeId: string },
+  fence: { token: bigint; nodeId: string; leaderKey?: string },
   work: (client: pg.PoolClient) => Promise<T>,
   options: FencedTransactionOptions = {},
 ): Promise<T> {
@@ -24,7 +27,11 @@ export async function inFencedTransaction<T>(
   if (statementTimeoutMs !== undefined && (!Number.isInteger(statementTimeoutMs) || statementTimeoutMs <= 0))
     throw new RangeError(`statementTimeoutMs must be a positive integer, got ${statementTimeoutMs}`);
   return inTransaction(pool, async (client) => {
-    const { rowCount } = await client.query(RAISE_FENCE, [fence.token.toString(), fence.nodeId]);
+    const { rowCount } = await client.query(RAISE_FENCE, [
+      fence.token.toString(),
+      fence.nodeId,
+      fence.leaderKey ?? null,
+    ]);
     if (rowCount !== 1) throw new StaleFencingTokenError(fence.token);
     if (statementTimeoutMs !== undefined)
       await client.query(`SET LOCAL statement_timeout = ${statementTimeoutMs}`);
@@ -53,7 +60,7 @@ const READ_FENCE = `
  * $1 = new token, $2 = who wrote it (a marker, not a node), $3 = the token the caller read.
  */
 const RESET_FENCE = `
-  UPDATE leader_fence SET token = $1, node_id = $2, updated_at = now()
+  UPDATE leader_fence SET token = $1, node_id = $2, leader_key = NULL, updated_at = now()
   WHERE id AND token = $3`;
 
 /** The highest fencing token that has written, and who wrote it. */

@@ -2,6 +2,7 @@ import type pg from 'pg';
 import {
   claimRun,
   claimRuns,
+  endedEpochsParams,
   isForbidViolation,
   misfiredAtClaim,
   skipMisfiredRun,
@@ -19,14 +20,14 @@ import {
  * `forbid` job whose sibling is running waits for it (it cannot be skipped): leaving it out keeps
  * it from filling every poll while it waits. `blocked`: a `forbid` run that another run of its job
  * (running, or queued for a retry) keeps from starting now. `misfired`: see misfiredAtClaim ($3 =
- * the misfire threshold ms, NULL for none; $4 = epochs ended below this token, NULL: unknown).
+ * the misfire threshold ms, NULL for none; $4 and $5 = etcd's reading of ended epochs, NULL: none).
  */
 const SELECT_OVERDUE = `
   SELECT r.id, r.job_id AS "jobId", r.concurrency,
          (r.concurrency = 'forbid' AND EXISTS (
            SELECT 1 FROM runs o WHERE o.job_id = r.job_id AND o.id <> r.id
              AND (o.state = 'running' OR (o.state = 'queued' AND o.attempt > 0)))) AS blocked,
-         ${misfiredAtClaim('r', '$3', '$4')} AS misfired
+         ${misfiredAtClaim('r', '$3', { below: '$4', leaderKey: '$5' })} AS misfired
   FROM runs r
   WHERE r.state = 'queued' AND r.not_before <= now() - $1 * interval '1 millisecond'
     AND NOT (r.concurrency = 'forbid' AND r.attempt > 0 AND EXISTS (
@@ -57,13 +58,13 @@ export async function claimOverdueRuns(
 ): Promise<{ claimed: ClaimedRun[]; skipped: number; misfired: number }> {
   const threshold = options.misfireThresholdMs ?? null;
   // Read once: the select, the skips and the claim judge misfires alike.
-  const endedBelow = options.endedEpochsBelow?.() ?? null;
-  options = { ...options, endedEpochsBelow: () => endedBelow };
+  const ended = options.endedEpochs?.() ?? null;
+  options = { ...options, endedEpochs: () => ended };
   const { rows } = await client.query<OverdueRow>(SELECT_OVERDUE, [
     overdueMs,
     limit,
     threshold,
-    endedBelow?.toString() ?? null,
+    ...endedEpochsParams(ended),
   ]);
   if (rows.length === 0) return { claimed: [], skipped: 0, misfired: 0 };
   const batch: OverdueRow[] = [];
@@ -72,7 +73,7 @@ export async function claimOverdueRuns(
   // Locked by us: the skip judges the same rows again and finds them so. In one statement: after
   // an outage a poll may find hundreds, inside this transaction.
   const misfires = threshold === null ? [] : rows.filter((row) => row.misfired).map((row) => row.id);
-  let misfired = threshold === null ? 0 : await skipMisfiredRuns(client, misfires, threshold, endedBelow);
+  let misfired = threshold === null ? 0 : await skipMisfiredRuns(client, misfires, threshold, ended);
   for (const row of rows) {
     if (row.misfired && threshold !== null) continue;
     const forbid = row.concurrency === 'forbid';
@@ -102,8 +103,7 @@ export async function claimOverdueRuns(
   // else a `forbid` run its sibling blocks.
   const settle = async (row: OverdueRow, run: ClaimedRun | null) => {
     if (run) claimed.push(run);
-    else if (threshold !== null && (await skipMisfiredRun(client, row.id, threshold, endedBelow)))
-      misfired += 1;
+    else if (threshold !== null && (await skipMisfiredRun(client, row.id, threshold, ended))) misfired += 1;
     else if (row.concurrency === 'forbid' && (await skipRun(client, row.id, 'concurrency-forbid')))
       skipped += 1;
   };

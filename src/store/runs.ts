@@ -39,8 +39,9 @@ const CLAIMED_COLUMNS = `
  * occurrence that is late too, made into a run or still to be (that one fires: one run for the
  * latest missed occurrence, whichever of the
  * workers and the new leader comes first). Its epoch has ended when the fence has moved past it, or
- * when etcd says so (`endedBelow`, SQL: every epoch with a lower token has ended; NULL: unknown,
- * see EndedEpochs): the fence moves only at a new epoch's first write, and a worker back after
+ * when etcd says so (`ended`, SQL: every epoch with a token below `below` has ended, read from the
+ * leader key `leaderKey` names, which must be the one the fence's token is of; NULL: unknown; see
+ * EndedEpochsReading): the fence moves only at a new epoch's first write, and a worker back after
  * the whole cluster was down, before any leader has written, would run such runs late. The policy is the run's copy of its job's (a later edit
  * does not change it; the job's for runs created before runs had the column). The dispatcher and
  * a command's createDueRuns apply the policy to occurrences they find late, and the runs they make
@@ -51,14 +52,20 @@ const CLAIMED_COLUMNS = `
  * tests first: the fence, jobs and runs lookups are made only for a late, never-claimed run.
  * Always true or false, never NULL.
  */
-export const misfiredAtClaim = (r: string, threshold: string, endedBelow: string): string => {
+export const misfiredAtClaim = (
+  r: string,
+  threshold: string,
+  ended: { below: string; leaderKey: string },
+): string => {
   const late = `statement_timestamp() - ${threshold}::int * interval '1 millisecond'`;
   // IS TRUE: a run made through the API has no created_epoch, and NULL here would leave it
   // unclaimed for ever (NOT NULL is not true).
   return `((
   ${threshold}::int IS NOT NULL AND ${r}.attempt = 0 AND ${r}.trigger = 'schedule'
   AND greatest(${r}.scheduled_for, ${r}.created_at) < ${late}
-  AND ${r}.created_epoch < greatest((SELECT f.token FROM leader_fence f WHERE f.id), ${endedBelow}::bigint)
+  AND ${r}.created_epoch < (
+    SELECT greatest(f.token, CASE WHEN f.leader_key = ${ended.leaderKey}::text THEN ${ended.below}::bigint END)
+    FROM leader_fence f WHERE f.id)
   AND EXISTS (
     SELECT 1 FROM jobs j
     WHERE j.id = ${r}.job_id AND (coalesce(${r}.misfire, j.misfire) = 'skip' OR (coalesce(${r}.misfire, j.misfire) = 'fire-once' AND (
@@ -114,7 +121,7 @@ const CLAIM = `
       AND NOT (r.concurrency = 'forbid' AND r.attempt = 0 AND EXISTS (
         SELECT 1 FROM runs o
         WHERE o.job_id = r.job_id AND o.id <> r.id AND o.state = 'queued' AND o.attempt > 0))
-      AND NOT ${misfiredAtClaim('r', '$7', '$8')}
+      AND NOT ${misfiredAtClaim('r', '$7', { below: '$8', leaderKey: '$9' })}
     RETURNING r.*
   ), recorded AS (
     INSERT INTO run_attempts (run_id, attempt, node_id, started_at)
@@ -149,8 +156,25 @@ export interface ClaimOptions {
    * but skipped. Default: none is.
    */
   readonly misfireThresholdMs?: number;
-  /** Every leader epoch whose token is below this has ended, by etcd (EndedEpochs); null: unknown. */
-  readonly endedEpochsBelow?: () => bigint | null;
+  /** Which leader epochs have ended, by etcd (EndedEpochs); null: unknown. */
+  readonly endedEpochs?: () => EndedEpochsReading | null;
+}
+
+/**
+ * One reading of etcd: every leader epoch whose token is below `below` has ended, in the leader key
+ * `leaderKey` names (election.ts leaderKeyOf). It counts only where the fence names the same key:
+ * a worker pointed at another etcd or prefix reads tokens unrelated to the fence's.
+ */
+export interface EndedEpochsReading {
+  readonly below: bigint;
+  readonly leaderKey: string;
+}
+
+/** A reading's two SQL parameters (both NULL for none). */
+export function endedEpochsParams(
+  reading: EndedEpochsReading | null | undefined,
+): [string | null, string | null] {
+  return reading ? [reading.below.toString(), reading.leaderKey] : [null, null];
 }
 
 /** Thrown by PostgreSQL when a claim would make a second run of a `forbid` job running. */
@@ -189,7 +213,7 @@ export async function claimRuns(
     sorted.map((r) => r.expectedAttempt),
     options.leadMs ?? 0,
     options.misfireThresholdMs ?? null,
-    options.endedEpochsBelow?.()?.toString() ?? null,
+    ...endedEpochsParams(options.endedEpochs?.()),
   ]);
   const byId = new Map(rows.map((run) => [run.id, run]));
   return requests.map((r) => byId.get(r.runId) ?? null);
@@ -298,7 +322,7 @@ export interface ClaimMiss {
 
 /**
  * The run's state for a claim that missed; null if the run no longer exists. $1 = run id, $2 =
- * the misfire threshold ms (NULL: none), $3 = epochs ended below this token (misfiredAtClaim).
+ * the misfire threshold ms (NULL: none), $3 and $4 = etcd's reading of ended epochs (misfiredAtClaim).
  */
 const EXPLAIN_MISS = `
   SELECT r.state, r.attempt,
@@ -306,19 +330,19 @@ const EXPLAIN_MISS = `
          (r.concurrency = 'forbid' AND EXISTS (
            SELECT 1 FROM runs o WHERE o.job_id = r.job_id AND o.id <> r.id
              AND (o.state = 'running' OR (o.state = 'queued' AND o.attempt > 0)))) AS "forbidBlocked",
-         (r.state = 'queued' AND ${misfiredAtClaim('r', '$2', '$3')}) AS misfired
+         (r.state = 'queued' AND ${misfiredAtClaim('r', '$2', { below: '$3', leaderKey: '$4' })}) AS misfired
   FROM runs r WHERE r.id = $1`;
 
 export async function explainClaimMiss(
   db: Queryable,
   runId: string,
   misfireThresholdMs: number | null = null,
-  endedEpochsBelow: bigint | null = null,
+  ended: EndedEpochsReading | null = null,
 ): Promise<ClaimMiss | null> {
   const { rows } = await db.query<ClaimMiss>(EXPLAIN_MISS, [
     runId,
     misfireThresholdMs,
-    endedEpochsBelow?.toString() ?? null,
+    ...endedEpochsParams(ended),
   ]);
   return rows[0] ?? null;
 }
@@ -343,20 +367,20 @@ export async function skipRun(db: Queryable, runId: string, reason: string): Pro
 /**
  * Skips a queued run whose claim found it a misfire its job's policy drops (misfiredAtClaim, judged
  * again on the row this statement locks), with reason `misfire`. $1 = run ids, $2 = the threshold ms,
- * $3 = epochs ended below this token.
+ * $3 and $4 = etcd's reading of ended epochs.
  */
 const SKIP_MISFIRED = `
   UPDATE runs r SET state = 'skipped', reason = 'misfire', finished_at = statement_timestamp(), claimed_by = NULL
-  WHERE r.id = ANY($1::uuid[]) AND r.state = 'queued' AND ${misfiredAtClaim('r', '$2', '$3')}`;
+  WHERE r.id = ANY($1::uuid[]) AND r.state = 'queued' AND ${misfiredAtClaim('r', '$2', { below: '$3', leaderKey: '$4' })}`;
 
 /** Returns true if this call skipped the run (false: taken meanwhile, or no longer a misfire). */
 export async function skipMisfiredRun(
   db: Queryable,
   runId: string,
   misfireThresholdMs: number,
-  endedEpochsBelow: bigint | null = null,
+  ended: EndedEpochsReading | null = null,
 ): Promise<boolean> {
-  return (await skipMisfiredRuns(db, [runId], misfireThresholdMs, endedEpochsBelow)) === 1;
+  return (await skipMisfiredRuns(db, [runId], misfireThresholdMs, ended)) === 1;
 }
 
 /** skipMisfiredRun for many runs in one statement; returns how many it skipped. */
@@ -364,13 +388,13 @@ export async function skipMisfiredRuns(
   db: Queryable,
   runIds: readonly string[],
   misfireThresholdMs: number,
-  endedEpochsBelow: bigint | null = null,
+  ended: EndedEpochsReading | null = null,
 ): Promise<number> {
   if (runIds.length === 0) return 0;
   const { rowCount } = await db.query(SKIP_MISFIRED, [
     runIds,
     misfireThresholdMs,
-    endedEpochsBelow?.toString() ?? null,
+    ...endedEpochsParams(ended),
   ]);
   return rowCount ?? 0;
 }

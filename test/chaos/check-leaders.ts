@@ -29,7 +29,10 @@ interface Epoch {
   readonly pid: number;
   readonly token: bigint;
   readonly start: number;
+  /** When its node stepped down (logged) or died. */
   end: number;
+  /** True when it died leading (killed): its leader key outlived it until its lease expired. */
+  diedLeading?: boolean;
 }
 
 export function leaderEpochs(processes: readonly ProcessView[]): Epoch[] {
@@ -53,18 +56,16 @@ export function leaderEpochs(processes: readonly ProcessView[]): Epoch[] {
       }
     }
     // A killed process believes nothing after its death.
-    if (open && process.exitedAt !== undefined) open.end = process.exitedAt;
+    if (open && process.exitedAt !== undefined) {
+      open.end = process.exitedAt;
+      open.diedLeading = true;
+    }
   }
   return epochs.sort((a, b) => a.start - b.start);
 }
 
 /** Was `node` frozen (SIGSTOP, not killed) at `at`? Returns the pause fault. */
-export function frozenAt(
-  faults: readonly Fault[],
-  processes: readonly ProcessView[],
-  node: string,
-  at: number,
-) {
+function frozenAt(faults: readonly Fault[], processes: readonly ProcessView[], node: string, at: number) {
   return faults.find(
     (f) =>
       f.haltedAt !== undefined &&

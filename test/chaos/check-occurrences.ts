@@ -3,10 +3,11 @@
  * exactly once (or its absence is a misfire the job's policy allows), none that must not run
  * did, no occurrence was delivered by two different runs, and each went to the target in force.
  */
-import { frozenAt, leaderEpochs } from './check-leaders.js';
+import { leaderEpochs } from './check-leaders.js';
 import { arrivalDeadline } from './check-runs.js';
 import { expectations, whyNot, type JobHistory, type JobVersion } from './model.js';
 import {
+  faultNodes,
   groupBy,
   iso,
   type Delivery,
@@ -286,12 +287,23 @@ export function checkMisfireSkips(obs: Observations, runsByJob: Map<string, RunR
       problems.push(`${label}, a ${run.trigger} run after ${run.attempt} attempts: it was owed`);
 
     // Its epoch had ended: a newer one had begun (it wrote the fence), or, as etcd tells the
-    // workers, its leader had let go of the key: stepped down, died, or froze (its lease expires).
+    // workers, its leader key was gone: it stepped down, or it died or froze and its lease could
+    // have expired by then (its last keep-alive at most a third of the TTL before the halt).
     const created = run.createdEpoch;
-    const ended = (e: (typeof epochs)[number]) =>
-      (e.token > (created ?? Infinity) && e.start <= at + LOG_SLACK_MS) ||
-      (e.token === created &&
-        (e.end <= at + LOG_SLACK_MS || frozenAt(obs.faults, obs.processes, e.node, at) !== undefined));
+    const keyOutlives = (obs.settings.leaseTtlMs * 2) / 3 - LOG_SLACK_MS;
+    const ended = (e: (typeof epochs)[number]) => {
+      if (e.token > (created ?? Infinity)) return e.start <= at + LOG_SLACK_MS;
+      if (e.token !== created) return false;
+      if (e.end + (e.diedLeading ? keyOutlives : 0) <= at + LOG_SLACK_MS) return true;
+      // Frozen (SIGSTOP) while it led, long enough for its key to expire, by the skip.
+      return obs.faults.some(
+        (f) =>
+          f.haltedAt !== undefined &&
+          faultNodes(f).includes(e.node) &&
+          f.start >= e.start - LOG_SLACK_MS &&
+          f.start + keyOutlives <= Math.min(at, f.end),
+      );
+    };
     if (created === null || !epochs.some(ended))
       problems.push(
         `${label}, though its leader's epoch had not ended (no newer one had begun; it had not stepped down, died or frozen): a run whose leader stays is delayed, not dropped`,

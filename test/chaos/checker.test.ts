@@ -709,6 +709,26 @@ test('misfires a worker skipped at its claim: allowed late, near a fault, by ski
     /run s1-12 .* though its leader's epoch had not ended/,
     'its leader died after the skip',
   );
+  // Its key outlives a halt until its lease expires (TTL 3 s, a keep-alive every second): a skip
+  // 100 ms after a kill, or during a freeze shorter than that, dropped a leading epoch's run.
+  assert.match(
+    orphaned((obs) => chaosB(obs, (p) => ({ ...p, exitedAt: sec(20) - 100 }))),
+    /run s1-12 .* though its leader's epoch had not ended/,
+    'killed just before the skip',
+  );
+  assert.match(
+    orphaned((obs) =>
+      obs.faults.push({
+        kind: 'pause-leader',
+        node: 'chaos-b',
+        start: sec(20) - 100,
+        end: sec(20) + 500,
+        haltedAt: sec(20) - 100,
+      }),
+    ),
+    /run s1-12 .* though its leader's epoch had not ended/,
+    'frozen for less than its lease',
+  );
   // Counted as a forbid skip it would be "skipped with no other run active".
   assert.doesNotMatch(
     misfiresSkipped((obs) => {

@@ -6,7 +6,7 @@ import { RunClaimer } from '../../src/execution/run-claimer.js';
 import { createMetrics } from '../../src/observability/metrics.js';
 import { inTransaction } from '../../src/store/db.js';
 import { claimOverdueRuns } from '../../src/store/overdue.js';
-import { claimRuns, type ClaimOptions } from '../../src/store/runs.js';
+import { claimRuns, type ClaimOptions, type EndedEpochsReading } from '../../src/store/runs.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
 import { uniqueId } from '../support/env.js';
 import { insertJob } from '../support/execution.js';
@@ -107,20 +107,19 @@ async function claimAnnounced(
   runId: string,
   attempt: number,
   threshold = THRESHOLD_MS,
-  endedBelow: bigint | null = null,
+  ended: EndedEpochsReading | null = null,
 ) {
   const metrics = createMetrics('test');
-  const endedEpochsBelow = () => endedBelow;
+  const endedEpochs = () => ended;
   const claimer = new RunClaimer({
     pool: db.pool,
     claim: async (request) =>
-      (
-        await claimRuns(db.pool, [request], { ...options, misfireThresholdMs: threshold, endedEpochsBelow })
-      )[0] ?? 'missed',
+      (await claimRuns(db.pool, [request], { ...options, misfireThresholdMs: threshold, endedEpochs }))[0] ??
+      'missed',
     skewToleranceMs: 10,
     claimLeadMs: 0,
     misfireThresholdMs: threshold,
-    endedEpochsBelow,
+    endedEpochs,
     clock: new DbClock(),
     metrics,
   });
@@ -274,19 +273,41 @@ test('the polling fallback skips the misfires it selects and claims the rest', a
   assert.deepEqual(await Promise.all(late.map(outcome)), ['skipped (misfire)', 'skipped (misfire)']);
 });
 
-test("etcd's word that the run's epoch ended counts before the fence has moved; a live leader's runs are still only delayed", async () => {
-  // The fence holds OLD_EPOCH + 1: by it alone, runs of that epoch are its leader's, still leading.
+test("etcd's word that the run's epoch ended counts before the fence has moved, read from the fence's own leader key; a live leader's runs are still only delayed", async (t) => {
+  // The fence holds OLD_EPOCH + 1, written from the leader key KEY: by the fence alone, runs of that
+  // epoch are its leader's, still leading.
+  const KEY = 'cluster-1/helios/leader';
+  await db.pool.query('UPDATE leader_fence SET leader_key = $1', [KEY]);
+  t.after(() => db.pool.query('UPDATE leader_fence SET leader_key = NULL'));
   const live = OLD_EPOCH + 1;
   const skip = await job('skip');
-  const held = await run(skip, { agoMs: 8000, epoch: live });
+  const late = () => run(skip, { agoMs: 8000, epoch: live });
   // etcd: the leader key is held with that token (it leads), or etcd was reset and its revisions
   // are lower than the fence: nothing more is known to have ended.
-  assert.equal((await claimAnnounced(held, 0, THRESHOLD_MS, BigInt(live))).kind, 'claimed');
-  const afterReset = await run(skip, { agoMs: 8000, epoch: live });
-  assert.equal((await claimAnnounced(afterReset, 0, THRESHOLD_MS, 1n)).kind, 'claimed');
+  const held = await late();
+  assert.equal(
+    (await claimAnnounced(held, 0, THRESHOLD_MS, { below: BigInt(live), leaderKey: KEY })).kind,
+    'claimed',
+  );
+  const afterReset = await late();
+  assert.equal(
+    (await claimAnnounced(afterReset, 0, THRESHOLD_MS, { below: 1n, leaderKey: KEY })).kind,
+    'claimed',
+  );
+  // A worker reading another etcd or another prefix ("no leader" there): its tokens say nothing
+  // of this fence's, and the live leader's runs are not dropped.
+  for (const other of ['cluster-2/helios/leader', 'cluster-1/helios-typo/leader']) {
+    const id = await late();
+    assert.equal(
+      (await claimAnnounced(id, 0, THRESHOLD_MS, { below: BigInt(live + 100), leaderKey: other })).kind,
+      'claimed',
+      other,
+    );
+  }
   // etcd: no leader key, or a newer one: that epoch has ended, though no new leader has written.
-  const orphan = await run(skip, { agoMs: 8000, epoch: live });
-  assert.deepEqual(await claimAnnounced(orphan, 0, THRESHOLD_MS, BigInt(live + 1)), {
+  const ended = { below: BigInt(live + 1), leaderKey: KEY };
+  const orphan = await late();
+  assert.deepEqual(await claimAnnounced(orphan, 0, THRESHOLD_MS, ended), {
     kind: 'done',
     misfiresSkipped: 1,
   });
@@ -294,7 +315,7 @@ test("etcd's word that the run's epoch ended counts before the fence has moved; 
   // The polling fallback the same.
   const polled = await run(skip, { agoMs: 9000, epoch: live });
   const result = await inTransaction(db.pool, (client) =>
-    claimOverdueRuns(client, 2000, 10, { ...options, endedEpochsBelow: () => BigInt(live + 1) }),
+    claimOverdueRuns(client, 2000, 10, { ...options, endedEpochs: () => ended }),
   );
   assert.equal(result.misfired, 1);
   assert.equal(await outcome(polled), 'skipped (misfire)');
