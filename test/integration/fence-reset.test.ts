@@ -1,13 +1,11 @@
 import assert from 'node:assert/strict';
-import { spawn, type ChildProcess } from 'node:child_process';
-import { once } from 'node:events';
-import { mkdtempSync, rmSync } from 'node:fs';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { after, before, test } from 'node:test';
 import { createEtcdClient } from '../../src/coordination/etcd.js';
 import { readFence } from '../../src/store/fence.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
-import { REPO_ROOT, serverEnv, uniqueId } from '../support/env.js';
+import { serverEnv, uniqueId } from '../support/env.js';
+import { EtcdServer } from '../support/etcd-server.js';
 import { insertJob, nextWholeSecond, runsOf, stopJobs, TargetServer, waitFor } from '../support/execution.js';
 import {
   nodeEnvironment,
@@ -31,8 +29,7 @@ const prefix = `/helios-test/${uniqueId()}`;
 const target = new TargetServer();
 const nodes: ManagedProcess[] = [];
 let db: TestDatabase;
-let fresh: ChildProcess | undefined;
-let freshDir: string | undefined;
+let fresh: EtcdServer | undefined;
 
 before(async () => {
   db = await createTestDatabase();
@@ -40,50 +37,12 @@ before(async () => {
 });
 after(async () => {
   await stopAll(nodes);
-  if (fresh && fresh.exitCode === null) {
-    fresh.kill('SIGTERM');
-    await once(fresh, 'exit');
-  }
-  if (freshDir) rmSync(freshDir, { recursive: true, force: true });
+  await fresh?.stop();
   await target.close();
   await db.drop();
   await mainEtcd.delete().prefix(prefix);
   mainEtcd.close();
 });
-
-/** A fresh single-member etcd with its own empty data directory. */
-async function startFreshEtcd(): Promise<void> {
-  freshDir = mkdtempSync(`${REPO_ROOT}.helios/etcd-fresh-`);
-  const peer = `http://127.0.0.1:${freshPort + 1}`;
-  fresh = spawn(
-    'etcd',
-    [
-      ...['--name', 'fresh', '--data-dir', freshDir],
-      ...['--listen-client-urls', freshUrl, '--advertise-client-urls', freshUrl],
-      ...['--listen-peer-urls', peer, '--initial-advertise-peer-urls', peer],
-      ...['--initial-cluster', `fresh=${peer}`, '--log-level', 'error', '--logger', 'zap'],
-    ],
-    { stdio: 'ignore' },
-  );
-  const client = createEtcdClient([freshUrl]);
-  try {
-    await waitFor(
-      'the fresh etcd to answer',
-      () =>
-        client
-          .get('/ping')
-          .string()
-          .then(
-            () => true,
-            () => false,
-          ),
-      20_000,
-      200,
-    );
-  } finally {
-    client.close();
-  }
-}
 
 function env(etcdUrl: string): NodeEnv {
   return {
@@ -121,7 +80,7 @@ test(
     );
     await old.stop();
 
-    await startFreshEtcd();
+    fresh = await EtcdServer.start('fresh', freshPort);
     const stuck = startNode('fence-stuck', freshUrl);
     const stuckElected = await stuck.waitForLog((l) => l.msg === 'became leader', 30_000);
     assert.ok(BigInt(stuckElected.token as string) < oldToken, 'the fresh etcd hands out a lower token');

@@ -1,11 +1,9 @@
 import assert from 'node:assert/strict';
-import { spawn, type ChildProcess } from 'node:child_process';
-import { once } from 'node:events';
-import { mkdtempSync, rmSync } from 'node:fs';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { after, before, test } from 'node:test';
 import { createEtcdClient } from '../../src/coordination/etcd.js';
-import { REPO_ROOT, serverEnv } from '../support/env.js';
+import { serverEnv } from '../support/env.js';
+import { EtcdServer } from '../support/etcd-server.js';
 import { nextWholeSecond, waitFor } from '../support/execution.js';
 import { integrationFixture, type IntegrationFixture } from '../support/fixture.js';
 
@@ -24,55 +22,17 @@ const settings = {
 let fx: IntegrationFixture;
 
 const mainEtcdUrl = serverEnv().etcdEndpoints.split(',')[0]!;
-const otherPort = Number(new URL(mainEtcdUrl).port) + 50;
-const otherUrl = `http://127.0.0.1:${otherPort}`;
-let other: ChildProcess | undefined;
-let otherDir: string | undefined;
+/** The leader's etcd: one of the test's own, on these ports. */
+const leaderEtcdPort = Number(new URL(mainEtcdUrl).port) + 50;
+let leaderEtcd: EtcdServer | undefined;
 
 before(async () => {
   fx = await integrationFixture();
 });
 after(async () => {
   await fx.teardown();
-  if (other && other.exitCode === null) {
-    other.kill('SIGTERM');
-    await once(other, 'exit');
-  }
-  if (otherDir) rmSync(otherDir, { recursive: true, force: true });
+  await leaderEtcd?.stop();
 });
-
-async function startOtherEtcd(): Promise<void> {
-  otherDir = mkdtempSync(`${REPO_ROOT}.helios/etcd-other-`);
-  const peer = `http://127.0.0.1:${otherPort + 1}`;
-  other = spawn(
-    'etcd',
-    [
-      ...['--name', 'other', '--data-dir', otherDir],
-      ...['--listen-client-urls', otherUrl, '--advertise-client-urls', otherUrl],
-      ...['--listen-peer-urls', peer, '--initial-advertise-peer-urls', peer],
-      ...['--initial-cluster', `other=${peer}`, '--log-level', 'error', '--logger', 'zap'],
-    ],
-    { stdio: 'ignore' },
-  );
-  const client = createEtcdClient([otherUrl]);
-  try {
-    await waitFor(
-      'the other etcd to answer',
-      () =>
-        client
-          .get('/ping')
-          .string()
-          .then(
-            () => true,
-            () => false,
-          ),
-      20_000,
-      200,
-    );
-  } finally {
-    client.close();
-  }
-}
 
 /** A `skip` job firing every second from the next whole second; returns its id and first due time. */
 async function everySecondSkipJob(name: string): Promise<{ id: string; first: Date }> {
@@ -136,27 +96,27 @@ test(
   "a worker pointed at another etcd or prefix does not drop the live leader's late runs",
   { timeout: 150_000 },
   async () => {
-    await startOtherEtcd();
-    // Bump the other etcd's revision (any busy etcd has a high one; the leader's is fresh here).
-    const otherClient = createEtcdClient([otherUrl]);
-    for (let i = 0; i < 50; i++) await otherClient.put(`/other/bump`).value(String(i));
+    leaderEtcd = await EtcdServer.start('leader', leaderEtcdPort);
+    const leaderEtcdUrl = leaderEtcd.url;
+    const leaderEtcdClient = createEtcdClient([leaderEtcdUrl]);
+    for (let i = 0; i < 50; i++) await leaderEtcdClient.put(`/bump`).value(String(i));
 
-    // The leader, on the "real" etcd: its own fresh one, so its token is small.
+    // The leader, on an etcd of its own (fresh: its token is far below the shared etcd's revision).
     const leader = await fx.start(
       'other-leader',
-      { ...settings, HELIOS_ROLES: 'scheduler,api', HELIOS_ETCD_ENDPOINTS: otherUrl },
+      { ...settings, HELIOS_ROLES: 'scheduler,api', HELIOS_ETCD_ENDPOINTS: leaderEtcdUrl },
       { leader: true },
     );
-    const token = (await otherClient.get(`${fx.etcdPrefix}/leader`).exec()).kvs[0]!.create_revision;
+    const token = (await leaderEtcdClient.get(`${fx.etcdPrefix}/leader`).exec()).kvs[0]!.create_revision;
 
     // Control: a worker on the leader's etcd and prefix. Late runs of the live leader: delayed only.
     const control = await lateRunsAfterWorker('right-etcd', 'worker-right', {
-      HELIOS_ETCD_ENDPOINTS: otherUrl,
+      HELIOS_ETCD_ENDPOINTS: leaderEtcdUrl,
     });
 
     // A worker whose HELIOS_ETCD_PREFIX differs (a typo), same etcd as the leader.
     const typo = await lateRunsAfterWorker('prefix-typo', 'worker-typo', {
-      HELIOS_ETCD_ENDPOINTS: otherUrl,
+      HELIOS_ETCD_ENDPOINTS: leaderEtcdUrl,
       HELIOS_ETCD_PREFIX: `${fx.etcdPrefix}-typo`,
     });
 
@@ -167,9 +127,9 @@ test(
 
     // The leader led throughout, with the same key and token.
     assert.ok(!leader.node.logs.some((l) => l.msg === 'stepped down'), 'the leader never stepped down');
-    const now = (await otherClient.get(`${fx.etcdPrefix}/leader`).exec()).kvs[0]!.create_revision;
+    const now = (await leaderEtcdClient.get(`${fx.etcdPrefix}/leader`).exec()).kvs[0]!.create_revision;
     assert.equal(now, token, 'same leader key throughout');
-    otherClient.close();
+    leaderEtcdClient.close();
 
     assert.ok(control.length >= 2 && control.every((r) => r.state === 'succeeded'), 'control: delayed, run');
     assert.deepEqual(
