@@ -109,7 +109,16 @@ export function clientErrorHandler(logger: Logger) {
   return (error: Error & { code?: string }, socket: Socket): void => {
     // A reset connection has nobody to answer.
     if (error.code === 'ECONNRESET' || socket.destroyed) return;
-    logger.trace({ err: error }, 'client error');
+    // Not the error itself: it carries the bytes read so far (rawPacket), an Authorization
+    // header and a job's secret headers among them.
+    logger.trace(
+      {
+        code: error.code,
+        reason: error.message,
+        bytesParsed: (error as { bytesParsed?: number }).bytesParsed,
+      },
+      'client error',
+    );
     // Node's own rule: no answer into a response already under way on this connection.
     const underway = (socket as { _httpMessage?: { headersSent?: boolean } })._httpMessage?.headersSent;
     if (socket.writable && !underway) {

@@ -33,11 +33,17 @@ export async function readJobDocuments(path: string): Promise<{ source: string; 
       : [path];
   const documents: { source: string; job: JobDocument }[] = [];
   for (const file of files) {
-    let parsed: unknown;
+    let text: string;
     try {
-      parsed = JSON.parse(await readText(file));
+      text = await readText(file);
     } catch (err) {
       throw new JobFileError(`${file}: ${err instanceof Error ? err.message : String(err)}`);
+    }
+    let parsed: unknown;
+    try {
+      parsed = JSON.parse(text);
+    } catch (err) {
+      throw new JobFileError(`${file}: ${jsonProblem(err, text)}`);
     }
     for (const [index, job] of (Array.isArray(parsed) ? parsed : [parsed]).entries()) {
       const where = Array.isArray(parsed) ? `${file}[${index}]` : file;
@@ -113,4 +119,19 @@ export async function applyJob(
   if (!differs(current, desired)) return { outcome: 'unchanged', job: current };
   const job = await client.patchJob(current.id, desired);
   return { outcome: 'updated', job };
+}
+
+/**
+ * What is wrong with a job file that is not JSON, and where, without quoting it: V8's message
+ * quotes the text around an unexpected token, which in a job file may be a secret (an unquoted
+ * template placeholder filled with an API key).
+ */
+function jsonProblem(err: unknown, text: string): string {
+  const message = err instanceof Error ? err.message : '';
+  const at = / in JSON at position (\d+)/.exec(message);
+  if (!at) return 'not valid JSON (an unexpected token: a value left unquoted?)';
+  const before = text.slice(0, Number(at[1]));
+  const line = before.split('\n').length;
+  const column = before.length - before.lastIndexOf('\n');
+  return `not valid JSON: ${message.slice(0, at.index)} at line ${line}, column ${column}`;
 }

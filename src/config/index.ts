@@ -362,5 +362,9 @@ export function loadCliConfig(env: Env = process.env): CliConfig {
   const apiUrl = str(env, 'HELIOS_API_URL', 'http://127.0.0.1:8080').replace(/\/+$/, '');
   const problem = checkUrl(['http:', 'https:'])(apiUrl);
   if (problem) throw new ConfigError('HELIOS_API_URL', problem);
+  // fetch refuses such a URL, and every message that names the API would print the password.
+  const { username, password } = new URL(apiUrl);
+  if (username || password)
+    throw new ConfigError('HELIOS_API_URL', 'must not carry credentials (user:password@); use HELIOS_API_TOKEN');
   return Object.freeze({ apiUrl, apiToken: optional(env, 'HELIOS_API_TOKEN') });
 }

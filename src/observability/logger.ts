@@ -14,6 +14,8 @@ const REDACT_PATHS = [
   'target.headers.authorization',
   'target.headers.cookie',
   '*.password',
+  // An HTTP parser error's raw request bytes (an Authorization header, a job's secret headers).
+  'err.rawPacket',
 ];
 
 /** The process-wide logger: JSON lines on stdout (or `destination`), secrets redacted. */

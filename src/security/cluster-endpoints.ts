@@ -49,11 +49,14 @@ export function endpointOfUrl(url: string, what: string, defaultPort?: number): 
 
 /**
  * The endpoints of a PostgreSQL connection string, including the multi-host form
- * `postgres://h1:5432,h2:5433/db` (which URL cannot parse); a socket directory has none.
+ * `postgres://h1:5432,h2:5433/db` (which URL cannot parse); a socket directory has none. The hosts
+ * follow the authority's last `@`, as pg (and WHATWG URL) read it: a password may hold an
+ * unencoded `@`, which pg accepts.
  */
 export function endpointsOfDatabaseUrl(url: string): Endpoint[] {
-  const authority = /^postgres(?:ql)?:\/\/(?:[^@/]*@)?([^/?#]*)/i.exec(url)?.[1] ?? '';
+  const authority = /^postgres(?:ql)?:\/\/([^/?#]*)/i.exec(url)?.[1] ?? '';
   return authority
+    .slice(authority.lastIndexOf('@') + 1)
     .split(',')
     .filter(Boolean)
     .flatMap((hostPort) => {

@@ -114,6 +114,17 @@ test("the configured etcd, Kafka and PostgreSQL endpoints and the node's API are
     ],
     'every host of a multi-host connection string',
   );
+  // A password with an unencoded "@", which pg accepts (it reads the hosts after the last "@"):
+  // the password's tail was taken for a host, and the database's own port was allowed.
+  assert.deepEqual(
+    endpointsOfDatabaseUrl('postgres://helios:pa@ss-w0rd@127.0.0.1:5432/helios').map((e) => [e.host, e.port]),
+    [['127.0.0.1', 5432]],
+  );
+  const withAt = loadConfig({
+    ...BASE,
+    HELIOS_DATABASE_URL: 'postgres://helios:pa@ss@127.0.0.1:5432/helios',
+  });
+  assert.match(deniedReason('127.0.0.1', withAt.targets.policy, 5432) ?? '', /cluster's own PostgreSQL/);
   assert.match(deniedReason('127.0.0.1', policy, 8181) ?? '', /cluster's own node API/);
   // Loopback servers are reached through every loopback address and "this host".
   assert.ok(deniedReason('127.0.0.2', policy, 2379));
