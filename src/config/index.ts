@@ -365,6 +365,9 @@ export function loadCliConfig(env: Env = process.env): CliConfig {
   // fetch refuses such a URL, and every message that names the API would print the password.
   const { username, password } = new URL(apiUrl);
   if (username || password)
-    throw new ConfigError('HELIOS_API_URL', 'must not carry credentials (user:password@); use HELIOS_API_TOKEN');
+    throw new ConfigError(
+      'HELIOS_API_URL',
+      'must not carry credentials (user:password@); use HELIOS_API_TOKEN',
+    );
   return Object.freeze({ apiUrl, apiToken: optional(env, 'HELIOS_API_TOKEN') });
 }
