@@ -1,9 +1,9 @@
 # syntax=docker/dockerfile:1
 # The Helios node image: `docker build -t helios .` then `docker run helios node` (or `migrate`,
 # `fence status`, `jobs list`, ...: the entrypoint is the `helios` CLI). Configured only by HELIOS_*
-# variables (README, Configuration). Node.js 24: the major of the `node` devDependency that
-# `npm test` runs on; test/unit/deploy-files.test.ts checks the two stay the same major.
-ARG NODE_IMAGE=node:24-bookworm-slim
+# variables (README, Configuration). Node.js 24.21.0: the `node` devDependency that `npm test` runs
+# on, not a floating tag; test/unit/deploy-files.test.ts checks the two stay the same.
+ARG NODE_IMAGE=node:24.21.0-bookworm-slim
 
 # ---- build: every dependency, compile TypeScript to dist/ ---------------------------------------
 FROM ${NODE_IMAGE} AS build

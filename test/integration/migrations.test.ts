@@ -1,6 +1,6 @@
 import assert from 'node:assert/strict';
 import { after, before, test } from 'node:test';
-import { loadMigrations } from '../../src/store/migrate.js';
+import { loadMigrations, migrate, type Migration } from '../../src/store/migrate.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
 import { REPO_ROOT, serverEnv } from '../support/env.js';
 import { runCli } from '../support/processes.js';
@@ -93,4 +93,37 @@ test('every foreign key has an index led by its columns, without a predicate, fo
     [],
     'foreign keys without an index led by their columns',
   );
+});
+
+test("a migration that cannot have its table's lock gives up within lock_timeout and tries again, so the table's other users do not queue behind it", async () => {
+  const scratch = await createTestDatabase();
+  try {
+    const pending: Migration = {
+      version: 900,
+      name: 'alter_jobs',
+      sql: 'ALTER TABLE jobs ADD COLUMN probe int',
+    };
+    // A long transaction holds the jobs table (as a slow report would).
+    const holder = await scratch.pool.connect();
+    await holder.query('BEGIN');
+    await holder.query('SELECT count(*) FROM jobs');
+    const started = performance.now();
+    const migrating = migrate(scratch.pool, [pending], { lockTimeoutMs: 300, tries: 3 });
+    // Meanwhile a reader of jobs (a claim, the dispatcher) is not held behind the waiting ALTER for
+    // longer than the lock timeout.
+    await new Promise((r) => setTimeout(r, 100));
+    const read = performance.now();
+    await scratch.pool.query('SELECT count(*) FROM jobs');
+    const readMs = performance.now() - read;
+    await assert.rejects(migrating, (err: { code?: string }) => err.code === '55P03');
+    const tookMs = performance.now() - started;
+    assert.ok(readMs < 1000, `a reader waited ${readMs.toFixed(0)} ms behind the migration`);
+    assert.ok(tookMs >= 3 * 300 + 1000 + 2000 - 100, `gave up after ${tookMs.toFixed(0)} ms: three tries`);
+    // Once the table is free, it goes through.
+    await holder.query('COMMIT');
+    holder.release();
+    assert.deepEqual(await migrate(scratch.pool, [pending], { lockTimeoutMs: 300 }), [900]);
+  } finally {
+    await scratch.drop();
+  }
 });

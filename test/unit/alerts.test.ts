@@ -92,6 +92,7 @@ test('every alert says what happened and what to do, with a severity', () => {
     'HeliosKafkaLag',
     'HeliosLeaderPassesFailing',
     'HeliosNoLeader',
+    'HeliosNodeDown',
     'HeliosOutboxStalled',
     'HeliosRunsOverdueGrowing',
   ]);
@@ -247,6 +248,25 @@ const CASES: Case[] = [
     series: { 'helios_stale_completions_total{node="b"}': '2x30' },
     at: '25m',
     alert: 'HeliosCallsNotRecorded',
+    fires: [],
+  },
+  {
+    name: 'a node unreachable for 3 minutes',
+    interval: '1m',
+    series: {
+      'up{job="helios",instance="helios-2:8080"}': '1 1 0 0 0 0',
+      'up{job="helios",instance="helios-1:8080"}': '1 1 1 1 1 1',
+    },
+    at: '5m',
+    alert: 'HeliosNodeDown',
+    fires: [{ job: 'helios', instance: 'helios-2:8080' }],
+  },
+  {
+    name: 'a node restarted within a minute',
+    interval: '1m',
+    series: { 'up{job="helios",instance="helios-2:8080"}': '1 1 0 1 1 1' },
+    at: '5m',
+    alert: 'HeliosNodeDown',
     fires: [],
   },
   {

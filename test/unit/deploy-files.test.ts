@@ -5,8 +5,13 @@ import { test } from 'node:test';
 import YAML from 'yaml';
 import { acceptedVariables, cliCommands, healthRoutes } from '../support/deploy/code.js';
 import { checkCompose, loadCompose, parseCompose } from '../support/deploy/compose.js';
-import { checkDockerfile } from '../support/deploy/dockerfile.js';
-import { checkKubernetes, loadKustomization, type K8sObject } from '../support/deploy/kubernetes.js';
+import { checkDockerfile, imageEnv } from '../support/deploy/dockerfile.js';
+import {
+  checkKubernetes,
+  loadKustomization,
+  parseAll,
+  type K8sObject,
+} from '../support/deploy/kubernetes.js';
 import { REPO_ROOT } from '../support/env.js';
 
 // No Docker engine or Kubernetes cluster runs here: the deployment files are checked against the
@@ -41,7 +46,7 @@ test('the accepted variables come from src/config/ and the CLI commands from hel
 test('deploy/compose.yaml: 3 nodes configured only by variables src/config/ accepts, on services that exist', (t) => {
   const { model, via } = loadCompose(composeFile, composeEnv);
   t.diagnostic(`compose file resolved by ${via}`);
-  assert.deepEqual(checkCompose(model, accepted, commands), []);
+  assert.deepEqual(checkCompose(model, accepted, commands, imageEnv(read('Dockerfile'))), []);
   const services = Object.keys(model.services);
   for (const name of ['postgres', 'etcd-1', 'etcd-2', 'etcd-3', 'kafka', 'helios-1', 'helios-2', 'helios-3'])
     assert.ok(services.includes(name), name);
@@ -58,12 +63,28 @@ test('deploy/compose.yaml refuses to resolve without the password and the tokens
   assert.throws(() => loadCompose(composeFile, { POSTGRES_PASSWORD: 'x' }), /HELIOS_API_TOKENS/);
 });
 
+/** The rendered objects and the Secret the operator makes (secret.example.yaml), in its namespace. */
+function withExampleSecret(objects: K8sObject[]): K8sObject[] {
+  const secret = parseAll(read('deploy/kubernetes/secret.example.yaml')).map((o) => ({
+    ...o,
+    metadata: { ...o.metadata, namespace: 'helios' },
+  }));
+  return [...objects, ...secret];
+}
+
 test('deploy/kubernetes: probes, grace period, selectors and settings match the code', (t) => {
   const { objects, via } = loadKustomization(join(REPO_ROOT, 'deploy/kubernetes'));
   t.diagnostic(`kustomization rendered by ${via}`);
-  assert.deepEqual(checkKubernetes(objects, accepted, commands, routes), []);
+  // The Secret is the operator's, made once (secret.example.yaml shows it): an apply never
+  // creates one with an example token nor overwrites theirs.
+  assert.deepEqual(
+    objects.filter((o) => o.kind === 'Secret'),
+    [],
+    'the kustomization applies no Secret',
+  );
+  assert.deepEqual(checkKubernetes(withExampleSecret(objects), accepted, commands, routes), []);
   const kinds = objects.map((o) => o.kind).sort();
-  for (const kind of ['ConfigMap', 'Deployment', 'PodDisruptionBudget', 'Secret', 'Service'])
+  for (const kind of ['ConfigMap', 'Deployment', 'PodDisruptionBudget', 'Service'])
     assert.ok(kinds.includes(kind), kind);
   for (const o of objects) if (o.kind !== 'Namespace') assert.equal(o.metadata.namespace, 'helios', o.kind);
 });
@@ -81,8 +102,8 @@ test('the compose check reports an unknown variable, a missing service, a bad co
       'HELIOS_LOG_LEVEL: info\n  HELIOS_NOT_A_SETTING: "1"',
     )
     .replace(
-      '    etcd-3:\n      condition: service_healthy\n    kafka:',
-      '    etcd-4:\n      condition: service_healthy\n    kafka:',
+      '    etcd-3:\n      condition: service_started\n    kafka:',
+      '    etcd-4:\n      condition: service_started\n    kafka:',
     )
     .replace(/( {2}helios-3:\n {4}<<: \*helios-node\n {4}command: \[)['"]node['"]/, "$1'serve'")
     .replace('stop_grace_period: 30s', 'stop_grace_period: 5s')
@@ -98,7 +119,7 @@ test('the compose check reports an unknown variable, a missing service, a bad co
 
 test('the Kubernetes check reports a wrong probe path, a short grace period, a PDB that selects nothing and an unknown key', () => {
   const { objects } = loadKustomization(join(REPO_ROOT, 'deploy/kubernetes'));
-  const copy = structuredClone(objects) as K8sObject[];
+  const copy = structuredClone(withExampleSecret(objects)) as K8sObject[];
   const deployment = copy.find((o) => o.kind === 'Deployment') as unknown as {
     spec: {
       template: {
@@ -130,11 +151,16 @@ test('the Kubernetes check reports a wrong probe path, a short grace period, a P
 
 test('the Dockerfile check reports root, another Node.js major and a missing health check', () => {
   const broken = read('Dockerfile')
-    .replace('ARG NODE_IMAGE=node:24-bookworm-slim', 'ARG NODE_IMAGE=node:20-bookworm-slim')
+    .replace('ARG NODE_IMAGE=node:24.21.0-bookworm-slim', 'ARG NODE_IMAGE=node:20-bookworm-slim')
     .replace('USER node', 'USER root')
     .replaceAll('/readyz', '/ready');
   const problems = checkDockerfile(broken, read('.dockerignore'), commands).join('\n');
-  assert.match(problems, /not Node.js 24/);
+  assert.match(problems, /node:20-bookworm-slim: not Node.js 24\.21\.0/);
+  const floating = read('Dockerfile').replace('node:24.21.0-bookworm-slim', 'node:24-bookworm-slim');
+  assert.match(
+    checkDockerfile(floating, read('.dockerignore'), commands).join('\n'),
+    /node:24-bookworm-slim: not Node.js 24\.21\.0/,
+  );
   assert.match(problems, /runs as root/);
   assert.match(problems, /HEALTHCHECK does not ask \/readyz/);
   const ignored = checkDockerfile(read('Dockerfile'), `${read('.dockerignore')}\nsrc\n`, commands).join('\n');
@@ -144,13 +170,6 @@ test('the Dockerfile check reports root, another Node.js major and a missing hea
 test('kustomization.yaml lists every manifest of the folder', () => {
   const listed = (YAML.parse(read('deploy/kubernetes/kustomization.yaml')) as { resources: string[] })
     .resources;
-  const files = [
-    'configmap.yaml',
-    'deployment.yaml',
-    'namespace.yaml',
-    'pdb.yaml',
-    'secret.yaml',
-    'service.yaml',
-  ];
+  const files = ['configmap.yaml', 'deployment.yaml', 'namespace.yaml', 'pdb.yaml', 'service.yaml'];
   assert.deepEqual([...listed].sort(), files);
 });

@@ -96,7 +96,13 @@ function seconds(duration: string | undefined): number {
 }
 
 /** Everything wrong with the Helios services of a compose model. */
-export function checkCompose(model: ComposeModel, accepted: Set<string>, commands: Set<string>): string[] {
+export function checkCompose(
+  model: ComposeModel,
+  accepted: Set<string>,
+  commands: Set<string>,
+  /** The image's own ENV (dockerfile.ts imageEnv), under each service's environment. */
+  imageEnv: Env = {},
+): string[] {
   const problems: string[] = [];
   const services = model.services ?? {};
   const helios = Object.entries(services).filter(([, s]) => s.image?.startsWith('helios'));
@@ -130,7 +136,7 @@ export function checkCompose(model: ComposeModel, accepted: Set<string>, command
     const command = service.command ?? [];
     if (!commands.has(command[0] ?? ''))
       problems.push(`${name}: command "${command.join(' ')}" is not a helios command`);
-    const env: Env = {};
+    const env: Env = Object.fromEntries(Object.entries(imageEnv).filter(([k]) => k.startsWith('HELIOS_')));
     for (const [key, value] of Object.entries(service.environment ?? {})) {
       if (!key.startsWith('HELIOS_')) problems.push(`${name}: ${key} is not a HELIOS_* variable`);
       else if (!accepted.has(key)) problems.push(`${name}: ${key} is not a variable src/config/ reads`);

@@ -8,7 +8,7 @@ export function checkDockerfile(dockerfile: string, dockerignore: string, comman
   const pkg = JSON.parse(readFileSync(join(REPO_ROOT, 'package.json'), 'utf8')) as {
     devDependencies: Record<string, string>;
   };
-  const major = /(\d+)/.exec(pkg.devDependencies.node ?? '')?.[1];
+  const pinned = pkg.devDependencies.node ?? '';
   const lines = dockerfile
     .replace(/\\\n/g, ' ')
     .split('\n')
@@ -20,9 +20,10 @@ export function checkDockerfile(dockerfile: string, dockerignore: string, comman
     .filter((l) => l.startsWith('FROM '))
     .map((l) => l.split(/\s+/)[1]!.replace(/\$\{(\w+)\}/, (_, name: string) => args.get(name) ?? ''));
   if (froms.length < 2) problems.push('not a multi-stage build');
+  // The very Node.js the tests ran on (a floating tag moves under a rebuild), or a digest.
   for (const from of froms)
-    if (!from.startsWith(`node:${major}`))
-      problems.push(`FROM ${from}: not Node.js ${major} (the pinned node devDependency)`);
+    if (!from.startsWith(`node:${pinned}-`) && !from.includes('@sha256:'))
+      problems.push(`FROM ${from}: not Node.js ${pinned} (the node devDependency the tests run on)`);
   const users = lines.filter((l) => l.startsWith('USER ')).map((l) => l.slice(5).trim());
   if (users.length === 0 || ['root', '0'].includes(users.at(-1)!)) problems.push('the image runs as root');
   if (!lines.some((l) => /^RUN .*npm ci .*--omit=dev/.test(l))) problems.push('no production-only npm ci');
@@ -50,4 +51,17 @@ export function checkDockerfile(dockerfile: string, dockerignore: string, comman
     }
   }
   return problems;
+}
+
+/** The ENV of a Dockerfile's last stage: what every container of the image starts with. */
+export function imageEnv(dockerfile: string): Record<string, string> {
+  const runtime =
+    dockerfile
+      .replace(/\\\n/g, ' ')
+      .split(/^FROM /m)
+      .at(-1) ?? '';
+  const env: Record<string, string> = {};
+  for (const line of runtime.split('\n').filter((l) => l.startsWith('ENV ')))
+    for (const [, key, value] of line.slice(4).matchAll(/(\w+)=(\S+)/g)) env[key!] = value!;
+  return env;
 }

@@ -39,7 +39,7 @@ export function loadKustomization(dir: string): { objects: K8sObject[]; via: str
   return { objects, via: 'YAML parser (no kustomize installed)' };
 }
 
-function parseAll(text: string): K8sObject[] {
+export function parseAll(text: string): K8sObject[] {
   return YAML.parseAllDocuments(text)
     .map((doc) => doc.toJS() as K8sObject | null)
     .filter((o): o is K8sObject => o !== null);
