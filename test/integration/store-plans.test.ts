@@ -140,7 +140,7 @@ test('a claim batch looks its runs up by primary key, even with thousands queued
   const other = (await client.query<{ id: string }>('SELECT id FROM runs WHERE attempt = 0 LIMIT 16')).rows;
   const found = await runsScans(
     'helios-claim-runs',
-    `${literal(other.map((r) => r.id))}, 'plan-node', 5000, 10, ${literal(other.map(() => 1))}, 50, 5000`,
+    `${literal(other.map((r) => r.id))}, 'plan-node', 5000, 10, ${literal(other.map(() => 1))}, 50, 5000, 7, 'cluster/helios/leader'`,
   );
   assert.ok(found.length > 0, 'the plan has scans on runs');
   // runs_one_per_occurrence: the misfire test's later occurrences of a fire-once job
