@@ -154,6 +154,16 @@ export async function runAttempt(
       );
       return;
     }
+    // The claim was lost before the call (a pause, an edit, a delete or a `replace` took the run
+    // while it waited for its time, or another worker took it over; a drain is whyNotStart's): no
+    // call is made, and none is counted as a call whose outcome was discarded (staleCompletions,
+    // the HeliosCallsNotRecorded alert), which a pause in a herd counted once per run.
+    if (cancel.aborted) {
+      callEnded?.(false);
+      metrics.runsExecuted.inc({ outcome: 'claim-lost' });
+      log().info({ reason: toError(cancel.reason).message }, 'claim lost before its call; no call made');
+      return;
+    }
     const startedAt = ctx.clock.now();
     if (run.attempt === 1)
       metrics.lateness.observe(Math.max(0, startedAt - run.scheduledFor.getTime()) / 1000);

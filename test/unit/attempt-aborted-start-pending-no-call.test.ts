@@ -79,6 +79,13 @@ test('aborted (claim lost) before its time, no drain: not STARTed, no request, n
   assert.equal(starts, 0);
   assert.equal(target.requests.length - before, 0, 'a request reached the target');
   assert.deepEqual(h.sql, [], 'nothing may be written for a claim this node no longer holds');
+  // No call was made: none is counted as a call whose outcome was discarded (that alert fired once
+  // per run claimed ahead when a pause withdrew a herd's runs).
+  assert.equal((await h.ctx.metrics.staleCompletions.get()).values[0]?.value ?? 0, 0);
+  const executed = (await h.ctx.metrics.runsExecuted.get()).values.map(
+    (v) => `${v.labels.outcome}=${v.value}`,
+  );
+  assert.deepEqual(executed, ['claim-lost=1']);
 });
 
 test('claim lost while its START was in flight (START still answers true): no request', async () => {
