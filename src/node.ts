@@ -363,14 +363,19 @@ export class HeliosNode {
     };
     // The first pass completes before any job can execute here: names are resolved by then.
     await pass();
+    this.repeatUntilStop('cluster endpoint watch', CLUSTER_ENDPOINTS_REFRESH_MS, pass);
+  }
+
+  /** Runs `pass` every `intervalMs` (after the one the caller made) until the node stops. */
+  private repeatUntilStop(name: string, intervalMs: number, pass: () => Promise<void>): void {
     const abort = new AbortController();
     const loop = (async () => {
       while (!abort.signal.aborted) {
-        await sleep(CLUSTER_ENDPOINTS_REFRESH_MS, undefined, { signal: abort.signal }).catch(() => undefined);
+        await sleep(intervalMs, undefined, { signal: abort.signal }).catch(() => undefined);
         if (!abort.signal.aborted) await pass();
       }
     })();
-    this.onStop('cluster endpoint watch', async () => {
+    this.onStop(name, async () => {
       abort.abort();
       await loop;
     });
@@ -393,17 +398,7 @@ export class HeliosNode {
         logger.debug({ err: toError(err) }, 'leader key not read; ended epochs as last known'),
       );
     await read();
-    const abort = new AbortController();
-    const loop = (async () => {
-      while (!abort.signal.aborted) {
-        await sleep(Math.min(1000, maxAgeMs / 2), undefined, { signal: abort.signal }).catch(() => undefined);
-        if (!abort.signal.aborted) await read();
-      }
-    })();
-    this.onStop('ended epochs watch', async () => {
-      abort.abort();
-      await loop;
-    });
+    this.repeatUntilStop('ended epochs watch', Math.min(1000, maxAgeMs / 2), read);
     return () => epochs.reading();
   }
 
