@@ -205,7 +205,7 @@ export async function runAttempt(
       }
       return;
     }
-    const delay = retryDelayMs(run.attempt, run);
+    const delay = retryDelayMs(run.failuresBefore + 1, run);
     const result = await whileClaimed(ctx, run, log, () =>
       ctx.fail
         ? ctx.fail(run, report, delay)

@@ -8,6 +8,8 @@ export interface ClaimedRun {
   /** The attempt this claim is (1 = first); completion is conditional on it. */
   readonly attempt: number;
   readonly maxAttempts: number;
+  /** Calls of this run the target failed before this attempt, since its last replay ({@link failuresBefore}). */
+  readonly failuresBefore: number;
   readonly scheduledFor: Date;
   readonly target: RunTarget;
   readonly timeoutMs: number;
@@ -24,8 +26,24 @@ export interface ClaimedRun {
   readonly startPending: boolean;
 }
 
+/**
+ * How many calls of run `r` (SQL) the target failed (non-2xx, timeout) before its current attempt,
+ * since its last replay: the run's retry back-off counts these (the n-th failure waits backoffMs ×
+ * multiplier^(n − 1)), not its attempt numbers. A replay gives the run a fresh budget of attempts,
+ * and with it a fresh back-off: counted by attempt number, a replayed run's first retry of a job
+ * with 5 attempts, 1 min and ×2 waited 32 min. A claim handed back or forgiven (no call failed)
+ * takes an attempt number too. 0 for a first attempt without a look at any table.
+ */
+export const failuresBefore = (r: string) => `
+  CASE WHEN ${r}.attempt <= 1 THEN 0 ELSE (
+    SELECT count(*)::int FROM run_attempts a
+    WHERE a.run_id = ${r}.id AND a.attempt < ${r}.attempt AND a.outcome IN ('failed', 'timeout')
+      AND a.attempt > (SELECT coalesce(max(d.attempt), 0) FROM dead_letters d
+                       WHERE d.run_id = ${r}.id AND d.replayed_at IS NOT NULL)) END`;
+
 const CLAIMED_COLUMNS = `
-  id, job_id AS "jobId", attempt, max_attempts AS "maxAttempts", scheduled_for AS "scheduledFor",
+  id, job_id AS "jobId", attempt, max_attempts AS "maxAttempts",
+  ${failuresBefore('claimed')} AS "failuresBefore", scheduled_for AS "scheduledFor",
   target, timeout_ms AS "timeoutMs", backoff_ms AS "backoffMs",
   backoff_multiplier AS "backoffMultiplier", concurrency, not_before AS "notBefore",
   claim_expires_at AS "claimExpiresAt", started_at IS NULL AS "startPending"`;
