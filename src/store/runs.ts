@@ -427,20 +427,32 @@ const requestedAt = (r: string) =>
   `greatest(${r}.scheduled_for, (SELECT max(d.replayed_at) FROM dead_letters d WHERE d.run_id = ${r}.id))`;
 
 /**
- * `replace`: fails every running run of job $1 except the one asked for last (requestedAt),
- * records their attempts as replaced, and NOTIFYs `helios_runs` so their workers abort the HTTP
- * call. Returns them, and the run left running (id, attempt, node) in a row of its own
- * (replaced = false). Run after a claim committed: whichever of two racing claims runs this last
- * sees both.
+ * `replace`: fails every run of job $1 except the one asked for last (requestedAt) among those
+ * running: the others running, and those queued that were asked for before it (an older run
+ * waiting in its retry back-off, handed back, or whose announcement is late: once a run asked for
+ * later has started, the older one is not called again, as a Kubernetes CronJob's `Replace` ends
+ * the older Job with its pending retries; before, its retry was called after the newer run had
+ * finished). Records the running ones' attempts as replaced, and NOTIFYs `helios_runs` so their
+ * workers abort the HTTP call. Returns them, and the run left running (id, attempt, node) in a row
+ * of its own (replaced = false). Run after a claim committed: whichever of two racing claims runs
+ * this last sees both. A queued run another statement holds (a worker claiming it, a pause) is
+ * left (SKIP LOCKED: it waits for no one's row): claimed, it runs this same statement and is
+ * replaced by the newer run if that one still runs.
  */
 const REPLACE_OLDER = `
   WITH newest AS (
-    SELECT r.id, r.attempt, r.claimed_by FROM runs r WHERE r.job_id = $1 AND r.state = 'running'
-    ORDER BY ${requestedAt('r')} DESC, r.id DESC LIMIT 1
+    SELECT r.id, r.attempt, r.claimed_by, ${requestedAt('r')} AS asked
+    FROM runs r WHERE r.job_id = $1 AND r.state = 'running'
+    ORDER BY asked DESC, r.id DESC LIMIT 1
+  ), waiting AS (
+    SELECT q.id FROM runs q, newest n
+    WHERE q.job_id = $1 AND q.state = 'queued' AND (${requestedAt('q')}, q.id) < (n.asked, n.id)
+    FOR UPDATE OF q SKIP LOCKED
   ), replaced AS (
     UPDATE runs r SET state = 'failed', reason = 'replaced', finished_at = now(),
                       claim_expires_at = NULL
-    WHERE r.job_id = $1 AND r.state = 'running' AND r.id <> (SELECT id FROM newest)
+    WHERE r.job_id = $1 AND r.id <> (SELECT id FROM newest)
+      AND (r.state = 'running' OR (r.state = 'queued' AND r.id IN (SELECT id FROM waiting)))
     RETURNING r.id, r.attempt
   ), recorded AS (
     UPDATE run_attempts a SET outcome = 'replaced', finished_at = now(),
