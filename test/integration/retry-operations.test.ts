@@ -55,7 +55,8 @@ async function triggeredJob(path: string, fields: Record<string, unknown>): Prom
   return job.id;
 }
 
-const trigger = async (jobId: string) => (await call<{ runId: string }>('POST', `/jobs/${jobId}/trigger`)).runId;
+const trigger = async (jobId: string) =>
+  (await call<{ runId: string }>('POST', `/jobs/${jobId}/trigger`)).runId;
 
 /** Calls the target received for a run, in order of arrival. */
 const callsOf = (runId: string) =>
@@ -123,7 +124,11 @@ test(
     });
     // A newer run is asked for while the older one waits, and succeeds.
     const newer = await trigger(jobId);
-    await waitFor('the newer run to succeed', async () => (await runOf(jobId, newer))?.state === 'succeeded', 20_000);
+    await waitFor(
+      'the newer run to succeed',
+      async () => (await runOf(jobId, newer))?.state === 'succeeded',
+      20_000,
+    );
     // Past the older run's retry time (4 s + 20 % jitter after its failure).
     await sleep(5500);
     const run = await runOf(jobId, older);
@@ -147,7 +152,10 @@ test(
       retry: { maxAttempts: 3, backoffMs: 2000, backoffMultiplier: 1 },
     });
     const first = await trigger(jobId);
-    await waitFor('the first run in its back-off', async () => (await runOf(jobId, first))?.state === 'queued');
+    await waitFor(
+      'the first run in its back-off',
+      async () => (await runOf(jobId, first))?.state === 'queued',
+    );
     const second = await trigger(jobId);
     const skipped = await waitFor('the second run decided', async () => {
       const run = await runOf(jobId, second);
@@ -155,7 +163,11 @@ test(
     });
     assert.equal(skipped.state, 'skipped');
     assert.equal(skipped.reason, 'concurrency-forbid');
-    await waitFor('the retry to succeed', async () => (await runOf(jobId, first))?.state === 'succeeded', 10_000);
+    await waitFor(
+      'the retry to succeed',
+      async () => (await runOf(jobId, first))?.state === 'succeeded',
+      10_000,
+    );
     assert.deepEqual(
       callsOf(first).map((c) => c.attempt),
       [1, 2],
@@ -193,7 +205,11 @@ test(
     const { jobId, runId } = await scheduledOnce('/pause-backoff/once');
     const paused = await call('POST', `/jobs/${jobId}/pause`);
     assert.equal(paused.enabled, false);
-    await waitFor('the retry to succeed', async () => (await runOf(jobId, runId))?.state === 'succeeded', 10_000);
+    await waitFor(
+      'the retry to succeed',
+      async () => (await runOf(jobId, runId))?.state === 'succeeded',
+      10_000,
+    );
     assert.deepEqual(
       callsOf(runId).map((c) => c.attempt),
       [1, 2],
@@ -207,7 +223,11 @@ test(
   async () => {
     const { jobId, runId } = await scheduledOnce('/patch-backoff/once');
     await call('PATCH', `/jobs/${jobId}`, { target: { url: `${fx.target.url}/patched` } });
-    await waitFor('the retry to succeed', async () => (await runOf(jobId, runId))?.state === 'succeeded', 10_000);
+    await waitFor(
+      'the retry to succeed',
+      async () => (await runOf(jobId, runId))?.state === 'succeeded',
+      10_000,
+    );
     assert.deepEqual(
       callsOf(runId).map((c) => [c.attempt, c.path]),
       [
@@ -253,7 +273,11 @@ test(
     const letterId = await openDeadLetterOf(runId);
     await call('POST', `/jobs/${jobId}/pause`);
     await call('POST', `/dead-letters/${letterId}/replay`);
-    await waitFor('the replayed run to succeed', async () => (await runOf(jobId, runId))?.state === 'succeeded', 10_000);
+    await waitFor(
+      'the replayed run to succeed',
+      async () => (await runOf(jobId, runId))?.state === 'succeeded',
+      10_000,
+    );
     const attempts = await attemptsOf(fx.db.pool, runId);
     assert.deepEqual(
       attempts.map((a) => [a.attempt, a.outcome]),
