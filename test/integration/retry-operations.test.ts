@@ -15,11 +15,12 @@ let api: string;
 
 /**
  * Paths whose calls fail: `/fail` always, `/once` each run's first call, `/first` only the first
- * call the path receives.
+ * call the path receives; `/slow` answers 200 after 3 s.
  */
 const firstCalled = new Set<string>();
 const behaviour = (request: { path: string }, nth: number) => {
   if (request.path.endsWith('/fail')) return { status: 500, body: 'failing' };
+  if (request.path.endsWith('/slow')) return { status: 200, delayMs: 3000 };
   if (request.path.endsWith('/once')) return { status: nth === 1 ? 500 : 200 };
   if (request.path.endsWith('/first') && !firstCalled.has(request.path)) {
     firstCalled.add(request.path);
@@ -285,6 +286,28 @@ test(
         [1, 'failed'],
         [2, 'succeeded'],
       ],
+    );
+  },
+);
+
+test(
+  'a PATCH from allow to forbid while a run is in flight: a run triggered next is skipped, not run beside it',
+  { timeout: 60_000 },
+  async () => {
+    const jobId = await triggeredJob('/patch-forbid/slow', { retry: { maxAttempts: 1, backoffMs: 100 } });
+    const first = await trigger(jobId);
+    await waitFor('the first call in flight', () => callsOf(first).length === 1);
+    await call('PATCH', `/jobs/${jobId}`, { concurrency: 'forbid' });
+    const second = await trigger(jobId);
+    const decided = await waitFor('the second run decided', async () => {
+      const run = await runOf(jobId, second);
+      return run && run.state !== 'queued' ? run : null;
+    });
+    const overlapping = callsOf(second).filter((c) => c.arrivedAt < (callsOf(first)[0]!.endedAt ?? Infinity));
+    assert.deepEqual(
+      [decided.state, decided.reason, overlapping.length],
+      ['skipped', 'concurrency-forbid', 0],
+      'the job is forbid now: its next run must not run while the first is active',
     );
   },
 );
