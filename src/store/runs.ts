@@ -110,8 +110,10 @@ export const misfiredAtClaim = (
  * withdraw it); `forbid` and
  * `replace` runs only once due, so their policy is judged against the runs active at that time.
  * A fresh occurrence of a `forbid` job is not claimed while a sibling waits to retry (that
- * sibling is still active); a second *running* run of a `forbid` job violates
- * runs_forbid_one_running_idx and fails the whole statement.
+ * sibling is still active), and no run of a `forbid` job while a sibling that copied another
+ * policy runs (the job was edited to `forbid` during its call: before, the next run was called
+ * beside it); a second *running* run of a `forbid` job violates runs_forbid_one_running_idx and
+ * fails the whole statement.
  * The deadline and start count from this statement, not from its transaction's start (now()):
  * inside the polling fallback's transaction a claim may come seconds after it began, and a
  * deadline counted from then reached the worker with less than the timeout left (handed back).
@@ -136,9 +138,13 @@ const CLAIM = `
       AND r.not_before <= now() + ($4 + CASE WHEN r.concurrency = 'allow' THEN $6 ELSE 0 END)
                                   * interval '1 millisecond'
       AND (c.expected IS NULL OR r.attempt = c.expected - 1)
-      AND NOT (r.concurrency = 'forbid' AND r.attempt = 0 AND EXISTS (
+      AND NOT (r.concurrency = 'forbid' AND EXISTS (
         SELECT 1 FROM runs o
-        WHERE o.job_id = r.job_id AND o.id <> r.id AND o.state = 'queued' AND o.attempt > 0))
+        WHERE o.job_id = r.job_id AND o.id <> r.id
+          AND ((r.attempt = 0 AND o.state = 'queued' AND o.attempt > 0)
+               -- A run still running from before an edit made the job \`forbid\`: the unique index
+               -- (runs_forbid_one_running_idx) holds only runs that copied \`forbid\`.
+               OR (o.state = 'running' AND o.concurrency <> 'forbid'))))
       AND NOT ${misfiredAtClaim('r', '$7', { below: '$8', leaderKey: '$9' })}
     RETURNING r.*
   ), recorded AS (
