@@ -4,6 +4,7 @@ import { after, before, test } from 'node:test';
 import { uniqueId } from '../support/env.js';
 import { attemptsOf, nextWholeSecond, oncePerMinuteAt, runsOf, waitFor } from '../support/execution.js';
 import { integrationFixture, type IntegrationFixture } from '../support/fixture.js';
+import { parseMetrics } from '../support/metrics.js';
 import { apiCall } from '../support/node-api.js';
 
 // What users do to a job while one of its runs waits in its retry back-off, has its call in
@@ -15,12 +16,13 @@ let api: string;
 
 /**
  * Paths whose calls fail: `/fail` always, `/once` each run's first call, `/first` only the first
- * call the path receives; `/slow` answers 200 after 3 s.
+ * call the path receives; `/slow` answers 200 after 3 s, `/hang` never.
  */
 const firstCalled = new Set<string>();
 const behaviour = (request: { path: string }, nth: number) => {
   if (request.path.endsWith('/fail')) return { status: 500, body: 'failing' };
   if (request.path.endsWith('/slow')) return { status: 200, delayMs: 3000 };
+  if (request.path.endsWith('/hang')) return { hang: true };
   if (request.path.endsWith('/once')) return { status: nth === 1 ? 500 : 200 };
   if (request.path.endsWith('/first') && !firstCalled.has(request.path)) {
     firstCalled.add(request.path);
@@ -309,5 +311,51 @@ test(
       ['skipped', 'concurrency-forbid', 0],
       'the job is forbid now: its next run must not run while the first is active',
     );
+  },
+);
+
+/** helios_stale_completions_total of the node (calls whose outcome was discarded: HeliosCallsNotRecorded). */
+async function staleCompletions(): Promise<number> {
+  const response = await fetch(`${api}/metrics`);
+  assert.equal(response.status, 200);
+  return parseMetrics(await response.text()).sum('helios_stale_completions_total');
+}
+
+test(
+  'a call aborted because its run was replaced or its job deleted is not counted as an outcome discarded for a run called again',
+  { timeout: 60_000 },
+  async () => {
+    const before = await staleCompletions();
+    // replace: a newer run's start aborts the older run's call; the older run is not called again.
+    const replaceJob = await triggeredJob('/stale-replace/hang', {
+      concurrency: 'replace',
+      timeoutMs: 20_000,
+      retry: { maxAttempts: 1, backoffMs: 100 },
+    });
+    const older = await trigger(replaceJob);
+    await waitFor('the older call in flight', () => callsOf(older).length === 1);
+    await trigger(replaceJob);
+    await waitFor('the older call aborted', () => callsOf(older)[0]?.aborted);
+    // delete: the job's run goes with it, and its call is aborted.
+    const deletedJob = await triggeredJob('/stale-delete/hang', {
+      timeoutMs: 20_000,
+      retry: { maxAttempts: 1, backoffMs: 100 },
+    });
+    const gone = await trigger(deletedJob);
+    await waitFor('the call in flight', () => callsOf(gone).length === 1);
+    const response = await fetch(`${api}/api/v1/jobs/${deletedJob}`, {
+      method: 'DELETE',
+      headers: { 'content-type': 'application/json' },
+      body: '{}',
+    });
+    assert.equal(response.status, 204);
+    await waitFor('the call of the deleted job aborted', () => callsOf(gone)[0]?.aborted);
+    await sleep(500); // the workers' bookkeeping after the aborts
+    assert.equal(
+      (await staleCompletions()) - before,
+      0,
+      'HeliosCallsNotRecorded would say these runs are called again; neither is',
+    );
+    await call('POST', `/jobs/${replaceJob}/pause`);
   },
 );
