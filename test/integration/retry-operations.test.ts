@@ -16,13 +16,15 @@ let api: string;
 
 /**
  * Paths whose calls fail: `/fail` always, `/once` each run's first call, `/first` only the first
- * call the path receives; `/slow` answers 200 after 3 s, `/hang` never.
+ * call the path receives; `/slow` answers 200 after 3 s, `/hang` never, `/slow-once` fails each run's first call after 1.5 s.
  */
 const firstCalled = new Set<string>();
 const behaviour = (request: { path: string }, nth: number) => {
   if (request.path.endsWith('/fail')) return { status: 500, body: 'failing' };
   if (request.path.endsWith('/slow')) return { status: 200, delayMs: 3000 };
   if (request.path.endsWith('/hang')) return { hang: true };
+  if (request.path.endsWith('/slow-once'))
+    return { status: nth === 1 ? 500 : 200, delayMs: nth === 1 ? 1500 : 0 };
   if (request.path.endsWith('/once')) return { status: nth === 1 ? 500 : 200 };
   if (request.path.endsWith('/first') && !firstCalled.has(request.path)) {
     firstCalled.add(request.path);
@@ -357,5 +359,36 @@ test(
       'HeliosCallsNotRecorded would say these runs are called again; neither is',
     );
     await call('POST', `/jobs/${replaceJob}/pause`);
+  },
+);
+
+test(
+  "a pause while an occurrence's call is in flight, the call then failing: its retry still runs",
+  { timeout: 60_000 },
+  async () => {
+    const at = await nextWholeSecond(fx.db.pool, 1500);
+    const job = await call('POST', '/jobs', {
+      name: `pause-in-flight-${uniqueId()}`,
+      schedule: oncePerMinuteAt(at),
+      target: { url: `${fx.target.url}/pause-in-flight/slow-once` },
+      timeoutMs: 5000,
+      retry: { maxAttempts: 2, backoffMs: 500, backoffMultiplier: 1 },
+    });
+    const inFlight = await waitFor('the call in flight', () =>
+      fx.target.requests.find((r) => r.jobId === job.id && r.endedAt === undefined),
+    );
+    await call('POST', `/jobs/${job.id}/pause`);
+    await waitFor(
+      'the retry to succeed',
+      async () => (await runOf(job.id, inFlight.runId))?.state === 'succeeded',
+      10_000,
+    );
+    assert.deepEqual(
+      callsOf(inFlight.runId).map((c) => [c.attempt, c.status]),
+      [
+        [1, 500],
+        [2, 200],
+      ],
+    );
   },
 );
