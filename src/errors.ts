@@ -23,6 +23,17 @@ export class StaleFencingTokenError extends Error {
 /** A worker's claim on a run was lost (expired and re-queued, or taken by another attempt). */
 export class ClaimLostError extends Error {
   override name = 'ClaimLostError';
+  /**
+   * @param outcomeWanted false when the run was deleted (its job's delete) or replaced (a `replace`
+   * run asked for later started): no one calls it again and its outcome is wanted by no one. True
+   * (the default) when its claim expired and the run went back to the queue or to another attempt.
+   */
+  constructor(
+    message: string,
+    readonly outcomeWanted = true,
+  ) {
+    super(message);
+  }
 }
 
 /** A call to one of our servers did not answer within our own deadline. */

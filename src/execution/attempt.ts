@@ -188,9 +188,11 @@ export async function runAttempt(
         log().info({ released: Boolean(released) }, 'call aborted by shutdown; claim handed back');
         return;
       }
-      // The claim is gone (replaced, or expired and taken over): whoever took it records the run.
+      // The claim is gone (replaced, deleted, or expired and taken over): whoever took it records
+      // the run. Only the last is an outcome discarded for a run called again (HeliosCallsNotRecorded):
+      // a replaced or deleted run is called by no one, as its job's policy or a user asked.
       metrics.runsExecuted.inc({ outcome: reason instanceof ClaimLostError ? 'claim-lost' : 'cancelled' });
-      metrics.staleCompletions.inc();
+      if (!(reason instanceof ClaimLostError) || reason.outcomeWanted) metrics.staleCompletions.inc();
       log().info({ reason: toError(reason).message }, 'call aborted: claim lost');
       return;
     }
@@ -205,7 +207,7 @@ export async function runAttempt(
       }
       return;
     }
-    const delay = retryDelayMs(run.attempt, run);
+    const delay = retryDelayMs(run.failuresBefore + 1, run);
     const result = await whileClaimed(ctx, run, log, () =>
       ctx.fail
         ? ctx.fail(run, report, delay)

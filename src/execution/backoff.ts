@@ -13,19 +13,19 @@ export const MAX_RETRY_DELAY_MS = 86_400_000;
 export const JITTER_FRACTION = 0.2;
 
 /**
- * Delay before the attempt that follows `failedAttempt` (1-based):
- * `backoffMs × multiplier^(failedAttempt − 1)`, capped at {@link MAX_RETRY_DELAY_MS}, plus a random
+ * Delay before the attempt that follows the run's `failure`-th failure (1-based, counted since its
+ * last replay: failuresBefore in store/runs.ts): `backoffMs × multiplier^(failure − 1)`, capped at {@link MAX_RETRY_DELAY_MS}, plus a random
  * 0–20 %. The configured delay is a floor, never shortened: an operator who asked for 1 s between
  * attempts gets at least 1 s; the jitter only spreads the retries of many runs that failed together
  * (an outage of a shared target) so they do not return in one burst.
  * @param random a source of [0, 1) numbers; default Math.random (injected by tests).
  */
 export function retryDelayMs(
-  failedAttempt: number,
+  failure: number,
   policy: RetryPolicy,
   random: () => number = Math.random,
 ): number {
-  const exponent = Math.max(0, failedAttempt - 1);
+  const exponent = Math.max(0, failure - 1);
   const base = Math.min(
     MAX_RETRY_DELAY_MS,
     policy.backoffMs * Math.pow(Math.max(1, policy.backoffMultiplier), exponent),

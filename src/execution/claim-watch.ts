@@ -48,7 +48,9 @@ export async function watchClaims(options: ClaimWatchOptions): Promise<void> {
         const entry = byRun?.get(claim.id);
         const why =
           claim.state === null ? 'deleted' : `now ${claim.state}${claim.reason ? ` (${claim.reason})` : ''}`;
-        entry?.controller.abort(new ClaimLostError(`run ${claim.id} is ${why}`));
+        // Deleted or replaced: a user's delete or the job's policy ended the run, not a lost claim.
+        const ended = claim.state === null || (claim.state === 'failed' && claim.reason === 'replaced');
+        entry?.controller.abort(new ClaimLostError(`run ${claim.id} is ${why}`, !ended));
       }
     } catch (err) {
       if (!signal.aborted) logger.warn({ err: toError(err) }, 'claim check failed; retrying');

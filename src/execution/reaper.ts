@@ -305,7 +305,7 @@ export class Reaper {
         run,
         { reaper: true },
         reports[k]!,
-        retryDelayMs(run.attempt, run),
+        retryDelayMs(run.failuresBefore + 1, run),
         topics,
       );
       if (result) outcomes.push({ id: run.id, claimedBy: run.claimedBy, to: result.state, charged: true });

@@ -2,7 +2,13 @@ import type pg from 'pg';
 import type { RunMessage } from '../model.js';
 import type { Queryable } from './db.js';
 import { buryRun } from './dead-letters.js';
-import { enqueueAttempt, inLockOrder, REQUEUED_RUN_COLUMNS, type RequeuedRun } from './runs.js';
+import {
+  enqueueAttempt,
+  failuresBefore,
+  inLockOrder,
+  REQUEUED_RUN_COLUMNS,
+  type RequeuedRun,
+} from './runs.js';
 
 /** How an attempt ended, as recorded in run_attempts.outcome. */
 export type AttemptOutcome = 'succeeded' | 'failed' | 'timeout' | 'expired' | 'replaced' | 'cancelled';
@@ -462,6 +468,8 @@ export interface ExpiredRun {
   readonly claimedBy: string | null;
   readonly backoffMs: number;
   readonly backoffMultiplier: number;
+  /** Calls of this run the target failed before this attempt, since its last replay (failuresBefore in runs.ts). */
+  readonly failuresBefore: number;
   /** Earlier expiries of this run that were forgiven (see forgiveExpiredClaims in releases.ts). */
   readonly expiries: number;
   /** Claimed ahead and its call never began (see claimOver). */
@@ -479,7 +487,8 @@ export interface ExpiryOptions {
 
 /** What the reaper reads of a run (SQL, `runs r`). */
 const EXPIRED_COLUMNS = `r.id, r.attempt, r.claimed_by AS "claimedBy", r.backoff_ms AS "backoffMs",
-  r.backoff_multiplier AS "backoffMultiplier", r.expiries, r.started_at IS NULL AS unstarted`;
+  r.backoff_multiplier AS "backoffMultiplier", ${failuresBefore('r')} AS "failuresBefore", r.expiries,
+  r.started_at IS NULL AS unstarted`;
 
 /**
  * A key-share lock on run r's job, SKIP LOCKED (SQL, a condition). A run whose job a command holds

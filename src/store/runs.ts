@@ -8,6 +8,8 @@ export interface ClaimedRun {
   /** The attempt this claim is (1 = first); completion is conditional on it. */
   readonly attempt: number;
   readonly maxAttempts: number;
+  /** Calls of this run the target failed before this attempt, since its last replay ({@link failuresBefore}). */
+  readonly failuresBefore: number;
   readonly scheduledFor: Date;
   readonly target: RunTarget;
   readonly timeoutMs: number;
@@ -24,8 +26,24 @@ export interface ClaimedRun {
   readonly startPending: boolean;
 }
 
+/**
+ * How many calls of run `r` (SQL) the target failed (non-2xx, timeout) before its current attempt,
+ * since its last replay: the run's retry back-off counts these (the n-th failure waits backoffMs ×
+ * multiplier^(n − 1)), not its attempt numbers. A replay gives the run a fresh budget of attempts,
+ * and with it a fresh back-off: counted by attempt number, a replayed run's first retry of a job
+ * with 5 attempts, 1 min and ×2 waited 32 min. A claim handed back or forgiven (no call failed)
+ * takes an attempt number too. 0 for a first attempt without a look at any table.
+ */
+export const failuresBefore = (r: string) => `
+  CASE WHEN ${r}.attempt <= 1 THEN 0 ELSE (
+    SELECT count(*)::int FROM run_attempts a
+    WHERE a.run_id = ${r}.id AND a.attempt < ${r}.attempt AND a.outcome IN ('failed', 'timeout')
+      AND a.attempt > (SELECT coalesce(max(d.attempt), 0) FROM dead_letters d
+                       WHERE d.run_id = ${r}.id AND d.replayed_at IS NOT NULL)) END`;
+
 const CLAIMED_COLUMNS = `
-  id, job_id AS "jobId", attempt, max_attempts AS "maxAttempts", scheduled_for AS "scheduledFor",
+  id, job_id AS "jobId", attempt, max_attempts AS "maxAttempts",
+  ${failuresBefore('claimed')} AS "failuresBefore", scheduled_for AS "scheduledFor",
   target, timeout_ms AS "timeoutMs", backoff_ms AS "backoffMs",
   backoff_multiplier AS "backoffMultiplier", concurrency, not_before AS "notBefore",
   claim_expires_at AS "claimExpiresAt", started_at IS NULL AS "startPending"`;
@@ -92,8 +110,10 @@ export const misfiredAtClaim = (
  * withdraw it); `forbid` and
  * `replace` runs only once due, so their policy is judged against the runs active at that time.
  * A fresh occurrence of a `forbid` job is not claimed while a sibling waits to retry (that
- * sibling is still active); a second *running* run of a `forbid` job violates
- * runs_forbid_one_running_idx and fails the whole statement.
+ * sibling is still active), and no run of a `forbid` job while a sibling that copied another
+ * policy runs (the job was edited to `forbid` during its call: before, the next run was called
+ * beside it); a second *running* run of a `forbid` job violates runs_forbid_one_running_idx and
+ * fails the whole statement.
  * The deadline and start count from this statement, not from its transaction's start (now()):
  * inside the polling fallback's transaction a claim may come seconds after it began, and a
  * deadline counted from then reached the worker with less than the timeout left (handed back).
@@ -118,9 +138,13 @@ const CLAIM = `
       AND r.not_before <= now() + ($4 + CASE WHEN r.concurrency = 'allow' THEN $6 ELSE 0 END)
                                   * interval '1 millisecond'
       AND (c.expected IS NULL OR r.attempt = c.expected - 1)
-      AND NOT (r.concurrency = 'forbid' AND r.attempt = 0 AND EXISTS (
+      AND NOT (r.concurrency = 'forbid' AND EXISTS (
         SELECT 1 FROM runs o
-        WHERE o.job_id = r.job_id AND o.id <> r.id AND o.state = 'queued' AND o.attempt > 0))
+        WHERE o.job_id = r.job_id AND o.id <> r.id
+          AND ((r.attempt = 0 AND o.state = 'queued' AND o.attempt > 0)
+               -- A run still running from before an edit made the job \`forbid\`: the unique index
+               -- (runs_forbid_one_running_idx) holds only runs that copied \`forbid\`.
+               OR (o.state = 'running' AND o.concurrency <> 'forbid'))))
       AND NOT ${misfiredAtClaim('r', '$7', { below: '$8', leaderKey: '$9' })}
     RETURNING r.*
   ), recorded AS (
@@ -409,20 +433,32 @@ const requestedAt = (r: string) =>
   `greatest(${r}.scheduled_for, (SELECT max(d.replayed_at) FROM dead_letters d WHERE d.run_id = ${r}.id))`;
 
 /**
- * `replace`: fails every running run of job $1 except the one asked for last (requestedAt),
- * records their attempts as replaced, and NOTIFYs `helios_runs` so their workers abort the HTTP
- * call. Returns them, and the run left running (id, attempt, node) in a row of its own
- * (replaced = false). Run after a claim committed: whichever of two racing claims runs this last
- * sees both.
+ * `replace`: fails every run of job $1 except the one asked for last (requestedAt) among those
+ * running: the others running, and those queued that were asked for before it (an older run
+ * waiting in its retry back-off, handed back, or whose announcement is late: once a run asked for
+ * later has started, the older one is not called again, as a Kubernetes CronJob's `Replace` ends
+ * the older Job with its pending retries; before, its retry was called after the newer run had
+ * finished). Records the running ones' attempts as replaced, and NOTIFYs `helios_runs` so their
+ * workers abort the HTTP call. Returns them, and the run left running (id, attempt, node) in a row
+ * of its own (replaced = false). Run after a claim committed: whichever of two racing claims runs
+ * this last sees both. A queued run another statement holds (a worker claiming it, a pause) is
+ * left (SKIP LOCKED: it waits for no one's row): claimed, it runs this same statement and is
+ * replaced by the newer run if that one still runs.
  */
 const REPLACE_OLDER = `
   WITH newest AS (
-    SELECT r.id, r.attempt, r.claimed_by FROM runs r WHERE r.job_id = $1 AND r.state = 'running'
-    ORDER BY ${requestedAt('r')} DESC, r.id DESC LIMIT 1
+    SELECT r.id, r.attempt, r.claimed_by, ${requestedAt('r')} AS asked
+    FROM runs r WHERE r.job_id = $1 AND r.state = 'running'
+    ORDER BY asked DESC, r.id DESC LIMIT 1
+  ), waiting AS (
+    SELECT q.id FROM runs q, newest n
+    WHERE q.job_id = $1 AND q.state = 'queued' AND (${requestedAt('q')}, q.id) < (n.asked, n.id)
+    FOR UPDATE OF q SKIP LOCKED
   ), replaced AS (
     UPDATE runs r SET state = 'failed', reason = 'replaced', finished_at = now(),
                       claim_expires_at = NULL
-    WHERE r.job_id = $1 AND r.state = 'running' AND r.id <> (SELECT id FROM newest)
+    WHERE r.job_id = $1 AND r.id <> (SELECT id FROM newest)
+      AND (r.state = 'running' OR (r.state = 'queued' AND r.id IN (SELECT id FROM waiting)))
     RETURNING r.id, r.attempt
   ), recorded AS (
     UPDATE run_attempts a SET outcome = 'replaced', finished_at = now(),

@@ -10,6 +10,7 @@ export function fakeClaimedRun(runId: string, attempt = 1): ClaimedRun {
     jobId: runId,
     attempt,
     maxAttempts: 3,
+    failuresBefore: attempt - 1,
     scheduledFor: new Date(),
     target: { url: 'http://127.0.0.1:9/' },
     timeoutMs: 1000,
