@@ -19,10 +19,13 @@
  *   new-a joins: 1 old + 2 new, a new leader with an old worker); b restarted new.
  * - `leader-last`: c restarted new, then b (1 old + 2 new, the old leader the only old node),
  *   then a (new-c leads).
+ * The test also checks that the versions did mix: new workers called runs an old leader made
+ * and, in the first order, an old worker runs a new leader made.
  */
 import assert from 'node:assert/strict';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { after, test } from 'node:test';
+import type pg from 'pg';
 import { createKafka, deleteTopics } from '../../src/broker/index.js';
 import { createEtcdClient } from '../../src/coordination/etcd.js';
 import { silentLogger } from '../../src/observability/logger.js';
@@ -49,6 +52,8 @@ const kafka = createKafka({
 after(() => etcd.close());
 
 const release = oldRelease();
+/** When each node process was spawned (ms). */
+const startedAt = new Map<ManagedProcess, number>();
 
 test(
   'a rolling upgrade from the previous release: old and new nodes together lose and double no occurrence',
@@ -75,15 +80,19 @@ test(
     const healed = new Set<string>();
     const target = new TargetServer(targetBehaviour(healed));
     const processes: ManagedProcess[] = [];
+    const versionOf = new Map<ManagedProcess, 'old' | 'new'>();
     const live = new Map<string, { node: ManagedProcess; apiUrl: string }>();
     const roles: Record<string, string> = { b: 'worker,api' };
     const start = async (name: string, version: 'old' | 'new') => {
       const root = version === 'old' ? old.dir : REPO_ROOT;
+      const spawnedAt = Date.now();
       const node = spawnNodeOf(root, name, {
         ...env,
         extra: { ...env.extra, ...(roles[name] ? { HELIOS_ROLES: roles[name] } : {}) },
       });
       processes.push(node);
+      versionOf.set(node, version);
+      startedAt.set(node, spawnedAt);
       const apiUrl = (await node.waitForLog((l) => l.msg === 'node started', 60_000)).apiUrl as string;
       await node.waitForLog((l) => l.msg === 'joined consumer group', 60_000);
       await waitFor(`${name} ready`, async () => (await fetch(`${apiUrl}/readyz`)).status === 200, 20_000);
@@ -155,6 +164,14 @@ test(
         ops: nemesis.ops,
         settings: chaosSettings(4000),
       });
+      const mixed = await mixes(db.pool, processes, versionOf);
+      t.diagnostic(
+        `attempts of runs an old leader made, called by a new worker: ${mixed.oldLeaderNewWorker}; ` +
+          `a new leader's, by an old worker: ${mixed.newLeaderOldWorker}`,
+      );
+      assert.ok(mixed.oldLeaderNewWorker > 0, 'a new worker called runs of the old leader');
+      if (order === 'leader-second')
+        assert.ok(mixed.newLeaderOldWorker > 0, 'an old worker called runs of the new leader');
       const kinds = [...new Set(nemesis.ops.filter((o) => o.outcome === 'ok').map((o) => o.kind))];
       t.diagnostic(`operations that succeeded: ${kinds.join(' ')}`);
       t.diagnostic(found.lines.join('\n'));
@@ -169,3 +186,38 @@ test(
     }
   },
 );
+
+/**
+ * How many attempts a worker of one release made of runs a leader of the other release created:
+ * the leader by the epoch's token ("became leader" logs it), the worker by the process of that
+ * name running when the attempt started.
+ */
+async function mixes(
+  pool: pg.Pool,
+  processes: readonly ManagedProcess[],
+  versionOf: ReadonlyMap<ManagedProcess, 'old' | 'new'>,
+): Promise<{ oldLeaderNewWorker: number; newLeaderOldWorker: number }> {
+  const leaderOf = new Map<string, 'old' | 'new'>();
+  for (const p of processes)
+    for (const line of p.logs)
+      if (line.msg === 'became leader') leaderOf.set(String(line.token), versionOf.get(p)!);
+  const { rows } = await pool.query<{ node: string; epoch: string; at: Date }>(
+    `SELECT a.node_id AS node, r.created_epoch::text AS epoch, a.started_at AS at
+     FROM run_attempts a JOIN runs r ON r.id = a.run_id WHERE r.created_epoch IS NOT NULL`,
+  );
+  const workerAt = (node: string, at: number) => {
+    // The latest process of that name started before the attempt (each is started after the last
+    // one of its name has exited).
+    const of = processes.filter((p) => p.name === node && startedAt.get(p)! <= at);
+    return of.length > 0 ? versionOf.get(of[of.length - 1]!) : undefined;
+  };
+  let oldLeaderNewWorker = 0;
+  let newLeaderOldWorker = 0;
+  for (const r of rows) {
+    const leader = leaderOf.get(r.epoch);
+    const worker = workerAt(r.node, r.at.getTime());
+    if (leader === 'old' && worker === 'new') oldLeaderNewWorker += 1;
+    if (leader === 'new' && worker === 'old') newLeaderOldWorker += 1;
+  }
+  return { oldLeaderNewWorker, newLeaderOldWorker };
+}

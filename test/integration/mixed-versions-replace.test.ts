@@ -107,7 +107,10 @@ async function together(pool: pg.Pool, jobId: string, first: ReplaceOlder, secon
     );
     await gate.query('COMMIT');
     const answers = await both;
-    for (const a of answers) if (a.status === 'rejected') throw a.reason;
+    return answers.map((a) => {
+      if (a.status === 'rejected') throw a.reason;
+      return a.value;
+    });
   } finally {
     gate.release();
   }
@@ -121,7 +124,14 @@ test(
     t.diagnostic(`old release ${old.commit}`);
     const oldReplace = await oldReplaceOlder(old);
     const { jobId, replayed, newer } = await replayBesideNewerOccurrence(db.pool);
-    await together(db.pool, jobId, oldReplace, replaceOlderRuns);
+    const [byOld, byNew] = await together(db.pool, jobId, oldReplace, replaceOlderRuns);
+    const name = (id: string | undefined) =>
+      id === replayed ? 'replayed' : id === newer ? 'newer' : String(id);
+    // Each worker calls its run only if its statement answered that run as the one left running.
+    t.diagnostic(
+      `the old worker's statement kept ${name(byOld!.running?.id)}, failed ${byOld!.replaced.map(name).join(' ')}; ` +
+        `the new worker's kept ${name(byNew!.running?.id)}, failed ${byNew!.replaced.map(name).join(' ')}`,
+    );
     const { rows } = await db.pool.query<{ id: string; state: string; reason: string | null }>(
       `SELECT id, state, reason FROM runs WHERE job_id = $1`,
       [jobId],
