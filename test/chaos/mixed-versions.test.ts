@@ -174,6 +174,8 @@ test(
         assert.ok(mixed.newLeaderOldWorker > 0, 'an old worker called runs of the new leader');
       const kinds = [...new Set(nemesis.ops.filter((o) => o.outcome === 'ok').map((o) => o.kind))];
       t.diagnostic(`operations that succeeded: ${kinds.join(' ')}`);
+      for (const kind of ['pause', 'resume', 'patch-schedule', 'trigger', 'replay'] as const)
+        assert.ok(kinds.includes(kind), `no ${kind} succeeded: the run did not exercise it`);
       t.diagnostic(found.lines.join('\n'));
       assert.deepEqual(found.violations, [], found.violations.join('\n'));
     } finally {
