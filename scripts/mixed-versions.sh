@@ -2,7 +2,7 @@
 # Runs the mixed-version checks against earlier releases, for a release engineer before a release:
 #   scripts/mixed-versions.sh                the releases before each of the last 3 migrations
 #   scripts/mixed-versions.sh COMMIT...      those commits
-# For each: test/chaos/mixed-versions.test.ts in both orders (the old leader restarted second, and
+# For each: test/upgrade/rolling-upgrade.check.ts in both orders (the old leader restarted second, and
 # last) and test/integration/mixed-versions-replace.test.ts, each old release built from the git
 # history with this checkout's node_modules (test/support/old-release.ts). Needs the real servers
 # (scripts/infra.sh up) and a build of this checkout (npm run build). About 2.5 minutes a release.
@@ -24,7 +24,7 @@ for commit in "${commits[@]}"; do
   for order in leader-second leader-last; do
     echo "== $short: rolling upgrade, $order"
     HELIOS_MIXED_OLD="$commit" HELIOS_MIXED_ORDER="$order" \
-      npx --no-install node --import tsx --test test/chaos/mixed-versions.test.ts || failed+=("$short $order")
+      npx --no-install node --import tsx --test test/upgrade/rolling-upgrade.check.ts || failed+=("$short $order")
   done
   echo "== $short: replace statements racing"
   HELIOS_MIXED_OLD="$commit" \
