@@ -33,9 +33,9 @@ export interface RunQueueOptions {
   readonly prefetch: number;
   readonly clock: DbClock;
   /**
-   * Executes a claimed run; `signal` aborts the call. `drainLeftMs` is given while draining: the
-   * time left, when called, before the drain aborts what still runs, so a call that could not end
-   * by then must not start (attempt.ts hands its claim back instead). `callEnded` is called once
+   * Executes a claimed run; `signal` aborts the call. `drainLeftMs` says, when called, the time
+   * left before a drain aborts what still runs (Infinity while the queue is not draining), so a
+   * call that could not end by then must not start (attempt.ts hands its claim back instead). `callEnded` is called once
    * the call has ended (or will not be made) and only its outcome is left to write, with
    * `writeMayWait` when that write may be held back (`writesHeld`). Must not reject.
    */
@@ -303,6 +303,13 @@ export class RunQueue {
    * drain's own timer: a re-sync of the database clock estimate during the drain must not move it.
    */
   private drainLeftMs?: () => number;
+  /**
+   * What run() is given as its `drainLeftMs`: read when the call is about to begin (after START),
+   * not when run() is called, so a drain that begins in between applies to the call. Read when
+   * run() was called, a drain beginning while a run's START was on its way let a call start that
+   * the drain then cut at its deadline, and the worker it was handed to called the run again.
+   */
+  private readonly drainLeftNow = (): number => this.drainLeftMs?.() ?? Infinity;
   /** Set once the drain is over: a run the poller claims after that is handed back, not called. */
   private drainedWith?: Error;
   private readonly watch = new AbortController();
@@ -385,7 +392,7 @@ export class RunQueue {
       // A poll whose claims came back after the drain ended: nothing would abort the call any
       // more, and the executor is closed next. Called with the stop reason, it hands them back.
       if (this.drainedWith) execution.controller.abort(this.drainedWith);
-      await this.options.run(run, execution.controller.signal, this.drainLeftMs, (called, writeMayWait) =>
+      await this.options.run(run, execution.controller.signal, this.drainLeftNow, (called, writeMayWait) =>
         this.callEnded(execution, called, writeMayWait),
       );
     });
@@ -815,8 +822,8 @@ export class RunQueue {
     // A re-sync of the clock estimate during the wait for a slot may have moved the instant later
     // again: no call before it by the estimate (the slot is held meanwhile).
     await this.untilDue(run.notBefore.getTime(), execution, signal);
-    // Read now: a drain that began while this run waited for its time applies to it.
-    await this.options.run(run, signal, this.drainLeftMs, (called, writeMayWait) =>
+    // A drain that began while this run waited for its time, or begins before its call, applies to it.
+    await this.options.run(run, signal, this.drainLeftNow, (called, writeMayWait) =>
       this.callEnded(execution, called, writeMayWait),
     );
   }
