@@ -166,7 +166,7 @@ export class LeaderElection {
   /** One campaign attempt: grant a lease, then the create-if-absent transaction. */
   private async tryAcquire(): Promise<boolean> {
     const { client, key, nodeId, logger } = this.options;
-    this.keyDeleted = false;
+    this.readAgain = false;
     const read = await client.get(key).exec();
     this.readRevision = read.header.revision;
     const holder = read.kvs[0];
@@ -345,7 +345,7 @@ export class LeaderElection {
 
   /** One look at the holder's lease; 'woken' when the key's deletion or stop() came first. */
   private async checkHolderLease(holder: LeaseExpiryWatch): Promise<LeaseVerdict | 'woken'> {
-    if (this.keyDeleted || this.abort.signal.aborted) return 'woken';
+    if (this.readAgain || this.abort.signal.aborted) return 'woken';
     const askedAt = performance.now();
     const woken = new Promise<'woken'>((resolve) => (this.wake = () => resolve('woken')));
     try {
@@ -403,7 +403,7 @@ export class LeaderElection {
    */
   private async waitForVacancy(pollMs: number): Promise<boolean> {
     if (!this.watcher) this.watchLeaderKey();
-    if (this.keyDeleted) return true;
+    if (this.readAgain) return true;
     const woken = await new Promise<boolean>((resolve) => {
       const timer = setTimeout(() => resolve(false), pollMs);
       this.wake = () => {
@@ -416,9 +416,17 @@ export class LeaderElection {
     return woken;
   }
 
-  /** One watcher for the life of the election; polling covers the moments it is reconnecting. */
+  /**
+   * One watcher while etcd keeps it; polling covers the moments it is reconnecting. A watcher etcd
+   * cancels is dropped by the client for good, and that is what a compaction does to it: a broken
+   * stream (a member restarted, a network blip) resumes from the last revision the watcher saw,
+   * which etcd moves on only at a change of the key or a progress notice (every 10 min), while
+   * compaction runs every 5 min under Kubernetes. The changes in between are gone (ErrCompacted),
+   * so the key is read again (it may have been deleted meanwhile) and watched anew from that read.
+   * Unwatched, a standby learnt of a graceful handover only at its next poll, up to a second later.
+   */
   private watchLeaderKey(): void {
-    this.watcher = this.options.client
+    const watching: Promise<Watcher | undefined> = this.options.client
       .watch()
       .key(this.options.key)
       // From just after the last read: a deletion that lands before etcd has registered the watch
@@ -428,21 +436,34 @@ export class LeaderElection {
       .then((watcher) => {
         watcher.on('delete', () => {
           // Remembered: it can land while this node is not waiting (reading the key or a lease).
-          this.keyDeleted = true;
+          this.readAgain = true;
           this.wake?.();
         });
-        watcher.on('error', (err) => this.options.logger.debug({ err }, 'leader key watch error'));
+        watcher.on('error', (err) => {
+          this.options.logger.info(
+            { err: toError(err) },
+            'etcd cancelled the leader key watch; reading the key again',
+          );
+          if (this.watcher === watching) this.watcher = undefined;
+          this.readAgain = true;
+          this.wake?.();
+        });
         if (this.abort.signal.aborted) void watcher.cancel();
         return watcher;
       })
       .catch((err: unknown) => {
-        this.watcher = undefined;
+        if (this.watcher === watching) this.watcher = undefined;
         this.options.logger.debug({ err: toError(err) }, 'leader key watch failed; polling');
         return undefined;
       });
+    this.watcher = watching;
   }
   private watcher?: Promise<Watcher | undefined>;
-  private keyDeleted = false;
+  /**
+   * The key may have changed since the last read (the watch saw it deleted, or was cancelled):
+   * read it again before waiting.
+   */
+  private readAgain = false;
   /** The etcd revision of the latest read of the leader key. */
   private readRevision = '0';
 }
