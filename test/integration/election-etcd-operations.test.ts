@@ -2,7 +2,7 @@ import assert from 'node:assert/strict';
 import { after, before, test } from 'node:test';
 import { setTimeout as sleep } from 'node:timers/promises';
 import type { Etcd3, Watcher } from 'etcd3';
-import { LeaderElection, type Leadership } from '../../src/coordination/election.js';
+import { LeaderElection, readLeader, type Leadership } from '../../src/coordination/election.js';
 import { createEtcdClient } from '../../src/coordination/etcd.js';
 import { silentLogger } from '../../src/observability/logger.js';
 import { serverEnv, uniqueId } from '../support/env.js';
@@ -133,6 +133,67 @@ test(
       standbyClient.close();
       leaderClient.close();
       await proxy.close();
+    }
+  },
+);
+
+test(
+  'a leader whose key an operator deleted (its lease left alive) steps down: never two leaders for more than a keep-alive',
+  { timeout: 60_000 },
+  async () => {
+    const key = `${prefix}/deleted-key/leader`;
+    const clients = [createEtcdClient([server.url]), createEtcdClient([server.url])];
+    const a = election(clients[0]!, key, 'a');
+    const b = election(clients[1]!, key, 'b');
+    a.e.start();
+    try {
+      await until('a to lead', () => a.state.elected.length === 1, 5000);
+      b.e.start();
+      await sleep(1500);
+      const deletedAt = performance.now();
+      await admin.delete().key(key); // etcdctl del <prefix>/leader
+      await until('b to lead', () => b.state.elected.length === 1, 3000);
+      await sleep(1500);
+      const both = a.e.current() !== null && b.e.current() !== null;
+      assert.ok(
+        !both,
+        `two leaders 1.5 s after b was elected (a's epoch ${a.state.elected[0]!.leadership.token} still valid)`,
+      );
+      const ended = a.state.demoted[0];
+      assert.ok(ended, 'a never stepped down');
+      assert.ok(ended.at - deletedAt < 1300, `a stepped down ${Math.round(ended.at - deletedAt)} ms after`);
+    } finally {
+      await b.e.stop();
+      await a.e.stop();
+      for (const c of clients) c.close();
+    }
+  },
+);
+
+test(
+  'a lone leader whose key was deleted (etcdctl del --prefix of HELIOS_ETCD_PREFIX) leads again under a new key',
+  { timeout: 60_000 },
+  async () => {
+    const base = `${prefix}/wiped`;
+    const key = `${base}/leader`;
+    const client = createEtcdClient([server.url]);
+    const lone = election(client, key, 'lone');
+    lone.e.start();
+    try {
+      await until('the leader', () => lone.state.elected.length === 1, 5000);
+      const first = lone.state.elected[0]!.leadership;
+      await sleep(500);
+      await admin.delete().prefix(base);
+      await sleep(2000);
+      const record = await readLeader(admin, key);
+      assert.ok(record, 'no leader key 2 s after it was deleted, while a node leads');
+      assert.equal(record.nodeId, 'lone');
+      assert.ok(record.token > first.token, 'a new epoch, with a new token');
+      assert.ok(first.signal.aborted, 'the epoch whose key was deleted ended');
+      assert.equal(lone.e.current()?.token, record.token);
+    } finally {
+      await lone.e.stop();
+      client.close();
     }
   },
 );
