@@ -30,7 +30,13 @@ export interface LeaderRecord {
 }
 
 export type StepDownReason =
-  'deadline' | 'keepalive-failed' | 'lease-lost' | 'fenced' | 'database-unreachable' | 'shutdown';
+  | 'deadline'
+  | 'keepalive-failed'
+  | 'lease-lost'
+  | 'key-lost'
+  | 'fenced'
+  | 'database-unreachable'
+  | 'shutdown';
 
 export interface LeaderElectionOptions {
   readonly client: Etcd3;
@@ -50,34 +56,38 @@ export interface LeaderElectionOptions {
 
 type State = 'idle' | 'running' | 'stopping' | 'stopped';
 
+/** Pause before trying a failed keep-alive again (and the time kept in hand before the deadline). */
+const KEEPALIVE_RETRY_MS = 100;
+
+/** This node's epoch of leadership, as the election keeps it. */
+interface Epoch {
+  leadership: Leadership;
+  controller: AbortController;
+  lease: Lease;
+  deadline: number;
+  timer?: NodeJS.Timeout;
+  /** The last keep-alive failed: the next is tried at once, not after the usual pause. */
+  retrying?: boolean;
+}
+
 /**
  * Campaigns for one etcd key with `create_revision == 0 → put(key, lease)` and, while leader,
  * keeps the lease alive itself (not with the client's automatic keep-alive, which reports a lost
  * lease only ~2×TTL after etcd became unreachable). Leadership ends at once when the monotonic
- * deadline passes, when etcd says the lease is gone, or on `stepDown()`; a failed keep-alive is
- * tried again until the deadline (see keepAlive).
+ * deadline passes, when etcd says the lease is gone or the key is no longer the one it created
+ * (checkKey), or on `stepDown()`; a failed keep-alive is tried again until the deadline (see
+ * keepAlive).
  *
  * The deadline is measured from when a keep-alive was *sent*: etcd can only have renewed the
  * lease after that instant, so `sentAt + TTL` is never later than the real expiry at etcd, and
  * `− safetyMargin` absorbs clock-rate drift and the time a final write needs to reach PostgreSQL.
  */
-/** Pause before trying a failed keep-alive again (and the time kept in hand before the deadline). */
-const KEEPALIVE_RETRY_MS = 100;
-
 export class LeaderElection {
   private state: State = 'idle';
   private readonly abort = new AbortController();
   private loop: Promise<void> = Promise.resolve();
   private stopping?: Promise<void>;
-  private epoch?: {
-    leadership: Leadership;
-    controller: AbortController;
-    lease: Lease;
-    deadline: number;
-    timer?: NodeJS.Timeout;
-    /** The last keep-alive failed: the next is tried at once, not after the usual pause. */
-    retrying?: boolean;
-  };
+  private epoch?: Epoch;
   private wake?: () => void;
   private readonly ttlSeconds: number;
 
@@ -166,7 +176,7 @@ export class LeaderElection {
   /** One campaign attempt: grant a lease, then the create-if-absent transaction. */
   private async tryAcquire(): Promise<boolean> {
     const { client, key, nodeId, logger } = this.options;
-    this.keyDeleted = false;
+    this.readAgain = false;
     const read = await client.get(key).exec();
     this.readRevision = read.header.revision;
     const holder = read.kvs[0];
@@ -197,11 +207,10 @@ export class LeaderElection {
     // The txn's revision is the revision at which our put created the key: its create_revision.
     const token = BigInt(result.header.revision);
     const controller = new AbortController();
-    const epoch = {
+    const epoch: Epoch = {
       controller,
       lease,
       deadline: sentAt + this.ttlSeconds * 1000 - this.options.safetyMarginMs,
-      timer: undefined as NodeJS.Timeout | undefined,
       leadership: {
         nodeId,
         token,
@@ -250,6 +259,7 @@ export class LeaderElection {
       epoch.deadline = sentAt + this.ttlSeconds * 1000 - this.options.safetyMarginMs;
       epoch.retrying = false;
       this.armDeadline();
+      void this.checkKey(epoch);
     } catch (err) {
       if (this.epoch !== epoch) return;
       if (err instanceof EtcdLeaseInvalidError) {
@@ -271,6 +281,28 @@ export class LeaderElection {
       this.options.logger.warn({ err: toError(err) }, 'leader keep-alive failed; stepping down');
       this.endEpoch('keepalive-failed');
       void this.release(epoch.lease);
+    }
+  }
+
+  /**
+   * Ends the epoch when the leader key is no longer the one it created: an operator deleted it
+   * (`etcdctl del`, or the whole HELIOS_ETCD_PREFIX) and left the lease alive, so keep-alives still
+   * succeed. Unchecked, a standby took the key at once and two nodes led until the old one's next
+   * write met the fence (never, for a leader with nothing to write); a lone leader led without a key
+   * for good: no leader in the cluster view, and its epoch ended by etcd's reading (EndedEpochs), so
+   * the workers dropped its late runs as misfires. Checked after each renewal, off its path: a slow
+   * read must not delay the next keep-alive, and a read that fails proves nothing.
+   */
+  private async checkKey(epoch: Epoch): Promise<void> {
+    try {
+      const read = await withTimeout(this.options.client.get(this.options.key).exec(), 1000, 'etcd get');
+      const keyToken = read.kvs[0]?.create_revision ?? null;
+      if (this.epoch !== epoch || keyToken === epoch.leadership.token.toString()) return;
+      this.options.logger.warn({ keyToken }, 'our leader key was deleted in etcd; stepping down');
+      this.endEpoch('key-lost');
+      void this.release(epoch.lease);
+    } catch (err) {
+      this.options.logger.debug({ err: toError(err) }, 'reading our leader key failed');
     }
   }
 
@@ -345,7 +377,7 @@ export class LeaderElection {
 
   /** One look at the holder's lease; 'woken' when the key's deletion or stop() came first. */
   private async checkHolderLease(holder: LeaseExpiryWatch): Promise<LeaseVerdict | 'woken'> {
-    if (this.keyDeleted || this.abort.signal.aborted) return 'woken';
+    if (this.readAgain || this.abort.signal.aborted) return 'woken';
     const askedAt = performance.now();
     const woken = new Promise<'woken'>((resolve) => (this.wake = () => resolve('woken')));
     try {
@@ -403,7 +435,7 @@ export class LeaderElection {
    */
   private async waitForVacancy(pollMs: number): Promise<boolean> {
     if (!this.watcher) this.watchLeaderKey();
-    if (this.keyDeleted) return true;
+    if (this.readAgain) return true;
     const woken = await new Promise<boolean>((resolve) => {
       const timer = setTimeout(() => resolve(false), pollMs);
       this.wake = () => {
@@ -416,9 +448,17 @@ export class LeaderElection {
     return woken;
   }
 
-  /** One watcher for the life of the election; polling covers the moments it is reconnecting. */
+  /**
+   * One watcher while etcd keeps it; polling covers the moments it is reconnecting. A watcher etcd
+   * cancels is dropped by the client for good, and that is what a compaction does to it: a broken
+   * stream (a member restarted, a network blip) resumes from the last revision the watcher saw,
+   * which etcd moves on only at a change of the key or a progress notice (every 10 min), while
+   * compaction runs every 5 min under Kubernetes. The changes in between are gone (ErrCompacted),
+   * so the key is read again (it may have been deleted meanwhile) and watched anew from that read.
+   * Unwatched, a standby learnt of a graceful handover only at its next poll, up to a second later.
+   */
   private watchLeaderKey(): void {
-    this.watcher = this.options.client
+    const watching: Promise<Watcher | undefined> = this.options.client
       .watch()
       .key(this.options.key)
       // From just after the last read: a deletion that lands before etcd has registered the watch
@@ -428,21 +468,34 @@ export class LeaderElection {
       .then((watcher) => {
         watcher.on('delete', () => {
           // Remembered: it can land while this node is not waiting (reading the key or a lease).
-          this.keyDeleted = true;
+          this.readAgain = true;
           this.wake?.();
         });
-        watcher.on('error', (err) => this.options.logger.debug({ err }, 'leader key watch error'));
+        watcher.on('error', (err) => {
+          this.options.logger.info(
+            { err: toError(err) },
+            'etcd cancelled the leader key watch; reading the key again',
+          );
+          if (this.watcher === watching) this.watcher = undefined;
+          this.readAgain = true;
+          this.wake?.();
+        });
         if (this.abort.signal.aborted) void watcher.cancel();
         return watcher;
       })
       .catch((err: unknown) => {
-        this.watcher = undefined;
+        if (this.watcher === watching) this.watcher = undefined;
         this.options.logger.debug({ err: toError(err) }, 'leader key watch failed; polling');
         return undefined;
       });
+    this.watcher = watching;
   }
   private watcher?: Promise<Watcher | undefined>;
-  private keyDeleted = false;
+  /**
+   * The key may have changed since the last read (the watch saw it deleted, or was cancelled):
+   * read it again before waiting.
+   */
+  private readAgain = false;
   /** The etcd revision of the latest read of the leader key. */
   private readRevision = '0';
 }

@@ -1,4 +1,12 @@
-import { circuitBreaker, ConsecutiveBreaker, handleWhen, noop } from 'cockatiel';
+import {
+  BrokenCircuitError,
+  circuitBreaker,
+  CircuitState,
+  ConsecutiveBreaker,
+  handleWhen,
+  noop,
+  type IPolicy,
+} from 'cockatiel';
 import { Etcd3, GRPCCancelledError, isRecoverableError } from 'etcd3';
 
 /** How long an etcd member that failed a call is passed over before it is tried again. */
@@ -18,6 +26,8 @@ const SKIP_FAILED_MEMBER_MS = 1000;
  * A cancelled call is not the member's failure: the library counts it as recoverable, so
  * cancelling a watch (the election on stop) passed over the only member for a second, and the
  * node's deregistration right after it failed.
+ *
+ * While a member's one trial call is out, other calls pass it over too (memberBreaker).
  */
 export function createEtcdClient(endpoints: readonly string[], callTimeoutMs = 2000): Etcd3 {
   return new Etcd3({
@@ -25,15 +35,34 @@ export function createEtcdClient(endpoints: readonly string[], callTimeoutMs = 2
     dialTimeout: callTimeoutMs,
     defaultCallOptions: (context) => (context.isStream ? {} : { deadline: Date.now() + callTimeoutMs }),
     faultHandling: {
-      host: () =>
-        circuitBreaker(
-          handleWhen((err) => isRecoverableError(err) && !(err instanceof GRPCCancelledError)),
-          {
-            halfOpenAfter: SKIP_FAILED_MEMBER_MS,
-            breaker: new ConsecutiveBreaker(1),
-          },
-        ),
+      host: memberBreaker,
       global: noop,
     },
   });
+}
+
+/**
+ * One member's breaker (see createEtcdClient). Half-open, cockatiel's breaker lets one trial call
+ * through and makes every other call to the member wait for the trial's outcome. A trial sent to a
+ * member that does not answer (cut off, or blocked by a defragmentation) held the calls behind it
+ * for its whole deadline (2 s); they then went on to a healthy member with their own deadline
+ * spent, failed there and opened that member's breaker as well. A leader's keep-alive that queued
+ * so lost its try; with the node's other reads on the client (EndedEpochs reads every second) a
+ * leader given two members, one of them not answering, stepped down. So a call that finds the
+ * trial out passes the member over, as an open breaker makes it do.
+ */
+function memberBreaker(): IPolicy {
+  const breaker = circuitBreaker(
+    handleWhen((err) => isRecoverableError(err) && !(err instanceof GRPCCancelledError)),
+    { halfOpenAfter: SKIP_FAILED_MEMBER_MS, breaker: new ConsecutiveBreaker(1) },
+  );
+  return {
+    _altReturn: undefined as never, // a type-only field of IPolicy
+    onSuccess: breaker.onSuccess,
+    onFailure: breaker.onFailure,
+    execute: (fn, signal) =>
+      breaker.state === CircuitState.HalfOpen
+        ? Promise.reject(new BrokenCircuitError())
+        : breaker.execute(fn, signal),
+  };
 }

@@ -1,11 +1,10 @@
 import assert from 'node:assert/strict';
-import { setTimeout as sleep } from 'node:timers/promises';
 import { after, before, test } from 'node:test';
 import { createEtcdClient } from '../../src/coordination/etcd.js';
 import { serverEnv } from '../support/env.js';
 import { EtcdServer } from '../support/etcd-server.js';
-import { nextWholeSecond, waitFor } from '../support/execution.js';
 import { integrationFixture, type IntegrationFixture } from '../support/fixture.js';
+import { lateRunsAfterWorker } from '../support/late-runs.js';
 
 // A run whose leader still leads is only ever delayed, never dropped, however late (README,
 // Misfires). A worker learns from etcd which epochs have ended (EndedEpochs); a worker pointed at
@@ -34,63 +33,9 @@ after(async () => {
   await leaderEtcd?.stop();
 });
 
-/** A `skip` job firing every second from the next whole second; returns its id and first due time. */
-async function everySecondSkipJob(name: string): Promise<{ id: string; first: Date }> {
-  const first = await nextWholeSecond(fx.db.pool, 500);
-  const { rows } = await fx.db.pool.query<{ id: string }>(
-    `INSERT INTO jobs (name, schedule, target, misfire, timeout_ms, next_run_at)
-     VALUES ($1, '* * * * * *', $2, 'skip', 5000, $3) RETURNING id`,
-    [name, { url: `${fx.target.url}/${name}`, method: 'POST' }, first],
-  );
-  return { id: rows[0]!.id, first };
-}
-
-interface Row {
-  scheduledFor: Date;
-  state: string;
-  reason: string | null;
-  createdEpoch: string;
-}
-
-/**
- * No worker for 5 s while the leader dispatches a every-second `skip` job (its runs pile up, the
- * first ones late by more than the threshold), then one worker starts with `workerEnv`. Returns the
- * runs that were already late when the worker started, once settled.
- */
-async function lateRunsAfterWorker(job: string, workerName: string, workerEnv: Record<string, string>) {
-  const { id, first } = await everySecondSkipJob(job);
-  await sleep(first.getTime() + 5000 - Date.now());
-  const workerStart = new Date();
-  const worker = await fx.start(
-    workerName,
-    { ...settings, HELIOS_ROLES: 'worker,api', ...workerEnv },
-    {
-      worker: true,
-    },
-  );
-  const lateBefore = new Date(workerStart.getTime() - THRESHOLD_MS - 500);
-  await waitFor(
-    'the late runs settled',
-    async () =>
-      (
-        await fx.db.pool.query(
-          `SELECT 1 FROM runs WHERE job_id = $1 AND scheduled_for < $2 AND state IN ('queued', 'running')`,
-          [id, lateBefore],
-        )
-      ).rowCount === 0,
-    20_000,
-    100,
-  );
-  const { rows } = await fx.db.pool.query<Row>(
-    `SELECT scheduled_for AS "scheduledFor", state, reason, created_epoch::text AS "createdEpoch"
-     FROM runs WHERE job_id = $1 AND scheduled_for < $2 ORDER BY scheduled_for`,
-    [id, lateBefore],
-  );
-  await fx.db.pool.query('UPDATE jobs SET enabled = false WHERE id = $1', [id]);
-  worker.node.signal('SIGTERM');
-  await worker.node.exited;
-  return rows;
-}
+/** The runs already late when a worker with `workerEnv` started (see lateRunsAfterWorker). */
+const lateRuns = (job: string, workerName: string, workerEnv: Record<string, string>) =>
+  lateRunsAfterWorker(fx, { job, workerName, workerEnv, settings, thresholdMs: THRESHOLD_MS });
 
 test(
   "a worker pointed at another etcd or prefix does not drop the live leader's late runs",
@@ -110,18 +55,18 @@ test(
     const token = (await leaderEtcdClient.get(`${fx.etcdPrefix}/leader`).exec()).kvs[0]!.create_revision;
 
     // Control: a worker on the leader's etcd and prefix. Late runs of the live leader: delayed only.
-    const control = await lateRunsAfterWorker('right-etcd', 'worker-right', {
+    const control = await lateRuns('right-etcd', 'worker-right', {
       HELIOS_ETCD_ENDPOINTS: leaderEtcdUrl,
     });
 
     // A worker whose HELIOS_ETCD_PREFIX differs (a typo), same etcd as the leader.
-    const typo = await lateRunsAfterWorker('prefix-typo', 'worker-typo', {
+    const typo = await lateRuns('prefix-typo', 'worker-typo', {
       HELIOS_ETCD_ENDPOINTS: leaderEtcdUrl,
       HELIOS_ETCD_PREFIX: `${fx.etcdPrefix}-typo`,
     });
 
     // A worker pointed at another etcd (the shared one: its revision is far above the leader's token).
-    const wrong = await lateRunsAfterWorker('wrong-etcd', 'worker-wrong', {
+    const wrong = await lateRuns('wrong-etcd', 'worker-wrong', {
       HELIOS_ETCD_ENDPOINTS: mainEtcdUrl,
     });
 
