@@ -176,6 +176,49 @@ const CASES: Case[] = [
     fires: [],
   },
   {
+    // No worker claims (all stopped, or cut off from PostgreSQL) and the jobs fall due every ten
+    // minutes: the overdue count grows by a step each time and is flat in between, so its 5-minute
+    // slope is positive for at most 5 minutes at a time and a 5-minute `for` never completed.
+    name: 'overdue runs growing by a step every ten minutes (workers stopped, jobs every 10 min)',
+    interval: '1m',
+    series: { 'helios_runs_overdue{node="a"}': '0x9 1x9 2x9 3x9 4x9 5x9' },
+    at: '55m',
+    alert: 'HeliosRunsOverdueGrowing',
+    fires: [{}],
+  },
+  {
+    name: 'overdue runs growing by a herd every hour (workers stopped, a herd at the top of each hour)',
+    interval: '1m',
+    series: { 'helios_runs_overdue{node="a"}': '0x4 10000x59 20000x59 30000x59' },
+    at: '2h40m',
+    alert: 'HeliosRunsOverdueGrowing',
+    fires: [{}],
+  },
+  {
+    name: 'a herd each hour, drained in two minutes, a little larger each time',
+    interval: '1m',
+    series: { 'helios_runs_overdue{node="a"}': '0x4 8000 3000 0x57 9000 4000 0x57 10000 5000 0x10' },
+    at: '2h15m',
+    alert: 'HeliosRunsOverdueGrowing',
+    fires: [],
+  },
+  {
+    name: 'a backlog draining slowly after a burst (workers catching up)',
+    interval: '1m',
+    series: { 'helios_runs_overdue{node="a"}': '0x4 5000-100x40' },
+    at: '40m',
+    alert: 'HeliosRunsOverdueGrowing',
+    fires: [],
+  },
+  {
+    name: 'one replay of a forbid job waits for its long-running sibling',
+    interval: '1m',
+    series: { 'helios_runs_overdue{node="a"}': '0x4 1x120' },
+    at: '2h',
+    alert: 'HeliosRunsOverdueGrowing',
+    fires: [],
+  },
+  {
     name: 'a dead letter',
     interval: '1m',
     series: { 'helios_dead_letters_total{node="a"}': '0 0 0 1 1 1' },
