@@ -160,6 +160,29 @@ const CASES: Case[] = [
     fires: [],
   },
   {
+    // The refused row is put off and tried again, so the age gauge never passes 30 s.
+    name: 'the broker refuses a row, tried again every minute',
+    interval: '1m',
+    series: {
+      'helios_outbox_oldest_pending_age_seconds{node="a"}': '0x10',
+      'helios_outbox_rows_refused_total{node="a"}': '0 0 1 2 3 4 5 6 7 8 9',
+    },
+    at: '10m',
+    alert: 'HeliosOutboxStalled',
+    fires: [{}],
+  },
+  {
+    name: 'a row refused once, then published (the topic was fixed) 10 minutes ago',
+    interval: '1m',
+    series: {
+      'helios_outbox_oldest_pending_age_seconds{node="a"}': '0x20',
+      'helios_outbox_rows_refused_total{node="a"}': '0 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1',
+    },
+    at: '20m',
+    alert: 'HeliosOutboxStalled',
+    fires: [],
+  },
+  {
     name: 'overdue runs growing',
     interval: '1m',
     series: { 'helios_runs_overdue{node="a"}': '0+10x20' },
