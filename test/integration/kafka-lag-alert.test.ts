@@ -41,7 +41,7 @@ after(async () => {
   await deleteTopics(kafka, [topic]).catch(() => undefined);
 });
 
-test('records deleted below the group\'s committed offset are not counted as lag', async () => {
+test("records deleted below the group's committed offset are not counted as lag", async () => {
   const messages = Array.from({ length: 1200 }, (_, i) => ({ key: `k${i % 7}`, value: `{"n":${i}}` }));
   await publisher.publish(topic, messages);
   // The group had consumed 10 of them; then the first 1,200 records were deleted (retention).
