@@ -383,7 +383,7 @@ async function whileClaimed<T>(
  * calls the run again: counted, since that is a second call. A run replaced (a `replace` run asked
  * for later started) or deleted is called by no one again, so its discarded outcome is not counted:
  * the claim watch said so (ClaimLostError's outcomeWanted) or, when the call ended before the
- * watch noticed, the attempt is recorded as replaced. The look costs a statement only on this rare
+ * watch noticed, the attempt is recorded as replaced or the run is gone with its job. The look costs a statement only on this rare
  * path.
  */
 async function staleOrRecorded(
@@ -393,13 +393,14 @@ async function staleOrRecorded(
   outcome: AttemptReport['outcome'],
   cancel: AbortSignal,
 ): Promise<void> {
-  const recorded = await attemptOutcome(ctx.pool, run.id, run.attempt, ctx.nodeId).catch(() => null);
+  const found = await attemptOutcome(ctx.pool, run.id, run.attempt, ctx.nodeId).catch(() => null);
+  const recorded = found?.outcome ?? null;
   if (recorded === outcome) {
     log().info({ outcome }, 'outcome recorded by an earlier try whose answer was lost');
     return;
   }
   const unwanted = cancel.aborted && cancel.reason instanceof ClaimLostError && !cancel.reason.outcomeWanted;
-  if (unwanted || recorded === 'replaced') {
+  if (unwanted || recorded === 'replaced' || found?.runGone) {
     log().info({ outcome, recorded }, 'completion discarded: the run was replaced or deleted meanwhile');
     return;
   }

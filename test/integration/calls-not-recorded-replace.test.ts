@@ -19,7 +19,8 @@ import { createTestDatabase, type TestDatabase } from '../support/database.js';
 // its call must not count, whether the newer run replaced it after the target's status arrived
 // (the claim watch aborts it with ClaimLostError(…, outcomeWanted = false), the executor keeps the
 // answer and its write finds the claim gone) or just before the call ended (no abort yet: the
-// write finds the attempt recorded as replaced). Both were counted. Real PostgreSQL and HTTP.
+// write finds the attempt recorded as replaced). Both were counted. So was a call whose job was
+// deleted (its run with it) just before the call ended. Real PostgreSQL and HTTP.
 
 let db: TestDatabase;
 let server: Server;
@@ -117,4 +118,18 @@ test('a replace run replaced just before its call ended, before any abort, is no
   const { rows } = await db.pool.query(`SELECT state, reason FROM runs WHERE id = $1`, [claimed.id]);
   assert.deepEqual(rows[0], { state: 'failed', reason: 'replaced' });
   assert.equal(await stale(metrics), 0, 'helios_stale_completions_total counted a replaced call');
+});
+
+test('a run whose job was deleted just before its call ended, before any abort, is not a call not recorded', async () => {
+  const { claimed, ctx, metrics, executor } = await replaceJob('/slow');
+  const cancel = new AbortController();
+  const attempt = runAttempt(ctx, claimed, cancel.signal);
+  await sleep(200); // the call is under way; it ends at 600 ms, before the watch would abort it
+  // What DELETE /jobs/{id} ends with (deleteJobRow): the job, and with it its runs, go.
+  await db.pool.query(`DELETE FROM jobs WHERE id = (SELECT job_id FROM runs WHERE id = $1)`, [claimed.id]);
+  await attempt;
+  await executor.close();
+  const { rows } = await db.pool.query(`SELECT 1 FROM runs WHERE id = $1`, [claimed.id]);
+  assert.equal(rows.length, 0, 'the run went with its job');
+  assert.equal(await stale(metrics), 0, 'helios_stale_completions_total counted a deleted run’s call');
 });
