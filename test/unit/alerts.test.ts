@@ -5,6 +5,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { test } from 'node:test';
 import { parse, stringify } from 'yaml';
+import { CLUSTER_COUNT_CAP } from '../../src/observability/cluster-signals.js';
 import { createMetrics } from '../../src/observability/metrics.js';
 import { REPO_ROOT } from '../support/env.js';
 
@@ -100,6 +101,12 @@ test('every alert says what happened and what to do, with a severity', () => {
     assert.ok(rule.annotations.summary && rule.annotations.description, `${rule.alert} lacks text`);
     assert.match(rule.labels?.severity ?? '', /^(critical|warning)$/, rule.alert);
   }
+});
+
+test("HeliosRunsOverdueGrowing's cap is the leader's count cap", () => {
+  // At the cap the overdue count cannot grow: the rule fires on reaching it.
+  const rule = rules.find((r) => r.alert === 'HeliosRunsOverdueGrowing')!;
+  assert.match(rule.expr, new RegExp(`max\\(helios_runs_overdue\\) >= ${CLUSTER_COUNT_CAP}\\b`));
 });
 
 test('promtool accepts the rules', { skip: !promtool && 'promtool is not installed' }, () => {
@@ -214,6 +221,16 @@ const CASES: Case[] = [
     interval: '1m',
     series: { 'helios_runs_overdue{node="a"}': '0x4 10000x59 20000x59 30000x59' },
     at: '2h40m',
+    alert: 'HeliosRunsOverdueGrowing',
+    fires: [{}],
+  },
+  {
+    // The leader counts overdue runs up to 100,000 (CLUSTER_COUNT_CAP): at the cap the count stops
+    // growing however many more are overdue, and the runs are still not claimed.
+    name: 'overdue runs at the count cap for over an hour',
+    interval: '1m',
+    series: { 'helios_runs_overdue{node="a"}': '0+20000x5 100000x100' },
+    at: '1h40m',
     alert: 'HeliosRunsOverdueGrowing',
     fires: [{}],
   },
