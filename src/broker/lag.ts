@@ -10,7 +10,8 @@ const EARLIEST = -2n;
  * Messages of `topic` the consumer group has not committed yet: per partition, the end offset
  * (high watermark) minus the group's committed offset, summed. A partition the group never
  * committed counts from the earliest retained offset, because that is where such a group starts
- * (RunConsumer's `fromBeginning`). It reads the whole group's commits, not one member's, so the
+ * (RunConsumer's `fromBeginning`); so does one whose commit fell below it (its records expired
+ * while the workers were away): they are gone and will never be consumed. It reads the whole group's commits, not one member's, so the
  * leader can export one figure for the cluster. Opens its own admin connection and closes it:
  * the leader calls this every few seconds, and nothing else of the broker layer is involved.
  */
@@ -50,7 +51,10 @@ export async function consumerGroupLag(
         for (const p of partitions) {
           const end = endOf.get(p) ?? 0n;
           const at = committed.get(p) ?? -1n;
-          const from = at >= 0n ? at : (startOf.get(p) ?? 0n);
+          const start = startOf.get(p) ?? 0n;
+          // Records below the earliest retained offset are gone (retention, deleted records): the
+          // group resumes at that offset, so a commit below it counts from there.
+          const from = at > start ? at : start;
           if (end > from) lag += end - from;
         }
         return Number(lag);

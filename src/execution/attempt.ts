@@ -203,7 +203,7 @@ export async function runAttempt(
     metrics.runsExecuted.inc({ outcome: claimLost ? 'claim-lost' : report.outcome });
     if (report.outcome === 'succeeded') {
       if (!(await whileClaimed(ctx, run, log, () => ctx.complete(run, report)))) {
-        await staleOrRecorded(ctx, run, log, report.outcome);
+        await staleOrRecorded(ctx, run, log, report.outcome, cancel);
       }
       return;
     }
@@ -213,7 +213,7 @@ export async function runAttempt(
         ? ctx.fail(run, report, delay)
         : inTransaction(pool, (client) => failAttempt(client, run, { nodeId }, report, delay, ctx.topics)),
     );
-    if (!result) return await staleOrRecorded(ctx, run, log, report.outcome);
+    if (!result) return await staleOrRecorded(ctx, run, log, report.outcome, cancel);
     if (result.state === 'dead') {
       metrics.deadLetters.inc();
       log().warn(
@@ -380,18 +380,28 @@ async function whileClaimed<T>(
  * item-by-item fallback after a failed batch) left the claim settled, and the next try finds
  * nothing to settle. When the attempt carries this outcome, the call was recorded and nothing is
  * discarded. Otherwise the claim was lost (the reaper took the run back) and whoever holds it now
- * calls the run again: counted, since that is a second call. The look costs a statement only on
- * this rare path.
+ * calls the run again: counted, since that is a second call. A run replaced (a `replace` run asked
+ * for later started) or deleted is called by no one again, so its discarded outcome is not counted:
+ * the claim watch said so (ClaimLostError's outcomeWanted) or, when the call ended before the
+ * watch noticed, the attempt is recorded as replaced or the run is gone with its job. The look costs a statement only on this rare
+ * path.
  */
 async function staleOrRecorded(
   ctx: AttemptContext,
   run: ClaimedRun,
   log: () => RunLog,
   outcome: AttemptReport['outcome'],
+  cancel: AbortSignal,
 ): Promise<void> {
-  const recorded = await attemptOutcome(ctx.pool, run.id, run.attempt, ctx.nodeId).catch(() => null);
+  const found = await attemptOutcome(ctx.pool, run.id, run.attempt, ctx.nodeId).catch(() => null);
+  const recorded = found?.outcome ?? null;
   if (recorded === outcome) {
     log().info({ outcome }, 'outcome recorded by an earlier try whose answer was lost');
+    return;
+  }
+  const unwanted = cancel.aborted && cancel.reason instanceof ClaimLostError && !cancel.reason.outcomeWanted;
+  if (unwanted || recorded === 'replaced' || found?.runGone) {
+    log().info({ outcome, recorded }, 'completion discarded: the run was replaced or deleted meanwhile');
     return;
   }
   ctx.metrics.staleCompletions.inc();

@@ -166,6 +166,11 @@ export function createMetrics(nodeId: string) {
       help: 'Outbox rows published to Kafka',
       registers: [registry],
     }),
+    outboxRowsRefused: new Counter({
+      name: 'helios_outbox_rows_refused_total',
+      help: 'Tries of outbox rows the broker refused on their own (too large, not authorised): put off and tried again, never published until the cause is fixed',
+      registers: [registry],
+    }),
     outboxPublishFailures: new Counter({
       name: 'helios_outbox_publish_failures_total',
       help: 'Failed publish attempts of outbox batches',

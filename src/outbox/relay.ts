@@ -121,6 +121,9 @@ export class OutboxRelay {
     if (refused.length === 0) return false;
     if (published.length > 0) await markPublished(pool, published);
     metrics.outboxPublished.inc(published.length);
+    // Counted at each try: a put-off row's publish_after moves on, so the outbox age gauge never
+    // shows how long it has waited; this counter is what HeliosOutboxStalled reads for it.
+    metrics.outboxRowsRefused.inc(refused.length);
     for (const { row, error } of refused) {
       logger.error(
         { err: error, outboxId: row.id, topic: row.topic, key: row.key },

@@ -184,23 +184,33 @@ export interface Topics {
 /** What became of a failed attempt; null when the claim was lost (stale, nothing written). */
 export type FailureResult = { state: 'queued'; notBefore: Date } | { state: 'dead'; deadLetterId: string };
 
-/** The outcome recorded on one node's attempt of a run. $1 = run id, $2 = attempt, $3 = node id. */
-const ATTEMPT_OUTCOME = `SELECT outcome FROM run_attempts WHERE run_id = $1 AND attempt = $2 AND node_id = $3`;
+/**
+ * The outcome recorded on one node's attempt of a run, and whether the run still exists.
+ * $1 = run id, $2 = attempt, $3 = node id.
+ */
+const ATTEMPT_OUTCOME = `
+  SELECT (SELECT outcome FROM run_attempts WHERE run_id = $1 AND attempt = $2 AND node_id = $3) AS outcome,
+         NOT EXISTS (SELECT 1 FROM runs WHERE id = $1) AS "runGone"`;
 
 /**
  * The outcome recorded on `nodeId`'s attempt `attempt` of a run: null while none is (or when the
  * attempt is not that node's). A settle write retried after an error can find its claim settled
  * by its own earlier try, whose statement committed and whose answer was lost; this tells that
- * apart from a claim the reaper took back (`expired`).
+ * apart from a claim the reaper took back (`expired`). `runGone`: the run no longer exists (its
+ * job was deleted), so no one calls it again.
  */
 export async function attemptOutcome(
   db: Queryable,
   runId: string,
   attempt: number,
   nodeId: string,
-): Promise<string | null> {
-  const { rows } = await db.query<{ outcome: string | null }>(ATTEMPT_OUTCOME, [runId, attempt, nodeId]);
-  return rows[0]?.outcome ?? null;
+): Promise<{ outcome: string | null; runGone: boolean }> {
+  const { rows } = await db.query<{ outcome: string | null; runGone: boolean }>(ATTEMPT_OUTCOME, [
+    runId,
+    attempt,
+    nodeId,
+  ]);
+  return { outcome: rows[0]?.outcome ?? null, runGone: rows[0]?.runGone ?? false };
 }
 
 /**

@@ -83,7 +83,9 @@ test('a call replaced after its 200 arrived is recorded and counted as replaced,
 
   const executed = (await metrics.runsExecuted.get()).values.map((v) => `${v.labels.outcome}=${v.value}`);
   const stale = (await metrics.staleCompletions.get()).values[0]?.value;
-  assert.equal(stale, 1, 'its completion write found the claim gone');
+  // Its completion write found the claim gone, but a replaced run is called by no one again: not a
+  // call not recorded (HeliosCallsNotRecorded; calls-not-recorded-replace.test.ts). Counted 1 before.
+  assert.equal(stale ?? 0, 0, 'a replaced call is not counted as a discarded outcome');
   const { rows: state } = await db.pool.query(
     `SELECT r.state, r.reason, a.outcome FROM runs r JOIN run_attempts a ON a.run_id = r.id WHERE r.id = $1`,
     [r1.id],

@@ -5,6 +5,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { test } from 'node:test';
 import { parse, stringify } from 'yaml';
+import { CLUSTER_COUNT_CAP } from '../../src/observability/cluster-signals.js';
 import { createMetrics } from '../../src/observability/metrics.js';
 import { REPO_ROOT } from '../support/env.js';
 
@@ -102,6 +103,12 @@ test('every alert says what happened and what to do, with a severity', () => {
   }
 });
 
+test("HeliosRunsOverdueGrowing's cap is the leader's count cap", () => {
+  // At the cap the overdue count cannot grow: the rule fires on reaching it.
+  const rule = rules.find((r) => r.alert === 'HeliosRunsOverdueGrowing')!;
+  assert.match(rule.expr, new RegExp(`max\\(helios_runs_overdue\\) >= ${CLUSTER_COUNT_CAP}\\b`));
+});
+
 test('promtool accepts the rules', { skip: !promtool && 'promtool is not installed' }, () => {
   const result = spawnSync('promtool', ['check', 'rules', RULES], { encoding: 'utf8' });
   assert.equal(result.status, 0, result.stdout + result.stderr);
@@ -160,6 +167,29 @@ const CASES: Case[] = [
     fires: [],
   },
   {
+    // The refused row is put off and tried again, so the age gauge never passes 30 s.
+    name: 'the broker refuses a row, tried again every minute',
+    interval: '1m',
+    series: {
+      'helios_outbox_oldest_pending_age_seconds{node="a"}': '0x10',
+      'helios_outbox_rows_refused_total{node="a"}': '0 0 1 2 3 4 5 6 7 8 9',
+    },
+    at: '10m',
+    alert: 'HeliosOutboxStalled',
+    fires: [{}],
+  },
+  {
+    name: 'a row refused once, then published (the topic was fixed) 10 minutes ago',
+    interval: '1m',
+    series: {
+      'helios_outbox_oldest_pending_age_seconds{node="a"}': '0x20',
+      'helios_outbox_rows_refused_total{node="a"}': '0 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1',
+    },
+    at: '20m',
+    alert: 'HeliosOutboxStalled',
+    fires: [],
+  },
+  {
     name: 'overdue runs growing',
     interval: '1m',
     series: { 'helios_runs_overdue{node="a"}': '0+10x20' },
@@ -172,6 +202,59 @@ const CASES: Case[] = [
     interval: '1m',
     series: { 'helios_runs_overdue{node="a"}': '50x20' },
     at: '15m',
+    alert: 'HeliosRunsOverdueGrowing',
+    fires: [],
+  },
+  {
+    // No worker claims (all stopped, or cut off from PostgreSQL) and the jobs fall due every ten
+    // minutes: the overdue count grows by a step each time and is flat in between, so its 5-minute
+    // slope is positive for at most 5 minutes at a time and a 5-minute `for` never completed.
+    name: 'overdue runs growing by a step every ten minutes (workers stopped, jobs every 10 min)',
+    interval: '1m',
+    series: { 'helios_runs_overdue{node="a"}': '0x9 1x9 2x9 3x9 4x9 5x9' },
+    at: '55m',
+    alert: 'HeliosRunsOverdueGrowing',
+    fires: [{}],
+  },
+  {
+    name: 'overdue runs growing by a herd every hour (workers stopped, a herd at the top of each hour)',
+    interval: '1m',
+    series: { 'helios_runs_overdue{node="a"}': '0x4 10000x59 20000x59 30000x59' },
+    at: '2h40m',
+    alert: 'HeliosRunsOverdueGrowing',
+    fires: [{}],
+  },
+  {
+    // The leader counts overdue runs up to 100,000 (CLUSTER_COUNT_CAP): at the cap the count stops
+    // growing however many more are overdue, and the runs are still not claimed.
+    name: 'overdue runs at the count cap for over an hour',
+    interval: '1m',
+    series: { 'helios_runs_overdue{node="a"}': '0+20000x5 100000x100' },
+    at: '1h40m',
+    alert: 'HeliosRunsOverdueGrowing',
+    fires: [{}],
+  },
+  {
+    name: 'a herd each hour, drained in two minutes, a little larger each time',
+    interval: '1m',
+    series: { 'helios_runs_overdue{node="a"}': '0x4 8000 3000 0x57 9000 4000 0x57 10000 5000 0x10' },
+    at: '2h15m',
+    alert: 'HeliosRunsOverdueGrowing',
+    fires: [],
+  },
+  {
+    name: 'a backlog draining slowly after a burst (workers catching up)',
+    interval: '1m',
+    series: { 'helios_runs_overdue{node="a"}': '0x4 5000-100x40' },
+    at: '40m',
+    alert: 'HeliosRunsOverdueGrowing',
+    fires: [],
+  },
+  {
+    name: 'one replay of a forbid job waits for its long-running sibling',
+    interval: '1m',
+    series: { 'helios_runs_overdue{node="a"}': '0x4 1x120' },
+    at: '2h',
     alert: 'HeliosRunsOverdueGrowing',
     fires: [],
   },
