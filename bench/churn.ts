@@ -1,8 +1,8 @@
 /**
  * Churn: does a node's own memory and resources level off while users churn jobs for months?
  * 3 nodes on the real local servers (as every benchmark: loopback only) while, continuously and
- * through the REST API of every node in turn, jobs with unique names are created and deleted
- * (thousands over the run), paused and resumed, PATCHed (schedule, target, headers) and
+ * through the REST API of every node in turn, jobs with unique names (half of them with a schedule
+ * of their own) are created and deleted (thousands over the run), paused and resumed, PATCHed (schedule, target, headers) and
  * triggered; jobs that fail at once (a refused port, one attempt) bury runs whose dead letters are
  * replayed; a `replace` and a `forbid` job overlap their own runs (a target that answers after
  * 2.5 s, every second); and one worker that does not lead is stopped gracefully and started again
@@ -67,6 +67,11 @@ export interface ChurnSample {
 }
 
 const SLOW_MS = 2500;
+
+/** Six seconds of the minute, one in each ten, from n's last six digits: n's own schedule. */
+function ownSeconds(n: number): string {
+  return Array.from({ length: 6 }, (_, i) => 10 * i + (Math.floor(n / 10 ** i) % 10)).join(',');
+}
 
 /** A second target: /slow answers after 2.5 s (so runs of an every-second job overlap). */
 function slowTarget(): Promise<{ server: Server; url: string }> {
@@ -271,7 +276,9 @@ export async function churn(options: {
         const created = await attempt('create', () =>
           client().createJob({
             name,
-            schedule: `*/${2 + (n % 4)} * * * * *`,
+            // Half the jobs have a schedule of their own (six seconds of each minute, one in each
+            // ten, chosen by n's digits): as users' schedules are, not all alike.
+            schedule: n % 2 === 1 ? `${ownSeconds(n)} * * * * *` : `*/${2 + (n % 4)} * * * * *`,
             target: {
               url: failing ? refused : `${cluster.target.url}/c/${n}`,
               method: 'POST',
