@@ -71,6 +71,9 @@ export const MAX_RUNS_PER_PASS = 5_000;
  */
 const PLAN_SLICE_MS = 20;
 
+/** Parsed schedules the dispatcher keeps (≈83 KB each, see Dispatcher.schedule): ≈21 MB. */
+const MAX_CACHED_SCHEDULES = 256;
+
 /**
  * The leader's loop: turns due occurrences into runs and outbox rows, in fenced transactions,
  * then sleeps until the next job is due (minus the lookahead) or a job changes.
@@ -223,15 +226,24 @@ export class Dispatcher {
     }
   }
 
-  /** Parsed schedules are cached per (expression, zone); a job edit changes the key. */
+  /**
+   * Parsed schedules are cached per (expression, zone), a job edit changing the key; the least
+   * recently used goes first once MAX_CACHED_SCHEDULES are kept. A parsed schedule holds croner's
+   * 10,000-entry year table (≈83 KB), and a leader leading for months meets every schedule its
+   * users ever gave a job: kept until 50,000 of them, that was up to 4 GB. Parsing one again costs
+   * ≈30 µs, and the jobs of a herd share one parse per pass (see the plans above).
+   */
   private schedule(job: { schedule: string; timezone: string }): CronSchedule {
     const key = `${job.timezone}\u0000${job.schedule}`;
     let schedule = this.schedules.get(key);
-    if (!schedule) {
-      if (this.schedules.size > 50_000) this.schedules.clear();
+    if (schedule) {
+      this.schedules.delete(key);
+    } else {
       schedule = parseCron(job.schedule, job.timezone);
-      this.schedules.set(key, schedule);
+      if (this.schedules.size >= MAX_CACHED_SCHEDULES)
+        this.schedules.delete(this.schedules.keys().next().value!);
     }
+    this.schedules.set(key, schedule);
     return schedule;
   }
 }

@@ -131,6 +131,9 @@ const isLocal = (ip: Address, local: readonly Address[]) => {
   );
 };
 
+/** How long the last good answer of a name no longer among the endpoints is kept. */
+const FORGET_UNLISTED_MS = 3_600_000;
+
 /**
  * The cluster's endpoints, resolved. {@link match} is synchronous (it runs inside a socket's
  * lookup); {@link refresh} re-resolves names, keeping the last good answer of a name that fails.
@@ -141,7 +144,8 @@ export class ClusterEndpoints {
   /** Learnt while running, by source (the node registry, etcd's members, Kafka's brokers). */
   private readonly discovered = new Map<string, readonly Endpoint[]>();
   private resolved: readonly ResolvedEndpoint[] = [];
-  private readonly lastGood = new Map<string, readonly Address[]>();
+  /** Each name's last good answer, and when the name was last among the endpoints (see refresh). */
+  private readonly lastGood = new Map<string, { addresses: readonly Address[]; listedAt: number }>();
   private local: readonly Address[] = localAddresses();
   /** Grows whenever the set changes, so a cache of verdicts knows to start over. */
   generation = 0;
@@ -149,6 +153,8 @@ export class ClusterEndpoints {
   constructor(
     endpoints: readonly Endpoint[],
     private readonly resolve: HostResolver = systemResolver,
+    /** A monotonic clock, ms (default performance.now). */
+    private readonly now: () => number = () => performance.now(),
   ) {
     this.fixed = [...endpoints];
     this.resolved = this.compile();
@@ -180,6 +186,18 @@ export class ClusterEndpoints {
   /** Resolves every name again (bounded by `timeoutMs` each); never throws. */
   async refresh(timeoutMs = 2000): Promise<void> {
     const names = [...new Set(this.list().map((e) => e.host))].filter((h) => isIP(h) === 0);
+    const now = this.now();
+    for (const name of names) {
+      const known = this.lastGood.get(name);
+      if (known) known.listedAt = now;
+    }
+    // A node bound to 0.0.0.0 registers its hostname, and a pod gets a new one at every restart:
+    // answers kept for every name ever listed would grow with the cluster's restarts, for months.
+    // A name gone for an hour is forgotten; one that left a moment ago keeps its answer, so it is
+    // still refused if it comes back while DNS fails.
+    for (const [name, known] of this.lastGood) {
+      if (now - known.listedAt > FORGET_UNLISTED_MS) this.lastGood.delete(name);
+    }
     await Promise.all(
       names.map(async (name) => {
         let timer: NodeJS.Timeout | undefined;
@@ -190,7 +208,7 @@ export class ClusterEndpoints {
               timer = setTimeout(() => reject(new Error('timeout')), timeoutMs);
             }),
           ]);
-          this.lastGood.set(name, addresses.map(parse));
+          this.lastGood.set(name, { addresses: addresses.map(parse), listedAt: now });
         } catch {
           // Keep the last good answer: a DNS hiccup must not open the cluster's ports.
         } finally {
@@ -220,7 +238,7 @@ export class ClusterEndpoints {
       let addresses: readonly Address[];
       if (isIP(endpoint.host) !== 0) addresses = [parse(endpoint.host)];
       else if (endpoint.host.toLowerCase() === 'localhost') addresses = [parse('127.0.0.1'), parse('::1')];
-      else addresses = this.lastGood.get(endpoint.host) ?? [];
+      else addresses = this.lastGood.get(endpoint.host)?.addresses ?? [];
       return {
         addresses,
         local: addresses.some((a) => isLocal(a, this.local)),

@@ -203,6 +203,35 @@ test('a cluster endpoint given by name is refused once resolved, and stays refus
   assert.match(deniedReason('10.1.1.1', policy, 8080) ?? '', /node API/);
 });
 
+test('the last good answers of names no longer listed are forgotten: node restarts do not grow memory', async () => {
+  // A node bound to 0.0.0.0 registers http://<hostname>:port, and a pod gets a new hostname at
+  // every restart: over months of rolling upgrades each node would keep an answer per hostname
+  // its peers ever had.
+  let now = 0;
+  const cluster = new ClusterEndpoints(
+    [],
+    async () => ['10.3.0.1'],
+    () => now,
+  );
+  const remembered = () => (cluster as unknown as { lastGood: Map<string, unknown> }).lastGood.size;
+  for (let restart = 0; restart < 200; restart++) {
+    cluster.setDiscovered('nodes', [
+      { host: 'helios-stable', port: 8080, what: 'node API' },
+      { host: `helios-pod-${restart}`, port: 8080, what: 'node API' },
+    ]);
+    await cluster.refresh();
+    now += 10 * 60_000; // ten minutes between restarts
+  }
+  assert.ok(remembered() <= 10, `${remembered()} names remembered after 200 restarts`);
+  // A name that left a moment ago keeps its answer (it may come back while DNS fails).
+  const policy = compileTargetPolicy({ cluster });
+  cluster.setDiscovered('nodes', [{ host: 'helios-stable', port: 8080, what: 'node API' }]);
+  await cluster.refresh();
+  now += 60_000;
+  cluster.setDiscovered('nodes', [{ host: 'helios-pod-199', port: 8080, what: 'node API' }]);
+  assert.match(deniedReason('10.3.0.1', policy, 8080) ?? '', /node API/);
+});
+
 test("every etcd member's client and peer URLs are refused, each source replacing only its own", () => {
   const cluster = new ClusterEndpoints([]);
   const policy = compileTargetPolicy({ cluster });
