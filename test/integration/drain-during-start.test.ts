@@ -8,7 +8,7 @@ import type { HttpExecutor } from '../../src/execution/http-executor.js';
 import type { RunMessage } from '../../src/execution/run-message.js';
 import { RunQueue } from '../../src/execution/run-queue.js';
 import { silentLogger } from '../../src/observability/logger.js';
-import { createMetrics, type Metrics } from '../../src/observability/metrics.js';
+import { createMetrics } from '../../src/observability/metrics.js';
 import { completeSucceeded, releaseClaim, type AttemptReport } from '../../src/store/attempts.js';
 import { inTransaction } from '../../src/store/db.js';
 import { claimRuns, type ClaimedRun, type StartAnswer } from '../../src/store/runs.js';
@@ -64,22 +64,19 @@ interface Node {
   /** When each call began, ms after its run's not_before by this node's estimate (negative: early). */
   calls: { runId: string; lateMs: number }[];
   handedOff: RunMessage[];
-  metrics: Metrics;
-  clock: DbClock;
 }
 
 /**
  * A worker's run queue and attempts on the test database, wired as worker.ts wires them (claim
  * lead, the start batcher with the tolerance). `afterStart` runs once
  * START has answered, before runAttempt goes on: what lands between START and the call. Each call
- * takes `callMs` unless cut. Once `dead()`, the node sends and calls nothing more (killed).
+ * takes `callMs` unless cut.
  */
 async function node(
   nodeId: string,
   afterStart: (run: ClaimedRun, answer: StartAnswer, queue: RunQueue) => Promise<void> = async () =>
     undefined,
   callMs = 1,
-  dead: () => boolean = () => false,
 ): Promise<Node> {
   const clock = new DbClock();
   await clock.sync(db.pool);
@@ -98,7 +95,6 @@ async function node(
           responseExcerpt: null,
         };
       }
-      if (dead()) return new Promise<AttemptReport>(() => undefined);
       calls.push({ runId: run.id, lateMs: clock.now() - run.notBefore.getTime() });
       // The target answers after `callMs`, unless the call is cut first (it has reached the target).
       const cut = await sleep(callMs, false, { signal: cancel }).catch(() => true);
@@ -127,8 +123,6 @@ async function node(
     topics: { runsTopic: 'runs', deadLetterTopic: 'dead' },
     clock,
     start: async (run) => {
-      // A worker killed (or frozen) sends nothing more.
-      if (dead()) return new Promise<StartAnswer>(() => undefined);
       const answer = await starts.add({ id: run.id, attempt: run.attempt });
       await afterStart(run, answer, queue);
       return answer;
@@ -160,7 +154,7 @@ async function node(
     logger: silentLogger,
     metrics,
   });
-  return { queue, calls, handedOff, metrics, clock };
+  return { queue, calls, handedOff };
 }
 
 test('a drain that begins while a run’s START is on its way: a call that could not end before the deadline is not made', async () => {
