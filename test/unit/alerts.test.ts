@@ -363,6 +363,21 @@ const CASES: Case[] = [
     fires: [{}],
   },
   {
+    // PostgreSQL unreachable from 5m: each leader steps down after a few seconds and another
+    // takes over, exporting 0 (no reading yet) for its epoch; at some scrapes no node exports it.
+    name: 'the lead passes from node to node while PostgreSQL is down, gaps between epochs',
+    interval: '30s',
+    series: {
+      'helios_cluster_signals_updated_timestamp_seconds{node="a"}':
+        '0+30x10 300 300 300 stale _ _ _ _ _ _ 0 0 0 stale _ _ _ _ _ _ 0 0 0 stale',
+      'helios_cluster_signals_updated_timestamp_seconds{node="b"}':
+        '_x17 0 0 0 stale _ _ _ _ _ _ 0 0 0 stale _ _ _ _',
+    },
+    at: '17m',
+    alert: 'HeliosClusterGaugesStale',
+    fires: [{}],
+  },
+  {
     name: 'a leader elected while PostgreSQL is down has never read them',
     interval: '1m',
     series: { 'helios_cluster_signals_updated_timestamp_seconds{node="b"}': '0x10' },
@@ -409,6 +424,21 @@ const CASES: Case[] = [
     at: '45m',
     alert: 'HeliosPruningFailing',
     fires: [{ table: 'runs' }],
+  },
+  {
+    // Without PostgreSQL the lead passes from node to node every few seconds; no pass ends within
+    // an epoch, so none is counted, failed or not.
+    name: 'PostgreSQL gone for over an hour, the lead passing from node to node',
+    interval: '1m',
+    series: {
+      'helios_prune_passes_total{node="a",table="outbox",result="succeeded"}': '0+12x10 120x80',
+      'helios_prune_passes_total{node="a",table="outbox",result="failed"}': '0x90',
+      'helios_prune_passes_total{node="b",table="outbox",result="succeeded"}': '_x12 0x78',
+      'helios_prune_passes_total{node="b",table="outbox",result="failed"}': '_x12 0x78',
+    },
+    at: '85m',
+    alert: 'HeliosPruningFailing',
+    fires: [{ table: 'outbox' }],
   },
   {
     name: 'every pass fails in a 40-minute PostgreSQL outage, the last minute of it',
