@@ -157,6 +157,7 @@ export class HeliosNode {
     }));
     this.onStop('postgres pool', () => pool.end());
     this.metrics.trackPool('main', poolStats(pool, config.database.poolSize));
+    this.onStop('pool sampling', () => this.metrics.stopPoolSampling());
     const applied = await migrate(pool);
     if (applied.length > 0) logger.info({ applied }, 'applied migrations');
 

@@ -1,3 +1,4 @@
+import { performance } from 'node:perf_hooks';
 import { Counter, Gauge, Histogram, Registry, collectDefaultMetrics } from 'prom-client';
 
 /** What a pool gauge reads: a pg pool's counts, or a share's (see store/pool-share.ts). */
@@ -51,6 +52,14 @@ function createClusterGauges() {
   };
 }
 
+/**
+ * How often the pools' waiting counts are sampled for helios_db_pool_saturated_seconds_total. A
+ * scrape reads the waiting gauge once every 15 s or so: a pool exhausted most of the time, whose
+ * queue empties for a moment now and then, can read 0 at scrape after scrape, so the gauge alone
+ * cannot tell how much of the time callers waited. Ten readings of memory a second cost nothing.
+ */
+export const POOL_SAMPLE_MS = 100;
+
 /** What the worker's run queue holds, for the helios_worker_* gauges. */
 export interface WorkerQueueReading {
   readonly held: number;
@@ -78,6 +87,21 @@ export function createMetrics(nodeId: string) {
         for (const [pool, source] of pools) this.set({ pool }, read(source));
       },
     });
+  const poolSaturated = new Counter({
+    name: 'helios_db_pool_saturated_seconds_total',
+    help: `Time during which callers waited for a connection of the pool (its waiting count sampled every ${POOL_SAMPLE_MS} ms): its rate is the fraction of the time the pool was exhausted`,
+    labelNames: ['pool'],
+    registers: [registry],
+  });
+  let sampler: NodeJS.Timeout | undefined;
+  let sampledAt = 0;
+  const samplePools = () => {
+    const now = performance.now();
+    // A late tick (a busy event loop) stands for the whole time since the last one.
+    const seconds = (now - sampledAt) / 1000;
+    sampledAt = now;
+    for (const [pool, source] of pools) if (source.waiting > 0) poolSaturated.inc({ pool }, seconds);
+  };
   let workerQueue: (() => WorkerQueueReading) | undefined;
   const workerGauge = (name: string, help: string, read: (queue: WorkerQueueReading) => number) =>
     new Gauge({
@@ -107,10 +131,25 @@ export function createMetrics(nodeId: string) {
         }
       }
     },
-    /** Counts `source` under `helios_db_pool_*{pool=name}` from now on. */
+    /**
+     * Counts `source` under `helios_db_pool_*{pool=name}` from now on, and samples its waiting
+     * count every POOL_SAMPLE_MS until {@link stopPoolSampling}.
+     */
     trackPool(name: string, source: PoolGaugeSource): void {
       pools.set(name, source);
+      poolSaturated.inc({ pool: name }, 0);
+      if (sampler === undefined) {
+        sampledAt = performance.now();
+        sampler = setInterval(samplePools, POOL_SAMPLE_MS);
+        sampler.unref();
+      }
     },
+    /** Ends the sampling of the pools' waiting counts (the node stops). */
+    stopPoolSampling(): void {
+      clearInterval(sampler);
+      sampler = undefined;
+    },
+    poolSaturated,
     poolInUse: poolGauge(
       'helios_db_pool_in_use',
       'PostgreSQL connections checked out: pool main (API, worker), leader (leader loops) or worker (the share of main the worker may use)',
@@ -215,6 +254,12 @@ export function createMetrics(nodeId: string) {
       name: 'helios_pruned_rows_total',
       help: 'Rows deleted by retention: table runs (with their attempts and dead letters) or outbox',
       labelNames: ['table'],
+      registers: [registry],
+    }),
+    prunePasses: new Counter({
+      name: 'helios_prune_passes_total',
+      help: "Passes of the leader's pruner by table (outbox, runs) and result: succeeded, incomplete (a sweep of runs that left some jobs' runs unpruned) or failed (tried again after a back-off)",
+      labelNames: ['table', 'result'] as const,
       registers: [registry],
     }),
     jobsParked: new Counter({

@@ -37,7 +37,17 @@ const RUNS_PER_JOB = 500;
  * never competes with dispatch or claims for long. Runs until the signal aborts; never rejects.
  */
 export class Pruner {
-  constructor(private readonly options: PrunerOptions) {}
+  constructor(private readonly options: PrunerOptions) {
+    // Every series from 0, so that the first pass of an epoch shows in increase().
+    for (const [table, result] of [
+      ['outbox', 'succeeded'],
+      ['outbox', 'failed'],
+      ['runs', 'succeeded'],
+      ['runs', 'incomplete'],
+      ['runs', 'failed'],
+    ] as const)
+      options.metrics.prunePasses.inc({ table, result }, 0);
+  }
 
   async run(): Promise<void> {
     const { signal, logger } = this.options;
@@ -69,8 +79,39 @@ export class Pruner {
     }
   }
 
-  /** Deletes published outbox rows past the retention, batch after batch until none is left. */
+  /**
+   * Deletes published outbox rows past the retention, batch after batch until none is left.
+   * Counted in helios_prune_passes_total{table="outbox"}.
+   */
   async pruneOutbox(): Promise<number> {
+    return this.counted('outbox', async () => ({ pruned: await this.deleteOutbox(), skipped: 0 }));
+  }
+
+  /**
+   * One pass over every job, pruning its finished runs past the retention (see sweepJobs).
+   * Counted in helios_prune_passes_total{table="runs"}: incomplete when a job was skipped.
+   */
+  async sweepRuns(): Promise<number> {
+    return this.counted('runs', () => this.sweepJobs());
+  }
+
+  /** Runs one pass and counts its result; an aborted pass is not counted. */
+  private async counted(
+    table: 'outbox' | 'runs',
+    pass: () => Promise<{ pruned: number; skipped: number }>,
+  ): Promise<number> {
+    const { signal, metrics } = this.options;
+    let result: 'succeeded' | 'incomplete' | 'failed' = 'failed';
+    try {
+      const { pruned, skipped } = await pass();
+      result = skipped > 0 ? 'incomplete' : 'succeeded';
+      return pruned;
+    } finally {
+      if (!signal.aborted) metrics.prunePasses.inc({ table, result });
+    }
+  }
+
+  private async deleteOutbox(): Promise<number> {
     const { pool, signal, metrics, retention } = this.options;
     let total = 0;
     while (!signal.aborted) {
@@ -89,7 +130,7 @@ export class Pruner {
    * the pass goes on past it, so no job keeps the others' history from being pruned. An outage
    * ends the pass (it rejects).
    */
-  async sweepRuns(): Promise<number> {
+  private async sweepJobs(): Promise<{ pruned: number; skipped: number }> {
     const { pool, signal, metrics, retention, logger } = this.options;
     const cutoff = await databaseCutoff(pool, retention.runsMs);
     let afterJob: string | null = null;
@@ -131,7 +172,7 @@ export class Pruner {
     }
     if (total > 0 || skipped > 0)
       logger.info({ runs: total, cutoff, jobsSkipped: skipped }, 'pruned finished runs');
-    return total;
+    return { pruned: total, skipped };
   }
 }
 

@@ -11,6 +11,7 @@ import { scrapeMetrics, type Scrape } from '../support/metrics.js';
 // and a resume, an edit, a trigger, a failing target that dead-letters on purpose and a replay of
 // its dead letter, then a graceful leader stop (failover) and a new node (a rolling restart).
 // Only HeliosDeadLettersRising may have cause; every other alert's input stays quiet.
+// (HeliosDbPoolWaiting needs callers waiting over half of 10 minutes, far beyond this test.)
 
 let f: IntegrationFixture;
 before(async () => {
@@ -113,6 +114,9 @@ test(
       helios_jobs_parked_total: total('helios_jobs_parked_total'),
       helios_starts_early_total: total('helios_starts_early_total'),
       helios_outbox_rows_refused_total: total('helios_outbox_rows_refused_total'),
+      'helios_prune_passes_total{result!="succeeded"}':
+        total('helios_prune_passes_total') -
+        scrapes.reduce((sum, s) => sum + s.sum('helios_prune_passes_total', { result: 'succeeded' }), 0),
     };
     const most = (key: keyof (typeof gauges)[number]) => Math.max(0, ...gauges.map((g) => g[key]));
     const replaced = total('helios_runs_replaced_total');
@@ -147,6 +151,13 @@ test(
       rows.map((r) => r.job),
       [failing.id],
       'only the failing job dead-lettered',
+    );
+    // The new leader reads the cluster gauges (HeliosClusterGaugesStale) and prunes (HeliosPruningFailing).
+    const fresh = scrapes[1]!.value('helios_cluster_signals_updated_timestamp_seconds')!;
+    assert.ok(fresh > Date.now() / 1000 - 30, `the leader's cluster gauges read at ${fresh}: ${report}`);
+    assert.ok(
+      scrapes[1]!.sum('helios_prune_passes_total', { table: 'outbox', result: 'succeeded' }) > 0,
+      `the new leader's pruner passes: ${report}`,
     );
     assert.ok(most('outboxAge') <= 30, `outbox age: ${report}`);
     assert.ok(most('lag') <= 1000, `Kafka lag: ${report}`);

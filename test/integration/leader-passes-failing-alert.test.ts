@@ -48,19 +48,36 @@ test(
     };
     const before = await failures();
     for (const proxy of proxies) proxy.cut('drop');
+    const cutAt = Date.now() / 1000;
     const OUTAGE_MS = 25_000;
-    await sleep(OUTAGE_MS);
+    // HeliosClusterGaugesStale's input, scraped every second: whoever leads meanwhile (a leader
+    // that cannot reach PostgreSQL hands over every few seconds) exports no newer reading than the
+    // cut (a new epoch exports 0 until its first).
+    const readings: number[] = [];
+    while (Date.now() / 1000 < cutAt + OUTAGE_MS / 1000) {
+      for (const n of nodes) {
+        const scrape = await scrapeMetrics(n.apiUrl);
+        for (const s of scrape.find('helios_cluster_signals_updated_timestamp_seconds'))
+          readings.push(s.value);
+      }
+      await sleep(1000);
+    }
     const during = (await failures()) - before;
     const leaders = nodes.map((n) => n.node.logs.filter((l) => l.msg === 'became leader').length);
     for (const proxy of proxies) proxy.heal({ closeExisting: true });
     console.log(
-      `# ${during} failed leader passes in ${OUTAGE_MS / 1000} s; epochs led per node: ${leaders.join(', ')}`,
+      `# ${during} failed leader passes in ${OUTAGE_MS / 1000} s; cluster gauge timestamps scraped: ${readings.length}, ${readings.filter((r) => r === 0).length} of them 0 (a new epoch); epochs led per node: ${leaders.join(', ')}`,
     );
     // The rule fires on more than 2 failed passes in 5 minutes: at least 1 in 25 s here (12 in 5
     // minutes at that rate; 14 in 60 s were counted when this ran for a minute).
     assert.ok(
       during >= 1,
       `${during} failed leader passes counted in ${OUTAGE_MS / 1000} s without PostgreSQL (epochs led per node: ${leaders.join(', ')})`,
+    );
+    const newest = Math.max(...readings);
+    assert.ok(
+      newest <= cutAt,
+      `a cluster gauge reading ${(newest - cutAt).toFixed(1)} s after PostgreSQL was cut (${readings.length} scraped)`,
     );
   },
 );

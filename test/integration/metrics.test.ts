@@ -1,5 +1,6 @@
 import assert from 'node:assert/strict';
 import { after, before, test } from 'node:test';
+import { setTimeout as sleep } from 'node:timers/promises';
 import pg from 'pg';
 import { createKafka, RunPublisher } from '../../src/broker/index.js';
 import { loadConfig } from '../../src/config/index.js';
@@ -8,7 +9,7 @@ import { HeliosNode } from '../../src/node.js';
 import { silentLogger } from '../../src/observability/logger.js';
 import { createMetrics } from '../../src/observability/metrics.js';
 import { inTransaction } from '../../src/store/db.js';
-import { PoolShare } from '../../src/store/pool-share.js';
+import { PoolShare, poolStats } from '../../src/store/pool-share.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
 import { serverEnv, uniqueId } from '../support/env.js';
 import { waitFor } from '../support/execution.js';
@@ -245,19 +246,59 @@ test('a pool share counts connections in use and callers waiting, and the pool g
     });
     await waitFor('the first checkout', () => share.inUse === 1);
     const second = share.query('SELECT 2 AS n');
+    // Awaited below; if an assertion fails first, its end (the pool ended) must not mask the failure.
+    second.catch(() => undefined);
     await waitFor('the second caller to wait', () => share.waiting === 1);
+    await sleep(500);
     const during = parseMetrics(await metrics.registry.metrics());
     assert.equal(during.value('helios_db_pool_in_use', { pool: 'worker' }), 1);
     assert.equal(during.value('helios_db_pool_waiting', { pool: 'worker' }), 1);
     assert.equal(pool.totalCount, 1, 'the waiting caller took no connection of the pool');
+    // The time the caller has waited is counted (sampled every 100 ms), whatever a scrape reads.
+    const waited = during.value('helios_db_pool_saturated_seconds_total', { pool: 'worker' })!;
+    assert.ok(waited >= 0.3 && waited <= 1, `counted ${waited} s of waiting, expected about 0.5`);
     release();
     await first;
     assert.equal((await second).rows[0].n, 2);
     const afterwards = parseMetrics(await metrics.registry.metrics());
     assert.equal(afterwards.value('helios_db_pool_in_use', { pool: 'worker' }), 0);
     assert.equal(afterwards.value('helios_db_pool_waiting', { pool: 'worker' }), 0);
+    await sleep(300);
+    const idle = parseMetrics(await metrics.registry.metrics());
+    assert.ok(
+      idle.value('helios_db_pool_saturated_seconds_total', { pool: 'worker' })! - waited < 0.3,
+      'no more waiting counted once the caller got its connection',
+    );
   } finally {
     release();
+    metrics.stopPoolSampling();
+    await pool.end();
+  }
+});
+
+test('the time callers wait for a connection of a node pool is counted between scrapes', async () => {
+  // The node's own pg pools (main, leader) are counted as the share is: a pool of one connection,
+  // held by a transaction, and queries queued behind it for a while between two scrapes.
+  const pool = new pg.Pool({ connectionString: db.url, max: 1 });
+  const metrics = createMetrics('pool-wait-test');
+  metrics.trackPool('leader', poolStats(pool, 1));
+  const client = await pool.connect();
+  let held = true;
+  try {
+    const before = parseMetrics(await metrics.registry.metrics());
+    assert.equal(before.value('helios_db_pool_saturated_seconds_total', { pool: 'leader' }), 0);
+    const queued = [pool.query('SELECT 1'), pool.query('SELECT 2')];
+    await sleep(500);
+    client.release();
+    held = false;
+    await Promise.all(queued);
+    const after = parseMetrics(await metrics.registry.metrics());
+    assert.equal(after.value('helios_db_pool_waiting', { pool: 'leader' }), 0, 'nobody waits at the scrape');
+    const waited = after.value('helios_db_pool_saturated_seconds_total', { pool: 'leader' })!;
+    assert.ok(waited >= 0.3 && waited <= 1, `counted ${waited} s of waiting, expected about 0.5`);
+  } finally {
+    if (held) client.release();
+    metrics.stopPoolSampling();
     await pool.end();
   }
 });

@@ -1,10 +1,12 @@
 import assert from 'node:assert/strict';
 import { after, before, test } from 'node:test';
+import pg from 'pg';
 import { silentLogger } from '../../src/observability/logger.js';
 import { createMetrics } from '../../src/observability/metrics.js';
 import { Pruner } from '../../src/retention/pruner.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
 import { insertJob } from '../support/execution.js';
+import { parseMetrics } from '../support/metrics.js';
 
 // Retention against the real database: what goes, what stays.
 
@@ -154,6 +156,7 @@ test("a job whose runs cannot be pruned keeps neither the other jobs' history no
     `INSERT INTO outbox (topic, key, payload, published_at) VALUES ('t', 'old', '{}', now() - interval '1 hour')`,
   );
   const stop = new AbortController();
+  const metrics = createMetrics('retention-loop-test');
   const loop = new Pruner({
     pool: db.pool,
     signal: stop.signal,
@@ -161,11 +164,51 @@ test("a job whose runs cannot be pruned keeps neither the other jobs' history no
     intervalMs: 50,
     runSweepMs: 50,
     logger: silentLogger,
-    metrics: createMetrics('retention-loop-test'),
+    metrics,
   }).run();
   const deadline = Date.now() + 10_000;
-  while ((await runsOfJob(more)).n > 3 && Date.now() < deadline) await new Promise((r) => setTimeout(r, 50));
+  // Until the job is swept and a whole sweep has been counted (one stopped halfway is not).
+  const swept = async () =>
+    (await runsOfJob(more)).n === 3 && ((await passCounts(metrics))['runs incomplete'] ?? 0) >= 1;
+  while (!(await swept()) && Date.now() < deadline) await new Promise((r) => setTimeout(r, 50));
   stop.abort();
   await loop;
   assert.equal((await runsOfJob(more)).n, 3, 'swept while the outbox prune kept failing');
+  // Every pass counted by its result: the outbox's all failed, the runs' left the stuck job.
+  const passes = await passCounts(metrics);
+  assert.ok(passes['outbox failed']! >= 1, JSON.stringify(passes));
+  assert.ok(passes['runs incomplete']! >= 1, JSON.stringify(passes));
+  assert.equal(passes['outbox succeeded'], 0, JSON.stringify(passes));
+  assert.equal(passes['runs failed'], 0, JSON.stringify(passes));
 });
+
+test('passes that cannot reach PostgreSQL are counted as failed', async (t) => {
+  // A pool to a port where nothing listens: each connection is refused.
+  const unreachable = new pg.Pool({ connectionString: 'postgres://helios@127.0.0.1:1/none', max: 1 });
+  t.after(() => unreachable.end());
+  const metrics = createMetrics('retention-outage-test');
+  const pruner = new Pruner({
+    pool: unreachable,
+    signal: new AbortController().signal,
+    retention: { runsMs: 30 * DAY, keepPerJob: 3, outboxMs: 600_000 },
+    logger: silentLogger,
+    metrics,
+  });
+  await assert.rejects(pruner.pruneOutbox(), /ECONNREFUSED/);
+  await assert.rejects(pruner.sweepRuns(), /ECONNREFUSED/);
+  assert.deepEqual(await passCounts(metrics), {
+    'outbox succeeded': 0,
+    'outbox failed': 1,
+    'runs succeeded': 0,
+    'runs incomplete': 0,
+    'runs failed': 1,
+  });
+});
+
+/** helios_prune_passes_total by "table result", as a scrape shows it. */
+async function passCounts(metrics: ReturnType<typeof createMetrics>): Promise<Record<string, number>> {
+  const scrape = parseMetrics(await metrics.registry.metrics());
+  return Object.fromEntries(
+    scrape.find('helios_prune_passes_total').map((s) => [`${s.labels.table} ${s.labels.result}`, s.value]),
+  );
+}

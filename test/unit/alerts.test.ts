@@ -86,6 +86,7 @@ test('every alert says what happened and what to do, with a severity', () => {
   assert.deepEqual(rules.map((r) => r.alert).sort(), [
     'HeliosCallsNotRecorded',
     'HeliosClockEstimateEarly',
+    'HeliosClusterGaugesStale',
     'HeliosDbPoolWaiting',
     'HeliosDeadLettersRising',
     'HeliosFenceRejections',
@@ -95,6 +96,7 @@ test('every alert says what happened and what to do, with a severity', () => {
     'HeliosNoLeader',
     'HeliosNodeDown',
     'HeliosOutboxStalled',
+    'HeliosPruningFailing',
     'HeliosRunsOverdueGrowing',
   ]);
   for (const rule of rules) {
@@ -307,15 +309,158 @@ const CASES: Case[] = [
     fires: [],
   },
   {
-    name: 'callers waiting for the leader pool',
+    name: 'callers waiting for the leader pool all the time',
     interval: '1m',
     series: {
-      'helios_db_pool_waiting{node="a",pool="leader"}': '3x10',
-      'helios_db_pool_waiting{node="a",pool="main"}': '0x10',
+      'helios_db_pool_waiting{node="a",pool="leader"}': '0x10 3x15',
+      'helios_db_pool_saturated_seconds_total{node="a",pool="leader"}': '0x10 0+60x15',
+      'helios_db_pool_waiting{node="a",pool="main"}': '0x25',
+      'helios_db_pool_saturated_seconds_total{node="a",pool="main"}': '0x25',
     },
-    at: '6m',
+    at: '24m',
     alert: 'HeliosDbPoolWaiting',
     fires: [{ node: 'a', pool: 'leader' }],
+  },
+  {
+    // Exhausted two thirds of the time, its queue empty at every other scrape: the waiting gauge
+    // never read above 0 for 5 minutes on end.
+    name: 'a pool exhausted most of the time, its queue empty at every other scrape',
+    interval: '1m',
+    series: {
+      'helios_db_pool_waiting{node="a",pool="worker"}': '3 0 3 0 3 0 3 0 3 0 3 0 3 0 3 0 3 0 3 0 3',
+      'helios_db_pool_saturated_seconds_total{node="a",pool="worker"}': '0+40x20',
+    },
+    at: '16m',
+    alert: 'HeliosDbPoolWaiting',
+    fires: [{ node: 'a', pool: 'worker' }],
+  },
+  {
+    name: 'a herd at the top of the hour queues for 4 minutes',
+    interval: '1m',
+    series: {
+      'helios_db_pool_waiting{node="a",pool="worker"}': '0x60 500 400 300 200 0x20',
+      'helios_db_pool_saturated_seconds_total{node="a",pool="worker"}': '0x60 60 120 180 240 240x20',
+    },
+    at: '1h10m',
+    alert: 'HeliosDbPoolWaiting',
+    fires: [],
+  },
+  {
+    name: 'callers wait now and then, a sixth of the time',
+    interval: '1m',
+    series: { 'helios_db_pool_saturated_seconds_total{node="a",pool="main"}': '0+10x30' },
+    at: '25m',
+    alert: 'HeliosDbPoolWaiting',
+    fires: [],
+  },
+  {
+    // PostgreSQL unreachable from 5m: the leader keeps its lease (etcd) and its last readings.
+    name: "the leader's cluster gauges stop being read",
+    interval: '1m',
+    series: { 'helios_cluster_signals_updated_timestamp_seconds{node="a"}': '0+60x5 300x10' },
+    at: '11m',
+    alert: 'HeliosClusterGaugesStale',
+    fires: [{}],
+  },
+  {
+    // PostgreSQL unreachable from 5m: each leader steps down after a few seconds and another
+    // takes over, exporting 0 (no reading yet) for its epoch; at some scrapes no node exports it.
+    name: 'the lead passes from node to node while PostgreSQL is down, gaps between epochs',
+    interval: '30s',
+    series: {
+      'helios_cluster_signals_updated_timestamp_seconds{node="a"}':
+        '0+30x10 300 300 300 stale _ _ _ _ _ _ 0 0 0 stale _ _ _ _ _ _ 0 0 0 stale',
+      'helios_cluster_signals_updated_timestamp_seconds{node="b"}':
+        '_x17 0 0 0 stale _ _ _ _ _ _ 0 0 0 stale _ _ _ _',
+    },
+    at: '17m',
+    alert: 'HeliosClusterGaugesStale',
+    fires: [{}],
+  },
+  {
+    name: 'a leader elected while PostgreSQL is down has never read them',
+    interval: '1m',
+    series: { 'helios_cluster_signals_updated_timestamp_seconds{node="b"}': '0x10' },
+    at: '6m',
+    alert: 'HeliosClusterGaugesStale',
+    fires: [{}],
+  },
+  {
+    name: 'the cluster gauges stale for 4 minutes (a slow PostgreSQL failover), then read again',
+    interval: '1m',
+    series: { 'helios_cluster_signals_updated_timestamp_seconds{node="a"}': '0+60x5 300x3 540+60x10' },
+    at: '8m45s',
+    alert: 'HeliosClusterGaugesStale',
+    fires: [],
+  },
+  {
+    name: 'the cluster gauges read every 5 seconds',
+    interval: '15s',
+    series: { 'helios_cluster_signals_updated_timestamp_seconds{node="a"}': '-5+15x40' },
+    at: '10m',
+    alert: 'HeliosClusterGaugesStale',
+    fires: [],
+  },
+  {
+    name: 'every sweep of runs has failed for over an hour; the outbox is pruned',
+    interval: '1m',
+    series: {
+      'helios_prune_passes_total{node="a",table="runs",result="succeeded"}': '0+1x10 10x80',
+      'helios_prune_passes_total{node="a",table="runs",result="failed"}': '0x10 1+1x80',
+      'helios_prune_passes_total{node="a",table="outbox",result="succeeded"}': '0+12x90',
+      'helios_prune_passes_total{node="a",table="outbox",result="failed"}': '0x90',
+    },
+    at: '85m',
+    alert: 'HeliosPruningFailing',
+    fires: [{ table: 'runs' }],
+  },
+  {
+    name: "one job's runs cannot be pruned, sweep after sweep",
+    interval: '1m',
+    series: {
+      'helios_prune_passes_total{node="a",table="runs",result="succeeded"}': '0x60',
+      'helios_prune_passes_total{node="a",table="runs",result="incomplete"}': '0+1x60',
+    },
+    at: '45m',
+    alert: 'HeliosPruningFailing',
+    fires: [{ table: 'runs' }],
+  },
+  {
+    // Without PostgreSQL the lead passes from node to node every few seconds; no pass ends within
+    // an epoch, so none is counted, failed or not.
+    name: 'PostgreSQL gone for over an hour, the lead passing from node to node',
+    interval: '1m',
+    series: {
+      'helios_prune_passes_total{node="a",table="outbox",result="succeeded"}': '0+12x10 120x80',
+      'helios_prune_passes_total{node="a",table="outbox",result="failed"}': '0x90',
+      'helios_prune_passes_total{node="b",table="outbox",result="succeeded"}': '_x12 0x78',
+      'helios_prune_passes_total{node="b",table="outbox",result="failed"}': '_x12 0x78',
+    },
+    at: '85m',
+    alert: 'HeliosPruningFailing',
+    fires: [{ table: 'outbox' }],
+  },
+  {
+    name: 'every pass fails in a 40-minute PostgreSQL outage, the last minute of it',
+    interval: '1m',
+    series: {
+      'helios_prune_passes_total{node="a",table="outbox",result="succeeded"}': '0+12x10 120x40 132+12x20',
+      'helios_prune_passes_total{node="a",table="outbox",result="failed"}': '0x10 1+1x40 41x20',
+    },
+    at: '49m',
+    alert: 'HeliosPruningFailing',
+    fires: [],
+  },
+  {
+    name: 'passes fail now and then among successes',
+    interval: '1m',
+    series: {
+      'helios_prune_passes_total{node="a",table="outbox",result="succeeded"}': '0+11x120',
+      'helios_prune_passes_total{node="a",table="outbox",result="failed"}': '0+1x120',
+    },
+    at: '2h',
+    alert: 'HeliosPruningFailing',
+    fires: [],
   },
   {
     name: 'a call ended after its claim was lost',
