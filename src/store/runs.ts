@@ -444,7 +444,7 @@ const startedLater = (s: string, n: string) => `
 
 /**
  * `replace`: fails every run of job $1 except the one asked for last (requestedAt) among those
- * running: the others running, and those queued that were asked for before it (an older run
+ * running and started: the others running, and those queued that were asked for before it (an older run
  * waiting in its retry back-off, handed back, or whose announcement is late: once a run asked for
  * later has started, the older one is not called again, as a Kubernetes CronJob's `Replace` ends
  * the older Job with its pending retries; before, its retry was called after the newer run had
@@ -458,12 +458,17 @@ const startedLater = (s: string, n: string) => `
  * run no longer runs (its call ended, it waits to retry): the run asked for last among those
  * running is itself "overtaken" when a run asked for later has been claimed since it was asked
  * for (started_at set, an attempt since its last replay). Before, such an older run was called
- * after the newer one had ended (test/integration/replace-older-row-locked.test.ts).
+ * after the newer one had ended (test/integration/replace-older-row-locked.test.ts). A run claimed
+ * within the skew tolerance before its time counts only once STARTed: until then a pause or an edit
+ * may withdraw it, and counted, it had replaced an older run due before the pause, so neither was
+ * called. An older run's replacement leaves it running; its own, after its START, fails the older.
  */
 const REPLACE_OLDER = `
   WITH newest AS (
+    -- Started only: a run claimed within the skew tolerance before its time may yet be withdrawn by
+    -- a pause or an edit; it replaces the others from its own START on (its replacement).
     SELECT r.id, r.attempt, r.claimed_by, ${requestedAt('r')} AS asked
-    FROM runs r WHERE r.job_id = $1 AND r.state = 'running'
+    FROM runs r WHERE r.job_id = $1 AND r.state = 'running' AND r.started_at IS NOT NULL
     ORDER BY asked DESC, r.id DESC LIMIT 1
   ), later AS MATERIALIZED (
     -- The runs that may have overtaken it, each set found by an index: later occurrences
@@ -486,7 +491,9 @@ const REPLACE_OLDER = `
     UPDATE runs r SET state = 'failed', reason = 'replaced', finished_at = now(),
                       claim_expires_at = NULL
     WHERE r.job_id = $1 AND (r.id <> (SELECT id FROM newest) OR r.id IN (SELECT id FROM overtaken))
-      AND (r.state = 'running' OR (r.state = 'queued' AND r.id IN (SELECT id FROM waiting)))
+      AND ((r.state = 'running' AND (r.started_at IS NOT NULL OR EXISTS (
+             SELECT 1 FROM newest n WHERE (${requestedAt('r')}, r.id) < (n.asked, n.id))))
+           OR (r.state = 'queued' AND r.id IN (SELECT id FROM waiting)))
     RETURNING r.id, r.attempt
   ), recorded AS (
     UPDATE run_attempts a SET outcome = 'replaced', finished_at = now(),

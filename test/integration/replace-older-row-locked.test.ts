@@ -9,7 +9,8 @@ import { createMetrics } from '../../src/observability/metrics.js';
 import { completeSucceeded, failAttempt, type AttemptReport } from '../../src/store/attempts.js';
 import { inTransaction, type Queryable } from '../../src/store/db.js';
 import { buryRun, replayDeadLetter } from '../../src/store/dead-letters.js';
-import { claimRuns, type ClaimedRun } from '../../src/store/runs.js';
+import { pauseJob } from '../../src/jobs/commands.js';
+import { claimRuns, startRuns, type ClaimedRun } from '../../src/store/runs.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
 
 // `replace`: once a run asked for later has started, an older run of the job is not called
@@ -211,6 +212,54 @@ test('the reverse: a newer run whose claim held its row while the older one was 
   assert.deepEqual(calls, [older, newer]);
   assert.deepEqual(await stateOf(older), { state: 'failed', reason: 'replaced' });
   assert.equal((await stateOf(newer))!.state, 'succeeded');
+});
+
+/**
+ * The older of olderAndNewer's runs claimed and attempted on node A while a newer run, due in 5 s,
+ * is claimed by node B within the skew tolerance (here 10 s, its maximum) before its time: not
+ * started (started_at NULL) until its START, and until then a pause or an edit may withdraw it.
+ */
+async function olderAttemptedBesideUnstarted(calls: string[]) {
+  const { job, older } = await olderAndNewer();
+  const { rows } = await db.pool.query<{ id: string }>(
+    `INSERT INTO runs (job_id, scheduled_for, state, max_attempts, target, timeout_ms, backoff_ms,
+                       backoff_multiplier, concurrency, not_before)
+     SELECT id, now() + interval '5 seconds', 'queued', 3, target, 1000, 0, 2, 'replace',
+            now() + interval '5 seconds'
+     FROM jobs WHERE id = $1 RETURNING id`,
+    [job],
+  );
+  const [ahead] = await claimRuns(db.pool, [{ runId: rows[0]!.id, expectedAttempt: null }], {
+    nodeId: B,
+    ...OPTIONS,
+    skewToleranceMs: 10_000,
+  });
+  assert.equal(ahead?.startPending, true);
+  await runAttempt(worker(A, calls), await claim(A, older), new AbortController().signal);
+  // START without a due check: the test need not wait for the newer run's time.
+  const b = {
+    ...worker(B, calls),
+    start: async (run: ClaimedRun) => (await startRuns(db.pool, B, [run]))[0]!,
+  };
+  return { job, older, ahead: ahead!, b };
+}
+
+test('a newer run claimed ahead, not yet started, does not replace an older one: a pause then withdraws it', async () => {
+  const calls: string[] = [];
+  const { job, older, ahead, b } = await olderAttemptedBesideUnstarted(calls);
+  // The job is paused before the newer run's time: it is withdrawn, and its START finds nothing.
+  await pauseJob(db.pool, { id: job }, { runsTopic: 'runs', misfireThresholdMs: 5000 });
+  await runAttempt(b, ahead, new AbortController().signal);
+  assert.deepEqual(calls, [older], 'the older occurrence, due while the job was enabled, was not called');
+  assert.equal((await stateOf(older))!.state, 'succeeded');
+});
+
+test("a newer run claimed ahead, not yet started, is not replaced by an older one's replacement", async () => {
+  const calls: string[] = [];
+  const { older, ahead, b } = await olderAttemptedBesideUnstarted(calls);
+  await runAttempt(b, ahead, new AbortController().signal);
+  assert.deepEqual(calls, [older, ahead.id]);
+  assert.equal((await stateOf(ahead.id))!.state, 'succeeded');
 });
 
 /** Resolves once a statement on the test database waits for a row lock. */
