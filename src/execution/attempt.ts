@@ -117,9 +117,9 @@ export async function runAttempt(
       const { replaced, running } = await replaceOlderRuns(pool, run.jobId);
       if (replaced.length > 0) metrics.runsReplaced.inc(replaced.length);
       // Called only if this attempt is the one left running. Otherwise a run asked for later (a
-      // newer occurrence, a trigger or a replay) runs: this one was replaced before its call began,
-      // now or already (that run's claim replaced it while this one's START was on its way back),
-      // or its claim was lost.
+      // newer occurrence, a trigger or a replay) runs or has been claimed: this one was replaced
+      // before its call began, now or already (that run's claim replaced it while this one's START
+      // was on its way back), or its claim was lost.
       if (running?.id !== run.id || running.attempt !== run.attempt || running.nodeId !== nodeId) {
         callEnded?.(false);
         metrics.runsExecuted.inc({ outcome: 'replaced' });

@@ -433,8 +433,18 @@ const requestedAt = (r: string) =>
   `greatest(${r}.scheduled_for, (SELECT max(d.replayed_at) FROM dead_letters d WHERE d.run_id = ${r}.id))`;
 
 /**
+ * Whether run `s` (SQL) was asked for after run `n` (a row with its `asked`; ties by id) and has
+ * been claimed since (started_at set: due, or STARTed; an attempt since its last replay).
+ */
+const startedLater = (s: string, n: string) => `
+  ${s}.id <> ${n}.id AND ${s}.started_at IS NOT NULL
+  AND (${requestedAt(s)}, ${s}.id) > (${n}.asked, ${n}.id)
+  AND ${s}.attempt > (SELECT coalesce(max(d.attempt), 0) FROM dead_letters d
+                      WHERE d.run_id = ${s}.id AND d.replayed_at IS NOT NULL)`;
+
+/**
  * `replace`: fails every run of job $1 except the one asked for last (requestedAt) among those
- * running: the others running, and those queued that were asked for before it (an older run
+ * running and started: the others running, and those queued that were asked for before it (an older run
  * waiting in its retry back-off, handed back, or whose announcement is late: once a run asked for
  * later has started, the older one is not called again, as a Kubernetes CronJob's `Replace` ends
  * the older Job with its pending retries; before, its retry was called after the newer run had
@@ -442,14 +452,40 @@ const requestedAt = (r: string) =>
  * workers abort the HTTP call. Returns them, and the run left running (id, attempt, node) in a row
  * of its own (replaced = false). Run after a claim committed: whichever of two racing claims runs
  * this last sees both. A queued run another statement holds (a worker claiming it, a pause) is
- * left (SKIP LOCKED: it waits for no one's row): claimed, it runs this same statement and is
- * replaced by the newer run if that one still runs.
+ * left (SKIP LOCKED: it waits for no one's row), and so is a running one whose failed attempt's
+ * settle held it (re-read once that commits, it is queued for its retry, and "waiting" was taken
+ * before). Claimed, it runs this same statement, which fails it as replaced even when the newer
+ * run no longer runs (its call ended, it waits to retry): the run asked for last among those
+ * running is itself "overtaken" when a run asked for later has been claimed since it was asked
+ * for (started_at set, an attempt since its last replay). Before, such an older run was called
+ * after the newer one had ended (test/integration/replace-older-row-locked.test.ts). A run claimed
+ * within the skew tolerance before its time counts only once STARTed: until then a pause or an edit
+ * may withdraw it, and counted, it had replaced an older run due before the pause, so neither was
+ * called. An older run's replacement leaves it running; its own, after its START, fails the older.
  */
 const REPLACE_OLDER = `
   WITH newest AS (
+    -- Started only: a run claimed within the skew tolerance before its time may yet be withdrawn by
+    -- a pause or an edit; it replaces the others from its own START on (its replacement).
     SELECT r.id, r.attempt, r.claimed_by, ${requestedAt('r')} AS asked
-    FROM runs r WHERE r.job_id = $1 AND r.state = 'running'
+    FROM runs r WHERE r.job_id = $1 AND r.state = 'running' AND r.started_at IS NOT NULL
     ORDER BY asked DESC, r.id DESC LIMIT 1
+  ), replays AS MATERIALIZED (
+    -- The job's runs replayed since, found by dead_letters_job_replayed_idx ("IS NOT NULL", implied,
+    -- lets the planner use that partial index). Materialised: as an EXISTS, the planner scanned
+    -- every dead letter, betting on an early match.
+    SELECT d.run_id FROM newest n
+    JOIN dead_letters d ON d.job_id = $1 AND d.replayed_at IS NOT NULL AND d.replayed_at >= n.asked
+  ), overtaken AS (
+    -- Later occurrences by runs_one_per_occurrence (a run is asked for no earlier than its
+    -- scheduled_for), in an EXISTS that stops at the first: as a join over all of them, the
+    -- planner's guess for "scheduled_for >= asked" (a third of the job's runs) put the statement's
+    -- cost past jit_above_cost on a job with some 30,000 runs, and each call was JIT-compiled
+    -- (≈60 ms, where it runs in ≈1 ms).
+    SELECT n.id FROM newest n
+    WHERE EXISTS (SELECT 1 FROM runs s
+                  WHERE s.job_id = $1 AND s.scheduled_for >= n.asked AND ${startedLater('s', 'n')})
+       OR EXISTS (SELECT 1 FROM replays l JOIN runs s ON s.id = l.run_id WHERE ${startedLater('s', 'n')})
   ), waiting AS (
     SELECT q.id FROM runs q, newest n
     WHERE q.job_id = $1 AND q.state = 'queued' AND (${requestedAt('q')}, q.id) < (n.asked, n.id)
@@ -457,8 +493,10 @@ const REPLACE_OLDER = `
   ), replaced AS (
     UPDATE runs r SET state = 'failed', reason = 'replaced', finished_at = now(),
                       claim_expires_at = NULL
-    WHERE r.job_id = $1 AND r.id <> (SELECT id FROM newest)
-      AND (r.state = 'running' OR (r.state = 'queued' AND r.id IN (SELECT id FROM waiting)))
+    WHERE r.job_id = $1 AND (r.id <> (SELECT id FROM newest) OR r.id IN (SELECT id FROM overtaken))
+      AND ((r.state = 'running' AND (r.started_at IS NOT NULL OR EXISTS (
+             SELECT 1 FROM newest n WHERE (${requestedAt('r')}, r.id) < (n.asked, n.id))))
+           OR (r.state = 'queued' AND r.id IN (SELECT id FROM waiting)))
     RETURNING r.id, r.attempt
   ), recorded AS (
     UPDATE run_attempts a SET outcome = 'replaced', finished_at = now(),
@@ -470,13 +508,16 @@ const REPLACE_OLDER = `
          pg_notify('helios_runs', id::text) IS NULL AS notified
   FROM replaced
   UNION ALL
-  SELECT id, attempt, claimed_by, false, false FROM newest`;
+  SELECT id, attempt, claimed_by, false, false FROM newest WHERE id NOT IN (SELECT id FROM overtaken)`;
 
 /** What a `replace` run's claim did to its job's running runs. */
 export interface Replacement {
   /** The runs failed as replaced (possibly including the caller's own). */
   readonly replaced: string[];
-  /** The attempt left running, of the run asked for last; null when none runs. */
+  /**
+   * The attempt left running, of the run asked for last; null when none runs, or when a run asked
+   * for later has been claimed already (the one asked for last among those running is replaced too).
+   */
   readonly running: { readonly id: string; readonly attempt: number; readonly nodeId: string } | null;
 }
 

@@ -1,0 +1,275 @@
+import assert from 'node:assert/strict';
+import { after, before, test } from 'node:test';
+import { setTimeout as sleep } from 'node:timers/promises';
+import { runAttempt, type AttemptContext } from '../../src/execution/attempt.js';
+import { DbClock } from '../../src/execution/db-clock.js';
+import type { HttpExecutor } from '../../src/execution/http-executor.js';
+import { silentLogger } from '../../src/observability/logger.js';
+import { createMetrics } from '../../src/observability/metrics.js';
+import { completeSucceeded, failAttempt, type AttemptReport } from '../../src/store/attempts.js';
+import { inTransaction, type Queryable } from '../../src/store/db.js';
+import { buryRun, replayDeadLetter } from '../../src/store/dead-letters.js';
+import { pauseJob } from '../../src/jobs/commands.js';
+import { claimRuns, startRuns, type ClaimedRun } from '../../src/store/runs.js';
+import { createTestDatabase, type TestDatabase } from '../support/database.js';
+
+// `replace`: once a run asked for later has started, an older run of the job is not called
+// (runs.ts REPLACE_OLDER). The newer run's replacement takes the older queued runs FOR UPDATE SKIP
+// LOCKED, and a running one whose row another transaction holds it re-reads once that commits: an
+// older run whose row another worker held at that moment (its claim in an open transaction, or its
+// failed attempt's settle turning it back to queued for a retry) is left. Its own claim's
+// replacement must then still find the newer run, even once that run's call has ended.
+
+let db: TestDatabase;
+const A = 'node-a';
+const B = 'node-b';
+const TOPICS = { runsTopic: 'runs', deadLetterTopic: 'dead' };
+const OPTIONS = { graceMs: 5000, skewToleranceMs: 10 };
+const OK: AttemptReport = {
+  outcome: 'succeeded',
+  statusCode: 200,
+  durationMs: 1,
+  error: null,
+  responseExcerpt: null,
+};
+const FAILED: AttemptReport = {
+  outcome: 'failed',
+  statusCode: 500,
+  durationMs: 1,
+  error: 'HTTP 500',
+  responseExcerpt: null,
+};
+
+before(async () => {
+  db = await createTestDatabase();
+});
+after(() => db.drop());
+
+/** A `replace` job with two due occurrences, 20 s and 10 s ago. */
+async function olderAndNewer(): Promise<{ job: string; older: string; newer: string }> {
+  const { rows } = await db.pool.query<{ id: string; job: string }>(
+    `WITH j AS (
+       INSERT INTO jobs (name, schedule, target, timeout_ms, max_attempts, concurrency, next_run_at)
+       VALUES ('rl-' || gen_random_uuid(), '*/10 * * * * *', '{"url":"http://127.0.0.1:9/"}', 1000, 3,
+               'replace', now() + interval '1 hour')
+       RETURNING *)
+     INSERT INTO runs (job_id, scheduled_for, state, max_attempts, target, timeout_ms, backoff_ms,
+                       backoff_multiplier, concurrency, not_before)
+     SELECT j.id, t, 'queued', 3, j.target, 1000, 0, 2, 'replace', t
+     FROM j, (SELECT date_trunc('second', now()) - s * interval '10 seconds' AS t
+              FROM generate_series(2, 1, -1) AS s) o
+     ORDER BY t RETURNING runs.id, runs.job_id AS job`,
+  );
+  return { job: rows[0]!.job, older: rows[0]!.id, newer: rows[1]!.id };
+}
+
+/**
+ * A worker on `nodeId` whose calls are appended to `calls` and answered with success, once `held`
+ * (if given) resolves.
+ */
+function worker(nodeId: string, calls: string[], held?: Promise<void>): AttemptContext {
+  const executor = {
+    execute: async (run: ClaimedRun): Promise<AttemptReport> => {
+      calls.push(run.id);
+      await held;
+      return OK;
+    },
+  } as unknown as HttpExecutor;
+  return {
+    pool: db.pool,
+    nodeId,
+    executor,
+    topics: TOPICS,
+    clock: new DbClock(),
+    start: async () => true,
+    complete: (run, r) => completeSucceeded(db.pool, run, nodeId, r),
+    logger: silentLogger,
+    metrics: createMetrics('test'),
+  };
+}
+
+async function claim(nodeId: string, runId: string, on: Queryable = db.pool) {
+  const [run] = await claimRuns(on, [{ runId, expectedAttempt: null }], { nodeId, ...OPTIONS });
+  assert.ok(run && !run.startPending, `run ${runId} claimed by ${nodeId}`);
+  return run;
+}
+
+async function stateOf(id: string) {
+  const { rows } = await db.pool.query<{ state: string; reason: string | null }>(
+    'SELECT state, reason FROM runs WHERE id = $1',
+    [id],
+  );
+  return rows[0];
+}
+
+test('an older run whose claim held its row while the newer run started is not called after it', async () => {
+  const { older, newer } = await olderAndNewer();
+  const calls: string[] = [];
+  // Node A's claim of the older run, uncommitted (a batch or the polling fallback's transaction).
+  const holder = await db.pool.connect();
+  try {
+    await holder.query('BEGIN');
+    const olderRun = await claim(A, older, holder);
+    // Node B claims the newer run, replaces (its replacement skips the locked older row), calls it.
+    const b = worker(B, calls);
+    await runAttempt(b, await claim(B, newer), new AbortController().signal);
+    assert.deepEqual(calls, [newer]);
+    await holder.query('COMMIT');
+    await runAttempt(worker(A, calls), olderRun, new AbortController().signal);
+  } finally {
+    await holder.query('ROLLBACK').catch(() => undefined);
+    holder.release();
+  }
+  assert.deepEqual(calls, [newer], 'the older occurrence was called after the newer one had started');
+  assert.deepEqual(await stateOf(older), { state: 'failed', reason: 'replaced' });
+  assert.equal((await stateOf(newer))!.state, 'succeeded');
+});
+
+test("an older run whose failed attempt's settle held its row while the newer run started does not retry after it", async () => {
+  const { older, newer } = await olderAndNewer();
+  const calls: string[] = [];
+  const first = await claim(A, older);
+  // Node A settles the older run's failed first attempt (a retry, due at once): uncommitted.
+  const holder = await db.pool.connect();
+  let newerAttempt: Promise<void> | undefined;
+  try {
+    await holder.query('BEGIN');
+    assert.equal((await failAttempt(holder, first, { nodeId: A }, FAILED, 0, TOPICS))?.state, 'queued');
+    // Node B's newer run replaces: it waits for the older run's row (running when it looked).
+    newerAttempt = runAttempt(worker(B, calls), await claim(B, newer), new AbortController().signal);
+    await untilWaitingForLock();
+    await holder.query('COMMIT');
+  } finally {
+    await holder.query('ROLLBACK').catch(() => undefined);
+    holder.release();
+  }
+  await newerAttempt;
+  assert.deepEqual(calls, [newer]);
+  // The older run's retry, claimed once the newer run's call has ended.
+  const { rows } = await db.pool.query<{ state: string }>('SELECT state FROM runs WHERE id = $1', [older]);
+  if (rows[0]!.state === 'queued') {
+    await runAttempt(worker(A, calls), await claim(A, older), new AbortController().signal);
+  }
+  assert.deepEqual(calls, [newer], "the older occurrence's retry was called after the newer one had started");
+  assert.deepEqual(await stateOf(older), { state: 'failed', reason: 'replaced' });
+});
+
+test('an occurrence whose claim held its row while an older run replayed since started is not called after it', async () => {
+  // The older occurrence went dead and is replayed: asked for now, after the newer occurrence.
+  const { job, older: replayed, newer: held } = await olderAndNewer();
+  const letter = await inTransaction(db.pool, async (client) => {
+    const { rows } = await client.query<{ scheduledFor: Date }>(
+      `UPDATE runs SET state = 'dead', attempt = 1, started_at = scheduled_for, finished_at = now()
+       WHERE id = $1 RETURNING scheduled_for AS "scheduledFor"`,
+      [replayed],
+    );
+    const run = { id: replayed, jobId: job, attempt: 1, scheduledFor: rows[0]!.scheduledFor };
+    return buryRun(client, run, { error: 'HTTP 500', statusCode: 500 }, TOPICS);
+  });
+  assert.ok(await replayDeadLetter(db.pool, letter, TOPICS));
+  const calls: string[] = [];
+  const holder = await db.pool.connect();
+  try {
+    await holder.query('BEGIN');
+    const heldRun = await claim(A, held, holder);
+    await runAttempt(worker(B, calls), await claim(B, replayed), new AbortController().signal);
+    assert.deepEqual(calls, [replayed]);
+    await holder.query('COMMIT');
+    await runAttempt(worker(A, calls), heldRun, new AbortController().signal);
+  } finally {
+    await holder.query('ROLLBACK').catch(() => undefined);
+    holder.release();
+  }
+  assert.deepEqual(
+    calls,
+    [replayed],
+    'an occurrence asked for before the replay was called after it had started',
+  );
+  assert.deepEqual(await stateOf(held), { state: 'failed', reason: 'replaced' });
+});
+
+test('the reverse: a newer run whose claim held its row while the older one was called replaces it', async () => {
+  const { older, newer } = await olderAndNewer();
+  const calls: string[] = [];
+  const holder = await db.pool.connect();
+  let olderCall: Promise<void> | undefined;
+  let release!: () => void;
+  const released = new Promise<void>((resolve) => (release = resolve));
+  try {
+    await holder.query('BEGIN');
+    const newerRun = await claim(B, newer, holder);
+    // The older run is claimed and called (nothing newer runs yet); its call stays open.
+    olderCall = runAttempt(worker(A, calls, released), await claim(A, older), new AbortController().signal);
+    while (calls.length === 0) await sleep(5);
+    await holder.query('COMMIT');
+    await runAttempt(worker(B, calls), newerRun, new AbortController().signal);
+  } finally {
+    await holder.query('ROLLBACK').catch(() => undefined);
+    holder.release();
+    release();
+    await olderCall;
+  }
+  assert.deepEqual(calls, [older, newer]);
+  assert.deepEqual(await stateOf(older), { state: 'failed', reason: 'replaced' });
+  assert.equal((await stateOf(newer))!.state, 'succeeded');
+});
+
+/**
+ * The older of olderAndNewer's runs claimed and attempted on node A while a newer run, due in 5 s,
+ * is claimed by node B within the skew tolerance (here 10 s, its maximum) before its time: not
+ * started (started_at NULL) until its START, and until then a pause or an edit may withdraw it.
+ */
+async function olderAttemptedBesideUnstarted(calls: string[]) {
+  const { job, older } = await olderAndNewer();
+  const { rows } = await db.pool.query<{ id: string }>(
+    `INSERT INTO runs (job_id, scheduled_for, state, max_attempts, target, timeout_ms, backoff_ms,
+                       backoff_multiplier, concurrency, not_before)
+     SELECT id, now() + interval '5 seconds', 'queued', 3, target, 1000, 0, 2, 'replace',
+            now() + interval '5 seconds'
+     FROM jobs WHERE id = $1 RETURNING id`,
+    [job],
+  );
+  const [ahead] = await claimRuns(db.pool, [{ runId: rows[0]!.id, expectedAttempt: null }], {
+    nodeId: B,
+    ...OPTIONS,
+    skewToleranceMs: 10_000,
+  });
+  assert.equal(ahead?.startPending, true);
+  await runAttempt(worker(A, calls), await claim(A, older), new AbortController().signal);
+  // START without a due check: the test need not wait for the newer run's time.
+  const b = {
+    ...worker(B, calls),
+    start: async (run: ClaimedRun) => (await startRuns(db.pool, B, [run]))[0]!,
+  };
+  return { job, older, ahead: ahead!, b };
+}
+
+test('a newer run claimed ahead, not yet started, does not replace an older one: a pause then withdraws it', async () => {
+  const calls: string[] = [];
+  const { job, older, ahead, b } = await olderAttemptedBesideUnstarted(calls);
+  // The job is paused before the newer run's time: it is withdrawn, and its START finds nothing.
+  await pauseJob(db.pool, { id: job }, { runsTopic: 'runs', misfireThresholdMs: 5000 });
+  await runAttempt(b, ahead, new AbortController().signal);
+  assert.deepEqual(calls, [older], 'the older occurrence, due while the job was enabled, was not called');
+  assert.equal((await stateOf(older))!.state, 'succeeded');
+});
+
+test("a newer run claimed ahead, not yet started, is not replaced by an older one's replacement", async () => {
+  const calls: string[] = [];
+  const { older, ahead, b } = await olderAttemptedBesideUnstarted(calls);
+  await runAttempt(b, ahead, new AbortController().signal);
+  assert.deepEqual(calls, [older, ahead.id]);
+  assert.equal((await stateOf(ahead.id))!.state, 'succeeded');
+});
+
+/** Resolves once a statement on the test database waits for a row lock. */
+async function untilWaitingForLock(): Promise<void> {
+  for (let i = 0; i < 200; i += 1) {
+    const { rows } = await db.pool.query(
+      `SELECT 1 FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'`,
+    );
+    if (rows.length > 0) return;
+    await sleep(10);
+  }
+  assert.fail('no statement came to wait for the held row');
+}
