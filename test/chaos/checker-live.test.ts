@@ -1,3 +1,4 @@
+// test-runner: alone (its chaos cluster may restart the shared PostgreSQL and Kafka to add listeners)
 /**
  * The chaos checker against the running system, not crafted data: the same scenario twice on
  * real PostgreSQL, etcd and Kafka with two real nodes, once with the product intact (the checker

@@ -1,3 +1,4 @@
+// test-runner: alone (a burst of 2,000 calls on the leader, judged against the misfire threshold)
 import assert from 'node:assert/strict';
 import { DEFAULT_DISPATCH_LOOKAHEAD_MS } from '../../src/config/index.js';
 import { after, before, test } from 'node:test';

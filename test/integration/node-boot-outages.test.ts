@@ -1,3 +1,4 @@
+// test-runner: alone (stops and starts the shared servers)
 import assert from 'node:assert/strict';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { after, before, test } from 'node:test';

@@ -3,8 +3,6 @@ import pg from 'pg';
 import { loadMigrations, migrate } from '../../src/store/migrate.js';
 import { serverEnv, uniqueId } from './env.js';
 
-const TEMPLATE = 'helios_template';
-
 function withDatabase(url: string, database: string): string {
   const parsed = new URL(url);
   parsed.pathname = `/${database}`;
@@ -23,36 +21,41 @@ async function adminQuery<T>(work: (client: pg.Client) => Promise<T>): Promise<T
 
 /**
  * Makes (once per migration set) a migrated template database, so each test file can clone its
- * own isolated database in a few milliseconds instead of migrating from scratch.
+ * own isolated database in a few milliseconds instead of migrating from scratch. Named by its
+ * migrations' hash: checkouts with other migrations (a branch beside main) test on the same server
+ * without dropping each other's template while it is being cloned. Returns its name.
  */
-async function ensureTemplate(): Promise<void> {
+async function ensureTemplate(): Promise<string> {
   const migrations = await loadMigrations(new URL('../../src/store/migrations/', import.meta.url).pathname);
   const hash = createHash('sha256')
     .update(migrations.map((m) => m.sql).join('\n'))
     .digest('hex')
     .slice(0, 16);
+  const template = `helios_template_${hash}`;
   await adminQuery(async (admin) => {
     // Serialise template creation between test processes.
     await admin.query('SELECT pg_advisory_lock(727002)');
     try {
+      // Made whole or not at all: marked ready (its comment) only once migrated.
       const { rows } = await admin.query<{ comment: string | null }>(
         `SELECT shobj_description(oid, 'pg_database') AS comment FROM pg_database WHERE datname = $1`,
-        [TEMPLATE],
+        [template],
       );
-      if (rows[0]?.comment === hash) return;
-      if (rows.length > 0) await admin.query(`DROP DATABASE ${TEMPLATE} WITH (FORCE)`);
-      await admin.query(`CREATE DATABASE ${TEMPLATE}`);
-      const pool = new pg.Pool({ connectionString: withDatabase(serverEnv().databaseUrl, TEMPLATE), max: 1 });
+      if (rows[0]?.comment === 'ready') return;
+      if (rows.length > 0) await admin.query(`DROP DATABASE ${template} WITH (FORCE)`);
+      await admin.query(`CREATE DATABASE ${template}`);
+      const pool = new pg.Pool({ connectionString: withDatabase(serverEnv().databaseUrl, template), max: 1 });
       try {
         await migrate(pool, migrations);
       } finally {
         await pool.end();
       }
-      await admin.query(`COMMENT ON DATABASE ${TEMPLATE} IS '${hash}'`);
+      await admin.query(`COMMENT ON DATABASE ${template} IS 'ready'`);
     } finally {
       await admin.query('SELECT pg_advisory_unlock(727002)');
     }
   });
+  return template;
 }
 
 export interface TestDatabase {
@@ -65,12 +68,10 @@ export interface TestDatabase {
 
 /** A fresh database for one test file: migrated (cloned from the template) unless `empty`. */
 export async function createTestDatabase(options: { empty?: boolean } = {}): Promise<TestDatabase> {
-  if (!options.empty) await ensureTemplate();
+  const template = options.empty ? null : await ensureTemplate();
   const name = `helios_t_${uniqueId()}`;
   await adminQuery(async (admin) => {
-    await admin.query(
-      options.empty ? `CREATE DATABASE ${name}` : `CREATE DATABASE ${name} TEMPLATE ${TEMPLATE}`,
-    );
+    await admin.query(template ? `CREATE DATABASE ${name} TEMPLATE ${template}` : `CREATE DATABASE ${name}`);
   });
   const url = withDatabase(serverEnv().databaseUrl, name);
   const pool = new pg.Pool({ connectionString: url, max: 4, options: '-c TimeZone=UTC' });
