@@ -111,27 +111,39 @@ export async function runAttempt(
       callEnded?.(false);
       return;
     }
+    let notMade: NotMade | undefined;
     // Not for a run that makes no call (aborted: the claim was lost, or the worker stops and hands
     // it back): whoever calls it replaces the older runs then.
     if (run.concurrency === 'replace' && !cancel.aborted) {
-      const { replaced, running } = await replaceOlderRuns(pool, run.jobId);
-      if (replaced.length > 0) metrics.runsReplaced.inc(replaced.length);
-      // Called only if this attempt is the one left running. Otherwise a run asked for later (a
-      // newer occurrence, a trigger or a replay) runs or has been claimed: this one was replaced
-      // before its call began, now or already (that run's claim replaced it while this one's START
-      // was on its way back), or its claim was lost.
-      if (running?.id !== run.id || running.attempt !== run.attempt || running.nodeId !== nodeId) {
-        callEnded?.(false);
-        metrics.runsExecuted.inc({ outcome: 'replaced' });
-        log().info(
-          { replaced: replaced.includes(run.id) },
-          'replaced by a run of the job asked for later, before its call; no call made',
-        );
-        return;
+      const tried = await beforeCall(ctx, run, cancel, log, 'replace the older runs', () =>
+        replaceOlderRuns(pool, run.jobId),
+      );
+      // Handed back rather than left to the reaper: the run waited out its whole claim (up to an
+      // hour for a long timeout) before its occurrence was called.
+      if ('err' in tried) {
+        const error = "the job's older runs could not be replaced; call not made";
+        notMade = { outcome: 'replace-failed', error, err: tried.err, tries: tried.tries };
+      } else if ('answer' in tried) {
+        const { replaced, running } = tried.answer;
+        if (replaced.length > 0) metrics.runsReplaced.inc(replaced.length);
+        // Called only if this attempt is the one left running. Otherwise a run asked for later (a
+        // newer occurrence, a trigger or a replay) runs or has been claimed: this one was replaced
+        // before its call began, now or already (that run's claim replaced it while this one's
+        // START was on its way back, or an earlier try of this replacement whose answer was lost
+        // did), or its claim was lost.
+        if (running?.id !== run.id || running.attempt !== run.attempt || running.nodeId !== nodeId) {
+          callEnded?.(false);
+          metrics.runsExecuted.inc({ outcome: 'replaced' });
+          log().info(
+            { replaced: replaced.includes(run.id) },
+            'replaced by a run of the job asked for later, before its call; no call made',
+          );
+          return;
+        }
       }
     }
     // Judged after START and the replacement, which take round trips: the call begins right after.
-    const notMade = whyNotStart(ctx, run, cancel, drainLeftMs);
+    notMade ??= whyNotStart(ctx, run, cancel, drainLeftMs);
     if (notMade) {
       callEnded?.(false);
       metrics.runsExecuted.inc({ outcome: notMade.outcome });
@@ -147,10 +159,8 @@ export async function runAttempt(
       const released = await release(report).catch(() => null);
       if (released && notMade.outcome === 'stopping') ctx.handOff?.([released]);
       log().warn(
-        { released: Boolean(released), reason: notMade.error },
-        notMade.outcome === 'stopping'
-          ? 'call not made: the worker stops before its timeout would end; claim handed back'
-          : 'call not made: the claim was acknowledged too late for its timeout; claim handed back',
+        { released: Boolean(released), reason: notMade.error, err: notMade.err, tries: notMade.tries },
+        NOT_MADE[notMade.outcome],
       );
       return;
     }
@@ -239,16 +249,16 @@ export async function runAttempt(
 /**
  * A run claimed ahead of its time: marks it started, after which a pause or an edit no longer
  * withdraws it. `not-started` (no call) when it was withdrawn or its claim lost. A write that fails
- * (PostgreSQL restarting, a pool timeout) is tried again while the claim still covers the call
- * (START is repeatable); past that the run is left to the reaper, which re-queues it once its claim
- * expires without using up an attempt. Calling it unmarked could race a pause. A run marked started
+ * is tried again while the claim still covers the call ({@link beforeCall}; START is repeatable);
+ * past that the run is left to the reaper, which re-queues it once its claim expires without using
+ * up an attempt. Calling it unmarked could race a pause. A run marked started
  * and then handed back uncalled (whyNotStart) keeps started_at: it is due by then (an aborted run
  * is not marked), so no later pause would withdraw it anyway (only later occurrences are withdrawn).
  *
  * START also checks the run is due by the database clock itself (within the skew tolerance): when
  * this worker's estimate of that clock ran early (a host clock stepped or slewed since the last
  * sample), it says how long is left; the call waits that long, the estimate is re-sampled, and
- * START is asked again. `aborted` when the cancel came during that wait: not started, no call.
+ * START is asked again. `aborted` when the cancel came during a wait: not started, no call.
  */
 async function startWhenDue(
   ctx: AttemptContext,
@@ -256,49 +266,84 @@ async function startWhenDue(
   cancel: AbortSignal,
   log: () => RunLog,
 ): Promise<'started' | 'not-started' | 'aborted'> {
+  for (;;) {
+    const tried = await beforeCall(ctx, run, cancel, log, 'mark the run started', () => ctx.start(run));
+    if (!('answer' in tried)) {
+      if (!('err' in tried)) return 'aborted';
+      ctx.metrics.runsExecuted.inc({ outcome: 'start-failed' });
+      log().warn(
+        { err: tried.err, tries: tried.tries },
+        'could not mark the run started; no call made, the reaper re-queues it once its claim expires',
+      );
+      return 'not-started';
+    }
+    const answer = tried.answer;
+    if (answer === true) return 'started';
+    if (answer === false) {
+      ctx.metrics.runsExecuted.inc({ outcome: 'withdrawn' });
+      log().info('run withdrawn (paused, edited or deleted) or its claim lost before its call; no call made');
+      return 'not-started';
+    }
+    ctx.metrics.startsEarly.inc();
+    log().warn(
+      { dueInMs: Math.round(answer.dueInMs) },
+      "not due yet by the database clock (this worker's estimate of it ran early); the call waits",
+    );
+    void ctx.clock.sync(ctx.pool).catch(() => undefined);
+    await sleep(Math.ceil(answer.dueInMs) + 1, undefined, { signal: cancel }).catch(() => undefined);
+    if (cancel.aborted) return 'aborted';
+  }
+}
+
+/**
+ * Runs a write the call must follow (START, the replacement), which may be repeated: a failure
+ * (PostgreSQL restarting, a deadlock, a pool timeout, an answer lost after a commit) is tried again
+ * with a growing pause while a call started after it could still end within the claim. Past that,
+ * the last error; `aborted` (no answer, no error) when the cancel came during a pause: no call
+ * follows, and the caller hands the claim back or drops it.
+ */
+async function beforeCall<T>(
+  ctx: AttemptContext,
+  run: ClaimedRun,
+  cancel: AbortSignal,
+  log: () => RunLog,
+  what: string,
+  write: () => Promise<T>,
+): Promise<{ answer: T } | { err: Error; tries: number } | { aborted: true }> {
   for (
     let tries = 1, pauseMs = SETTLE_RETRY_MS;
     ;
     tries++, pauseMs = Math.min(SETTLE_RETRY_MAX_MS, pauseMs * 2)
   ) {
     try {
-      const answer = await ctx.start(run);
-      if (answer === true) return 'started';
-      if (answer === false) {
-        ctx.metrics.runsExecuted.inc({ outcome: 'withdrawn' });
-        log().info(
-          'run withdrawn (paused, edited or deleted) or its claim lost before its call; no call made',
-        );
-        return 'not-started';
-      }
-      ctx.metrics.startsEarly.inc();
-      log().warn(
-        { dueInMs: Math.round(answer.dueInMs) },
-        "not due yet by the database clock (this worker's estimate of it ran early); the call waits",
-      );
-      void ctx.clock.sync(ctx.pool).catch(() => undefined);
-      await sleep(Math.ceil(answer.dueInMs) + 1, undefined, { signal: cancel }).catch(() => undefined);
-      if (cancel.aborted) return 'aborted';
+      return { answer: await write() };
     } catch (err) {
-      // Worth another try only while a call started after it could still end within the claim.
       const spareMs = ctx.clock.msLeftUntil(run.claimExpiresAt) - run.timeoutMs;
-      if (spareMs <= pauseMs) {
-        ctx.metrics.runsExecuted.inc({ outcome: 'start-failed' });
-        log().warn(
-          { err: toError(err), tries },
-          'could not mark the run started; no call made, the reaper re-queues it once its claim expires',
-        );
-        return 'not-started';
-      }
+      if (spareMs <= pauseMs) return { err: toError(err), tries };
       if (tries === 1)
-        log().warn(
-          { err: toError(err) },
-          'could not mark the run started; retrying while the claim covers the call',
-        );
-      await sleep(pauseMs);
+        log().warn({ err: toError(err) }, `could not ${what}; retrying while the claim covers the call`);
+      await sleep(pauseMs, undefined, { signal: cancel }).catch(() => undefined);
+      if (cancel.aborted) return { aborted: true };
     }
   }
 }
+
+/** Why a claimed run's call is not made, its claim handed back. */
+interface NotMade {
+  readonly outcome: keyof typeof NOT_MADE;
+  /** Recorded as the attempt's error. */
+  readonly error: string;
+  /** The failed write behind it, for the log. */
+  readonly err?: Error;
+  readonly tries?: number;
+}
+
+const NOT_MADE = {
+  stopping: 'call not made: the worker stops before its timeout would end; claim handed back',
+  'claim-too-late': 'call not made: the claim was acknowledged too late for its timeout; claim handed back',
+  'replace-failed':
+    "call not made: the job's older runs could not be replaced while the claim covered the call; claim handed back",
+};
 
 /**
  * Why the call must not start, or undefined when it may: it could not end (time out at the
@@ -312,7 +357,7 @@ function whyNotStart(
   run: ClaimedRun,
   cancel: AbortSignal,
   drainLeftMs: (() => number) | undefined,
-): { outcome: 'claim-too-late' | 'stopping'; error: string } | undefined {
+): NotMade | undefined {
   // The drain aborted it before its call: its call could not end before the drain's deadline
   // (run-queue.ts, drain()), though its time may not have come yet.
   if (cancel.reason instanceof WorkerStoppingError) {

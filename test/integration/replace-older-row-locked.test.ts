@@ -273,3 +273,73 @@ async function untilWaitingForLock(): Promise<void> {
   }
   assert.fail('no statement came to wait for the held row');
 }
+
+// The replacement itself may fail (a deadlock, a serialization failure, PostgreSQL restarting): a
+// trigger makes it fail for real, as PostgreSQL reports a deadlock, on its update of an older run of
+// an armed job. Counted by a sequence: a failed statement rolls back any table it wrote.
+const REPLACE_FAULT = `
+  CREATE TABLE IF NOT EXISTS replace_fault (job_id uuid PRIMARY KEY, fail_until bigint NOT NULL);
+  CREATE SEQUENCE IF NOT EXISTS replace_fault_tries;
+  CREATE OR REPLACE FUNCTION replace_fault() RETURNS trigger LANGUAGE plpgsql AS $$
+  DECLARE fail_until bigint;
+  BEGIN
+    SELECT f.fail_until INTO fail_until FROM replace_fault f WHERE f.job_id = NEW.job_id;
+    IF fail_until IS NOT NULL AND nextval('replace_fault_tries') <= fail_until THEN
+      RAISE EXCEPTION 'deadlock detected (a test''s fault)' USING ERRCODE = '40P01';
+    END IF;
+    RETURN NEW;
+  END $$;
+  CREATE OR REPLACE TRIGGER replace_fault BEFORE UPDATE ON runs
+    FOR EACH ROW WHEN (NEW.reason = 'replaced') EXECUTE FUNCTION replace_fault();`;
+
+/** Makes the next `failures` replacements of job `job`'s older runs fail with a deadlock. */
+async function failReplacements(job: string, failures: number) {
+  await db.pool.query(REPLACE_FAULT);
+  await db.pool.query(
+    `INSERT INTO replace_fault SELECT $1, nextval('replace_fault_tries') + $2
+     ON CONFLICT (job_id) DO UPDATE SET fail_until = excluded.fail_until`,
+    [job, failures],
+  );
+}
+
+test("a replacement that fails once is retried: the run is called at once, not after its claim's expiry", async () => {
+  const { job, older, newer } = await olderAndNewer();
+  await failReplacements(job, 1);
+  const calls: string[] = [];
+  const begun = Date.now();
+  await runAttempt(worker(B, calls), await claim(B, newer), new AbortController().signal);
+  assert.deepEqual(calls, [newer], 'the run was not called after its replacement failed once');
+  // Its claim lasts 6 s (a 1 s timeout, a 5 s grace): left to the reaper, it ran after that.
+  assert.ok(Date.now() - begun < 3000, `called after ${Date.now() - begun} ms`);
+  assert.deepEqual(await stateOf(older), { state: 'failed', reason: 'replaced' });
+  assert.equal((await stateOf(newer))!.state, 'succeeded');
+});
+
+test('a replacement that keeps failing hands the claim back, uncalled and without using an attempt', async () => {
+  const { job, newer } = await olderAndNewer();
+  await failReplacements(job, 1_000_000);
+  const calls: string[] = [];
+  // A 1 s grace: the replacement is retried while a call could still end within the claim (≈1 s).
+  const [run] = await claimRuns(db.pool, [{ runId: newer, expectedAttempt: null }], {
+    nodeId: B,
+    ...OPTIONS,
+    graceMs: 1000,
+  });
+  const b = worker(B, calls);
+  await runAttempt(b, run!, new AbortController().signal);
+  assert.deepEqual(calls, []);
+  const { rows } = await db.pool.query(
+    `SELECT r.state, r.claimed_by, r.attempt, r.max_attempts, a.outcome
+     FROM runs r JOIN run_attempts a ON a.run_id = r.id AND a.attempt = r.attempt WHERE r.id = $1`,
+    [newer],
+  );
+  assert.deepEqual(rows[0], {
+    state: 'queued',
+    claimed_by: null,
+    attempt: 1,
+    max_attempts: 4,
+    outcome: 'cancelled',
+  });
+  const executed = (await b.metrics.runsExecuted.get()).values.map((v) => `${v.labels.outcome}=${v.value}`);
+  assert.deepEqual(executed, ['replace-failed=1']);
+});
