@@ -3,7 +3,7 @@ import { setTimeout as sleep } from 'node:timers/promises';
 import { toError } from '../errors.js';
 import type { Logger } from '../observability/logger.js';
 import type { Metrics } from '../observability/metrics.js';
-import type { Database } from '../store/db.js';
+import type { Database, DbClient } from '../store/db.js';
 import type { RetentionConfig } from '../config/index.js';
 import { isDatabaseUnavailable, isServerError } from '../store/db.js';
 import { databaseCutoff, nextJobAfter, pruneOutbox, pruneRuns } from '../store/retention.js';
@@ -129,10 +129,38 @@ export class Pruner {
    * halving down to one; a job whose runs still cannot be pruned is left for the next sweep and
    * the pass goes on past it, so no job keeps the others' history from being pruned. An outage
    * ends the pass (it rejects).
+   *
+   * The pass runs on one connection. PostgreSQL answers a refused statement before its transaction
+   * has ended, and the pool discards a connection whose query failed: a smaller batch sent at once
+   * on another connection could find the runs the refused one had locked still locked and skip
+   * them (SKIP LOCKED): nothing of any job in it pruned, the refusing job's runs not even tried,
+   * and the pass going on past them as a success. A session reads its next statement only once the
+   * failed one's transaction has ended.
    */
   private async sweepJobs(): Promise<{ pruned: number; skipped: number }> {
-    const { pool, signal, metrics, retention, logger } = this.options;
-    const cutoff = await databaseCutoff(pool, retention.runsMs);
+    const session = await this.options.pool.connect();
+    // While checked out, the pool does not listen for the client's errors (see inTransaction).
+    let lost: Error | undefined;
+    const onError = (err: Error) => {
+      lost ??= err;
+    };
+    session.on('error', onError);
+    let broken = false;
+    try {
+      return await this.sweepJobsOn(session);
+    } catch (err) {
+      // A refused statement is handled inside; what ends the pass may have ended the session too.
+      broken = true;
+      throw err;
+    } finally {
+      session.removeListener('error', onError);
+      session.release(broken || lost !== undefined);
+    }
+  }
+
+  private async sweepJobsOn(session: DbClient): Promise<{ pruned: number; skipped: number }> {
+    const { signal, metrics, retention, logger } = this.options;
+    const cutoff = await databaseCutoff(session, retention.runsMs);
     let afterJob: string | null = null;
     let jobs = JOBS_PER_BATCH;
     let total = 0;
@@ -140,7 +168,7 @@ export class Pruner {
     while (!signal.aborted) {
       let batch: { lastJob: string | null; pruned: number };
       try {
-        batch = await pruneRuns(pool, {
+        batch = await pruneRuns(session, {
           cutoff,
           keepPerJob: retention.keepPerJob,
           afterJob,
@@ -153,7 +181,7 @@ export class Pruner {
           jobs = Math.ceil(jobs / 2);
           continue;
         }
-        const job = await nextJobAfter(pool, afterJob);
+        const job = await nextJobAfter(session, afterJob);
         logger.warn(
           { err: toError(err), job },
           "a job's finished runs could not be pruned; left for the next sweep",

@@ -182,6 +182,52 @@ test("a job whose runs cannot be pruned keeps neither the other jobs' history no
   assert.equal(passes['runs failed'], 0, JSON.stringify(passes));
 });
 
+test('a batch PostgreSQL refused does not hide the runs it had locked from the smaller batches tried next', async (t) => {
+  // PostgreSQL answers an error before its transaction has ended and released its row locks, and
+  // the pool discards the connection that failed: a smaller batch tried at once on another
+  // connection would find the runs the refused batch had locked still locked, and skip them. The
+  // race is short (connections kept warm make the retry as quick as it gets), so every sweep here
+  // is refused many times: several jobs refuse, in several rounds.
+  const pool = new pg.Pool({ connectionString: db.url, max: 8, application_name: 'retention-locks' });
+  t.after(async () => {
+    // pool.end() resolves before its sessions have ended; one the database's drop ended would throw.
+    await pool.end();
+    const open = `SELECT count(*)::int AS n FROM pg_stat_activity WHERE application_name = 'retention-locks'`;
+    while ((await db.pool.query<{ n: number }>(open)).rows[0]!.n > 0)
+      await new Promise((r) => setTimeout(r, 10));
+  });
+  const refusing = await Promise.all(Array.from({ length: 4 }, (_, i) => job(`refusing-${i}`)));
+  const others = await Promise.all(Array.from({ length: 4 }, (_, i) => job(`pruned-${i}`)));
+  for (const id of refusing) await history(id, 10, 100);
+  await db.pool.query(`
+    CREATE FUNCTION refuse_some() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN RAISE EXCEPTION 'refused'; END $$`);
+  await db.pool.query(
+    `CREATE TRIGGER refuse_some BEFORE DELETE ON runs FOR EACH ROW
+     WHEN (OLD.job_id IN (${refusing.map((id) => `'${id}'`).join(', ')})) EXECUTE FUNCTION refuse_some()`,
+  );
+  t.after(() => db.pool.query('DROP FUNCTION refuse_some CASCADE'));
+  const metrics = createMetrics('retention-locks-test');
+  const sweeper = new Pruner({
+    pool,
+    signal: new AbortController().signal,
+    retention: { runsMs: 30 * DAY, keepPerJob: 3, outboxMs: 600_000 },
+    logger: silentLogger,
+    metrics,
+  });
+  for (let round = 0; round < 5; round += 1) {
+    for (const id of others) await history(id, 10, 100 + 20 * round);
+    await Promise.all(Array.from({ length: 8 }, () => pool.query('SELECT pg_sleep(0.02)')));
+    await sweeper.sweepRuns();
+    const left = await Promise.all(others.map(async (id) => (await runsOfJob(id)).n));
+    assert.deepEqual(left, [3, 3, 3, 3], `round ${round}: every other job's runs past the retention went`);
+  }
+  for (const id of refusing) assert.equal((await runsOfJob(id)).n, 10);
+  // Every sweep tried the refusing jobs and counted itself incomplete; none passed them by unseen.
+  const passes = await passCounts(metrics);
+  assert.deepEqual([passes['runs incomplete'], passes['runs succeeded']], [5, 0], JSON.stringify(passes));
+});
+
 test('passes that cannot reach PostgreSQL are counted as failed', async (t) => {
   // A pool to a port where nothing listens: each connection is refused.
   const unreachable = new pg.Pool({ connectionString: 'postgres://helios@127.0.0.1:1/none', max: 1 });
