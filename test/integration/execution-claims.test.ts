@@ -71,6 +71,19 @@ async function addRun(jobId: string, offsetS: number, notBeforeMs = -1000): Prom
   return rows[0]!.id;
 }
 
+/** Whether no transaction holds the run's row. */
+async function rowUnlocked(runId: string): Promise<boolean> {
+  try {
+    await inTransaction(fx.db.pool, (c) =>
+      c.query('SELECT 1 FROM runs WHERE id = $1 FOR UPDATE NOWAIT', [runId]),
+    );
+    return true;
+  } catch (err) {
+    if ((err as { code?: unknown }).code === '55P03') return false;
+    throw err;
+  }
+}
+
 async function run(runId: string) {
   const { rows } = await fx.db.pool.query<{
     state: string;
@@ -261,6 +274,9 @@ describe('claims and completions (PostgreSQL)', () => {
     const second = await addRun(jobId, 1);
     assert.ok(await claimRun(fx.db.pool, runId, claim('w1'), 1));
     await assert.rejects(claimRun(fx.db.pool, second, claim('w2'), 1), (err) => isForbidViolation(err));
+    // PostgreSQL reports the refusal before its transaction has ended: until it has, the row is
+    // locked, and the poll's SKIP LOCKED would pass it over (another poll takes it later).
+    await waitFor('the refused claim to release its row', () => rowUnlocked(second));
     // The polling path skips it the same way, inside its SKIP LOCKED batch.
     const polled = await inTransaction(fx.db.pool, (client) => claimOverdueRuns(client, 0, 10, claim('w2')));
     assert.deepEqual([polled.claimed.length, polled.skipped], [0, 1]);

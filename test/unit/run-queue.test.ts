@@ -1,3 +1,4 @@
+// test-runner: alone (judges how close together a herd's claims are made, in milliseconds)
 import assert from 'node:assert/strict';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { test } from 'node:test';
