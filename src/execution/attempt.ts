@@ -103,18 +103,18 @@ export async function runAttempt(
     // Not for a run aborted while it waited for its time (a drain, a lost claim): no call follows,
     // and marking it started before it is due would keep it from a pause after it is handed back.
     // Aborted while it waited for the database clock, it goes on to be handed back or dropped below.
-    if (
-      run.startPending &&
-      !cancel.aborted &&
-      (await startWhenDue(ctx, run, cancel, log)) === 'not-started'
-    ) {
-      callEnded?.(false);
-      return;
-    }
     let notMade: NotMade | undefined;
+    if (run.startPending && !cancel.aborted) {
+      const started = await startWhenDue(ctx, run, cancel, log);
+      if (started === 'not-started') {
+        callEnded?.(false);
+        return;
+      }
+      if (typeof started === 'object') notMade = started;
+    }
     // Not for a run that makes no call (aborted: the claim was lost, or the worker stops and hands
-    // it back): whoever calls it replaces the older runs then.
-    if (run.concurrency === 'replace' && !cancel.aborted) {
+    // it back; START could not be written): whoever calls it replaces the older runs then.
+    if (run.concurrency === 'replace' && !cancel.aborted && !notMade) {
       const tried = await beforeCall(ctx, run, cancel, log, 'replace the older runs', () =>
         replaceOlderRuns(pool, run.jobId),
       );
@@ -156,11 +156,29 @@ export async function runAttempt(
       };
       // Retried while the claim holds, as a settle write is: a release lost to a failed write left
       // the run to the reaper, whose forgiven expiries are bounded (past them an attempt is charged).
-      const released = await release(report).catch(() => null);
+      // When it cannot be written either (PostgreSQL still away), the reaper re-queues the run once
+      // its claim expires, as it recovers a worker that died.
+      let releaseErr: Error | undefined;
+      const released = await release(report).catch((err: unknown) => {
+        releaseErr = toError(err);
+        return null;
+      });
       if (released && notMade.outcome === 'stopping') ctx.handOff?.([released]);
       log().warn(
-        { released: Boolean(released), reason: notMade.error, err: notMade.err, tries: notMade.tries },
-        NOT_MADE[notMade.outcome],
+        {
+          released: Boolean(released),
+          reason: notMade.error,
+          err: notMade.err,
+          tries: notMade.tries,
+          releaseErr,
+        },
+        `${NOT_MADE[notMade.outcome]}; ${
+          released
+            ? 'claim handed back'
+            : releaseErr
+              ? 'the claim could not be handed back: the reaper re-queues the run once it expires'
+              : 'the claim had been lost meanwhile: nothing to hand back'
+        }`,
       );
       return;
     }
@@ -250,10 +268,14 @@ export async function runAttempt(
  * A run claimed ahead of its time: marks it started, after which a pause or an edit no longer
  * withdraws it. `not-started` (no call) when it was withdrawn or its claim lost. A write that fails
  * is tried again while the claim still covers the call ({@link beforeCall}; START is repeatable);
- * past that the run is left to the reaper, which re-queues it once its claim expires without using
- * up an attempt. Calling it unmarked could race a pause. A run marked started
- * and then handed back uncalled (whyNotStart) keeps started_at: it is due by then (an aborted run
- * is not marked), so no later pause would withdraw it anyway (only later occurrences are withdrawn).
+ * past that, `start-failed` (no call): the caller hands the claim back without using up an attempt.
+ * Before, the run was left to the reaper, re-queued only once its claim expired (up to an hour
+ * late for a long timeout). Calling it unmarked could race a pause. A run marked started and then
+ * handed back uncalled (whyNotStart, or start-failed after a try that committed but whose answer
+ * was lost) keeps started_at: it is due by then (START marks only a run due by the database clock,
+ * within the skew tolerance; an aborted run is not marked), so no later pause would withdraw it
+ * anyway (only later occurrences are withdrawn), and whoever claims it next calls it without START.
+ * One handed back unmarked is STARTed by whoever claims it next.
  *
  * START also checks the run is due by the database clock itself (within the skew tolerance): when
  * this worker's estimate of that clock ran early (a host clock stepped or slewed since the last
@@ -265,17 +287,13 @@ async function startWhenDue(
   run: ClaimedRun,
   cancel: AbortSignal,
   log: () => RunLog,
-): Promise<'started' | 'not-started' | 'aborted'> {
+): Promise<'started' | 'not-started' | 'aborted' | NotMade> {
   for (;;) {
     const tried = await beforeCall(ctx, run, cancel, log, 'mark the run started', () => ctx.start(run));
     if (!('answer' in tried)) {
       if (!('err' in tried)) return 'aborted';
-      ctx.metrics.runsExecuted.inc({ outcome: 'start-failed' });
-      log().warn(
-        { err: tried.err, tries: tried.tries },
-        'could not mark the run started; no call made, the reaper re-queues it once its claim expires',
-      );
-      return 'not-started';
+      const error = 'the run could not be marked started; call not made';
+      return { outcome: 'start-failed', error, err: tried.err, tries: tried.tries };
     }
     const answer = tried.answer;
     if (answer === true) return 'started';
@@ -339,10 +357,11 @@ interface NotMade {
 }
 
 const NOT_MADE = {
-  stopping: 'call not made: the worker stops before its timeout would end; claim handed back',
-  'claim-too-late': 'call not made: the claim was acknowledged too late for its timeout; claim handed back',
+  stopping: 'call not made: the worker stops before its timeout would end',
+  'claim-too-late': 'call not made: the claim was acknowledged too late for its timeout',
   'replace-failed':
-    "call not made: the job's older runs could not be replaced while the claim covered the call; claim handed back",
+    "call not made: the job's older runs could not be replaced while the claim covered the call",
+  'start-failed': 'call not made: the run could not be marked started while the claim covered the call',
 };
 
 /**
