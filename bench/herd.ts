@@ -60,8 +60,11 @@ export interface HerdRun {
   readonly phases: { created: number; published: number; started: number };
   /** Runs claimed by the due instant (claimed ahead: HELIOS_CLAIM_LEAD_MS, the claim budget). */
   readonly claimedByDue: number;
-  /** Per node: its calls and when its last call started (ms after due). */
-  readonly byNode: readonly { node: string; calls: number; lastStartedMs: number }[];
+  /**
+   * Per node: its calls, when its last call started (ms after due), and its calls started in each
+   * 100 ms after due (index 0: the first tenth of a second; before due counts in 0).
+   */
+  readonly byNode: readonly { node: string; calls: number; lastStartedMs: number; perTenth: number[] }[];
   /**
    * CPU ms per run by process category, from the jobs' insert (before the dispatcher sees them)
    * until the last call arrived: dispatch, publish, claim, call and completion of every run.
@@ -131,6 +134,17 @@ const BY_NODE = `
   FROM run_attempts a JOIN runs r ON r.id = a.run_id
   WHERE r.scheduled_for = $1 AND a.outcome = 'succeeded'
   GROUP BY a.node_id ORDER BY a.node_id`;
+
+/**
+ * The herd's calls started per node and 100 ms after the due instant ($1): where a node's rate
+ * falls (the last tenth of a herd is where Helios loses to pg-boss: docs/performance.md).
+ */
+const STARTS_PER_TENTH = `
+  SELECT a.node_id AS node, floor(extract(epoch FROM a.started_at - $1::timestamptz) * 10)::int AS tenth,
+         count(*)::int AS calls
+  FROM run_attempts a JOIN runs r ON r.id = a.run_id
+  WHERE r.scheduled_for = $1 AND a.outcome = 'succeeded'
+  GROUP BY 1, 2 ORDER BY 1, 2`;
 
 /**
  * Waits until every run of the herd due at `due` is recorded finished (polling every 20 ms, for
@@ -260,6 +274,19 @@ export async function herdOnce(
       BY_NODE,
       [new Date(due)],
     );
+    const { rows: tenths } = await cluster.db.pool.query<{ node: string; tenth: number; calls: number }>(
+      STARTS_PER_TENTH,
+      [new Date(due)],
+    );
+    const perTenth = (node: string) => {
+      const counts: number[] = [];
+      for (const t of tenths.filter((r) => r.node === node)) {
+        const at = Math.max(0, t.tenth);
+        while (counts.length <= at) counts.push(0);
+        counts[at]! += t.calls;
+      }
+      return counts;
+    };
     return {
       lastMs: complete ? max(arrivals) : NaN,
       firstMs: Math.min(...arrivals),
@@ -273,7 +300,12 @@ export async function herdOnce(
         started: at(rows[0]?.started),
       },
       claimedByDue: await claimedByDue,
-      byNode: nodes.map((n) => ({ node: n.node, calls: n.calls, lastStartedMs: at(n.lastStarted) })),
+      byNode: nodes.map((n) => ({
+        node: n.node,
+        calls: n.calls,
+        lastStartedMs: at(n.lastStarted),
+        perTenth: perTenth(n.node),
+      })),
       cpuPerRun: cpuPerRun(wholeSample, jobs),
       afterDueCpuPerRun: cpuPerRun(afterDueSample, jobs),
       recordedMs: recorded - due,
@@ -332,6 +364,8 @@ export async function herd(
     options.log?.(
       `  by node: ${run.byNode.map((n) => `${n.node} ${n.calls} calls, last started ${ms(n.lastStartedMs)}`).join('; ')}`,
     );
+    for (const n of run.byNode)
+      options.log?.(`    ${n.node} calls started per 100 ms after due: ${n.perTenth.join(' ')}`);
     options.log?.(`  CPU per run (insert → last arrival): ${describeCpuPerRun(run.cpuPerRun)}`);
     options.log?.(`  of which from the due instant on: ${describeCpuPerRun(run.afterDueCpuPerRun)}`);
     options.log?.(
