@@ -211,7 +211,7 @@ export async function runAttempt(
           released
             ? 'claim handed back'
             : charged
-              ? `handed back ${counted} times already: charged as a failed attempt; ${
+              ? `its ${counted} forgiven expiries and hand-backs used up: charged as a failed attempt; ${
                   charged.state === 'dead' ? 'the run is dead: attempts exhausted' : `retrying in ${delay} ms`
                 }`
               : releaseErr
