@@ -17,6 +17,7 @@ import { replaceOlderRuns, type ClaimedRun, type StartAnswer } from '../store/ru
 import { retryDelayMs } from './backoff.js';
 import type { DbClock } from './db-clock.js';
 import type { HttpExecutor } from './http-executor.js';
+import { FORGIVEN_EXPIRIES } from './reaper.js';
 import type { RunMessage } from '../model.js';
 
 /** The abort reason of calls cut short because the worker is stopping (the claim is released). */
@@ -55,9 +56,15 @@ export interface AttemptContext {
   ) => Promise<FailureResult | null>;
   /**
    * Gives the claim back without using up an attempt (the worker's is batched): the next attempt's
-   * announcement, or null when the claim had been lost. Default: one transaction (releaseClaim).
+   * announcement, or null when the claim had been lost. With `expiryBound`, counted as one of the
+   * run's forgiven expiries: null, nothing written, once it has that many (releaseClaim). Default:
+   * one transaction (releaseClaim).
    */
-  readonly release?: (run: ClaimedRun, report: AttemptReport) => Promise<RunMessage | null>;
+  readonly release?: (
+    run: ClaimedRun,
+    report: AttemptReport,
+    expiryBound?: number,
+  ) => Promise<RunMessage | null>;
   /** Whether `complete` may hold this success's write back while calls are underway. Default: no. */
   readonly writeMayWait?: (run: ClaimedRun, report: AttemptReport) => boolean;
   readonly logger: Logger;
@@ -92,11 +99,20 @@ export async function runAttempt(
       attempt: run.attempt,
     })));
   // Hands the claim back without using up an attempt, retried while it holds (whileClaimed).
-  const release = (report: AttemptReport) =>
+  const release = (report: AttemptReport, expiryBound?: number) =>
     whileClaimed(ctx, run, log, () =>
       ctx.release
-        ? ctx.release(run, report)
-        : inTransaction(pool, (client) => releaseClaim(client, run, nodeId, report, ctx.topics.runsTopic)),
+        ? ctx.release(run, report, expiryBound)
+        : inTransaction(pool, (client) =>
+            releaseClaim(client, run, nodeId, report, ctx.topics.runsTopic, expiryBound),
+          ),
+    );
+  // Settles a failed attempt (its retry or dead letter), retried while the claim holds.
+  const fail = (report: AttemptReport, delay: number) =>
+    whileClaimed(ctx, run, log, () =>
+      ctx.fail
+        ? ctx.fail(run, report, delay)
+        : inTransaction(pool, (client) => failAttempt(client, run, { nodeId }, report, delay, ctx.topics)),
     );
   try {
     // First, before anything acts for this run: a withdrawn run must not replace another (below).
@@ -158,15 +174,34 @@ export async function runAttempt(
       // the run to the reaper, whose forgiven expiries are bounded (past them an attempt is charged).
       // When it cannot be written either (PostgreSQL still away), the reaper re-queues the run once
       // its claim expires, as it recovers a worker that died.
+      // A replacement that cannot be written may fail on every claim (a lock held past the
+      // statement timeout, a plan gone bad): each claim handed the run back, re-queued and
+      // announced, for ever. Such hand-backs count with the reaper's forgiven expiries (a run
+      // started either way: its claim or its START began it); past FORGIVEN_EXPIRIES the attempt
+      // is charged, so the run ends dead as a job whose calls keep killing workers does. A START
+      // that cannot be written needs no bound: the run is due once handed back, so whoever claims
+      // it next starts it with the claim, without START.
+      const counted = notMade.outcome === 'replace-failed' ? FORGIVEN_EXPIRIES : undefined;
       let releaseErr: Error | undefined;
-      const released = await release(report).catch((err: unknown) => {
+      const released = await release(report, counted).catch((err: unknown) => {
         releaseErr = toError(err);
         return null;
       });
       if (released && notMade.outcome === 'stopping') ctx.handOff?.([released]);
+      // Not released: the bound was reached, or the claim was lost (the charge then finds nothing).
+      const delay = retryDelayMs(run.failuresBefore + 1, run);
+      const charged =
+        counted !== undefined && !released && !releaseErr
+          ? await fail(report, delay).catch((err: unknown) => {
+              releaseErr = toError(err);
+              return null;
+            })
+          : null;
+      if (charged?.state === 'dead') metrics.deadLetters.inc();
       log().warn(
         {
           released: Boolean(released),
+          charged: charged?.state,
           reason: notMade.error,
           err: notMade.err,
           tries: notMade.tries,
@@ -175,9 +210,13 @@ export async function runAttempt(
         `${NOT_MADE[notMade.outcome]}; ${
           released
             ? 'claim handed back'
-            : releaseErr
-              ? 'the claim could not be handed back: the reaper re-queues the run once it expires'
-              : 'the claim had been lost meanwhile: nothing to hand back'
+            : charged
+              ? `its ${counted} forgiven expiries and hand-backs used up: charged as a failed attempt; ${
+                  charged.state === 'dead' ? 'the run is dead: attempts exhausted' : `retrying in ${delay} ms`
+                }`
+              : releaseErr
+                ? 'the claim could not be handed back: the reaper re-queues the run once it expires'
+                : 'the claim had been lost meanwhile: nothing to hand back'
         }`,
       );
       return;
@@ -236,11 +275,7 @@ export async function runAttempt(
       return;
     }
     const delay = retryDelayMs(run.failuresBefore + 1, run);
-    const result = await whileClaimed(ctx, run, log, () =>
-      ctx.fail
-        ? ctx.fail(run, report, delay)
-        : inTransaction(pool, (client) => failAttempt(client, run, { nodeId }, report, delay, ctx.topics)),
-    );
+    const result = await fail(report, delay);
     if (!result) return await staleOrRecorded(ctx, run, log, report.outcome, cancel);
     if (result.state === 'dead') {
       metrics.deadLetters.inc();

@@ -311,7 +311,9 @@ export function createReleaseBatcher(
         return await releaseClaims(pool, nodeId, items, runsTopic);
       } catch {
         return oneByOne(items, (item) =>
-          inTransaction(pool, (client) => releaseClaim(client, item.run, nodeId, item.report, runsTopic)),
+          inTransaction(pool, (client) =>
+            releaseClaim(client, item.run, nodeId, item.report, runsTopic, item.expiryBound),
+          ),
         );
       }
     },

@@ -123,7 +123,7 @@ export class Worker {
       start: (run) => starts.add({ id: run.id, attempt: run.attempt }),
       complete: (run, report) => completions.add({ run, report }, writeMayWait(run, report)),
       fail: (run, report, retryDelayMs) => failures.add({ run, report, retryDelayMs }),
-      release: (run, report) => releases.add({ run, report }),
+      release: (run, report, expiryBound) => releases.add({ run, report, expiryBound }),
       writeMayWait,
       handOff: (messages) => this.handOff(messages),
       logger,

@@ -415,23 +415,32 @@ export async function failMany(
  * Gives a claimed run back (shutdown aborted its call, or it did not start: too little time left):
  * queued again without using up an attempt (max_attempts grows by one), due when it was due (a run
  * claimed ahead of its time must not be called early by the next worker) or at once.
- * $1 = run id, $2 = node id, $3 = attempt.
+ * $1 = run id, $2 = node id, $3 = attempt, $4 = see releaseClaim's `expiryBound` (NULL: none).
  */
 const RELEASE = `
   UPDATE runs SET state = 'queued', not_before = greatest(not_before, now()),
-                  claimed_by = NULL, claim_expires_at = NULL, max_attempts = max_attempts + 1
+                  claimed_by = NULL, claim_expires_at = NULL, max_attempts = max_attempts + 1,
+                  expiries = expiries + ($4::int IS NOT NULL)::int
   WHERE id = $1 AND claimed_by = $2 AND attempt = $3 AND state = 'running'
+    AND ($4::int IS NULL OR expiries < $4::int)
   RETURNING ${REQUEUED_RUN_COLUMNS}`;
 
-/** Returns the next attempt's announcement, or null when the claim was already lost. */
+/**
+ * Returns the next attempt's announcement, or null when the claim was already lost. With
+ * `expiryBound`, the hand-back counts as one of the run's forgiven expiries (forgiveExpiredClaims in
+ * releases.ts): null too, nothing written, when the run has `expiryBound` already (charge the
+ * attempt then, failAttempt, which is null in turn when the claim was lost).
+ */
 export async function releaseClaim(
   client: pg.PoolClient,
   run: { id: string; attempt: number },
   nodeId: string,
   report: AttemptReport,
   runsTopic: string,
+  expiryBound?: number,
 ): Promise<RunMessage | null> {
-  return requeueUncharged(client, RELEASE, [run.id, nodeId, run.attempt], run, report, runsTopic);
+  const params = [run.id, nodeId, run.attempt, expiryBound ?? null];
+  return requeueUncharged(client, RELEASE, params, run, report, runsTopic);
 }
 
 /**

@@ -15,9 +15,10 @@ import { inLockOrder, nextAttemptMessage, type RequeuedRun } from './runs.js';
  * for many claims node $2 gives back, in one statement: each run queued again without using up an
  * attempt (max_attempts grows by one), due when it was due or at once. Parallel arrays: $1 = run
  * ids, $3 = attempts, $4 = outcomes, $5 = statuses, $6 = errors, $7 = when each call began,
- * $8 = durations ms, $9 = response excerpts; $10 = the runs topic. The announcements are those
- * the single path writes (announceNextAttempts). Returns the runs whose claim node $2 still held,
- * as RequeuedRun.
+ * $8 = durations ms, $9 = response excerpts, $11 = expiry bounds (see Release.expiryBound; NULL:
+ * none); $10 = the runs topic. The announcements are those the single path writes
+ * (announceNextAttempts). Returns the runs whose claim node $2 still held (and, with a bound, whose
+ * forgiven expiries were under it), as RequeuedRun.
  */
 const RELEASE_MANY = `
   WITH input AS MATERIALIZED (
@@ -25,13 +26,15 @@ const RELEASE_MANY = `
     -- one primary-key lookup per run, whatever the statistics say).
     SELECT i.*, $2::text AS node, 'running'::text AS running
     FROM unnest($1::uuid[], $3::int[], $4::text[], $5::int[], $6::text[], $7::timestamptz[], $8::int[],
-                $9::text[])
-      AS i (id, attempt, outcome, status, error, started, duration, excerpt)
+                $9::text[], $11::int[])
+      AS i (id, attempt, outcome, status, error, started, duration, excerpt, bound)
   ), released AS (
     UPDATE runs r SET state = 'queued', not_before = greatest(r.not_before, now()),
-                      claimed_by = NULL, claim_expires_at = NULL, max_attempts = r.max_attempts + 1
+                      claimed_by = NULL, claim_expires_at = NULL, max_attempts = r.max_attempts + 1,
+                      expiries = r.expiries + (i.bound IS NOT NULL)::int
     FROM input i
     WHERE r.id = i.id AND r.claimed_by = i.node AND r.attempt = i.attempt AND r.state = i.running
+      AND (i.bound IS NULL OR r.expiries < i.bound)
     -- The report rides along with its run (see SUCCEED: no second join of input below).
     RETURNING r.id, r.job_id, r.attempt, r.scheduled_for, r.not_before, r.timeout_ms, r.concurrency,
               i.outcome, i.status, i.error, i.started, i.duration, i.excerpt
@@ -46,6 +49,11 @@ const RELEASE_MANY = `
 export interface Release {
   readonly run: { readonly id: string; readonly attempt: number };
   readonly report: AttemptReport;
+  /**
+   * The hand-back counts as one of the run's forgiven expiries, under this bound (see releaseClaim):
+   * not released (null) once the run has that many. Absent: not counted.
+   */
+  readonly expiryBound?: number;
 }
 
 /**
@@ -72,6 +80,7 @@ export async function releaseClaims(
     sorted.map((i) => (i.report.durationMs === null ? null : Math.round(i.report.durationMs))),
     sorted.map((i) => clean(i.report.responseExcerpt, 64 * 1024)),
     runsTopic,
+    sorted.map((i) => i.expiryBound ?? null),
   ]);
   // By run and attempt, as completions: a stale attempt of the same run may share the batch.
   const released = new Map(rows.map((r) => [`${r.id}/${r.attempt}`, r]));

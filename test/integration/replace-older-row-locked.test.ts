@@ -2,7 +2,9 @@ import assert from 'node:assert/strict';
 import { after, before, test } from 'node:test';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { runAttempt, type AttemptContext } from '../../src/execution/attempt.js';
+import { createFailureBatcher, createReleaseBatcher } from '../../src/execution/batching.js';
 import { DbClock } from '../../src/execution/db-clock.js';
+import { FORGIVEN_EXPIRIES } from '../../src/execution/reaper.js';
 import type { HttpExecutor } from '../../src/execution/http-executor.js';
 import { silentLogger } from '../../src/observability/logger.js';
 import { createMetrics } from '../../src/observability/metrics.js';
@@ -343,3 +345,50 @@ test('a replacement that keeps failing hands the claim back, uncalled and withou
   const executed = (await b.metrics.runsExecuted.get()).values.map((v) => `${v.labels.outcome}=${v.value}`);
   assert.deepEqual(executed, ['replace-failed=1']);
 });
+
+// A replacement that fails every time (a lock held on an older run past the statement timeout, a
+// plan gone bad, a fault): each claim retried it while the claim covered the call, then handed the
+// claim back, re-queued and announced without using an attempt, and the next claim did the same,
+// for ever (one cycle per claim grace: 5 s by default, an outbox row, a message, an attempt's row
+// and two warnings each; every later occurrence of the job joined the loop). Counted with the
+// reaper's forgiven expiries: past FORGIVEN_EXPIRIES, a hand-back is charged as a failed attempt,
+// so the run ends dead, its dead letter replayable, as a run whose calls keep killing workers does.
+for (const batched of [false, true]) {
+  test(`a replacement that fails every time ends the run dead after its forgiven hand-backs and its attempts, uncalled${batched ? ' (batched writes)' : ''}`, async () => {
+    const { job, newer } = await olderAndNewer();
+    await failReplacements(job, 1_000_000);
+    const calls: string[] = [];
+    const releases = createReleaseBatcher(db.pool, B, TOPICS.runsTopic);
+    const failures = createFailureBatcher(db.pool, B, TOPICS);
+    const b: AttemptContext = batched
+      ? {
+          ...worker(B, calls),
+          release: (run, report, expiryBound) => releases.add({ run, report, expiryBound }),
+          fail: (run, report, retryDelayMs) => failures.add({ run, report, retryDelayMs }),
+        }
+      : worker(B, calls);
+    let claims = 0;
+    // A 200 ms grace: each claim retries the replacement for ≈200 ms. Bounded here in case it loops.
+    for (; claims < 8; claims++) {
+      const [run] = await claimRuns(db.pool, [{ runId: newer, expectedAttempt: null }], {
+        nodeId: B,
+        ...OPTIONS,
+        graceMs: 200,
+      });
+      if (!run) break;
+      await runAttempt(b, run, new AbortController().signal);
+    }
+    assert.deepEqual(calls, []);
+    const { rows } = await db.pool.query(
+      `SELECT r.state, r.attempt, r.max_attempts, r.expiries,
+              (SELECT count(*)::int FROM dead_letters d WHERE d.run_id = r.id) AS letters
+       FROM runs r WHERE r.id = $1`,
+      [newer],
+    );
+    // Forgiven twice (max_attempts 3 + 2), then charged for its 3 attempts.
+    assert.deepEqual(rows[0], { state: 'dead', attempt: 5, max_attempts: 5, expiries: 2, letters: 1 });
+    assert.equal(claims, FORGIVEN_EXPIRIES + 3);
+    const executed = (await b.metrics.runsExecuted.get()).values.map((v) => `${v.labels.outcome}=${v.value}`);
+    assert.deepEqual(executed, ['replace-failed=5']);
+  });
+}

@@ -8,6 +8,7 @@ import type { HttpExecutor } from '../../src/execution/http-executor.js';
 import { createMetrics } from '../../src/observability/metrics.js';
 import { completeSucceeded, type AttemptReport } from '../../src/store/attempts.js';
 import { inTransaction } from '../../src/store/db.js';
+import { pauseJob } from '../../src/jobs/commands.js';
 import { forgiveExpiredClaims } from '../../src/store/releases.js';
 import { claimRuns, startRuns, type ClaimedRun } from '../../src/store/runs.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
@@ -205,4 +206,73 @@ test('a START that keeps failing while the hand-back cannot be written either le
   assert.ok(forgiven[0], 'the reaper re-queued it');
   await claimedAgainAndCalled(run.id, calls);
   assert.deepEqual(calls, [`${B}:2`], 'called once, by the next claim');
+});
+
+// `replace`: a run handed back marked started (its START committed, the answer lost) counts as
+// started for the job's older runs (runs.ts REPLACE_OLDER: started_at set), before it is called.
+// An older run claimed meanwhile is replaced uncalled; the newer one must then still be called,
+// once, and without START, whatever a pause does in between.
+test('replace: a run handed back marked started (a lost START) replaces an older run claimed meanwhile; a pause keeps it, and it is called once', async () => {
+  const { rows } = await db.pool.query<{ id: string; job: string }>(
+    `WITH j AS (
+       INSERT INTO jobs (name, schedule, target, timeout_ms, max_attempts, concurrency, next_run_at)
+       VALUES ('sfr-' || gen_random_uuid(), '* * * * * *', '{"url":"http://127.0.0.1:9/"}', 1000, 3,
+               'replace', now() + interval '1 hour')
+       RETURNING *)
+     INSERT INTO runs (job_id, scheduled_for, state, max_attempts, target, timeout_ms, backoff_ms,
+                       backoff_multiplier, concurrency, not_before)
+     SELECT j.id, t, 'queued', 3, j.target, 1000, 0, 2, 'replace', t
+     FROM j, (VALUES (clock_timestamp() - interval '10 seconds'),
+                     (clock_timestamp() + interval '300 milliseconds')) o (t)
+     ORDER BY t RETURNING runs.id, runs.job_id AS job`,
+  );
+  const job = rows[0]!.job;
+  const [older, newer] = [rows[0]!.id, rows[1]!.id];
+  // Node A claims the newer run within the skew tolerance before its time (a replace run is claimed
+  // only so early), its START commits and the answer is lost, then every START fails.
+  const [run] = await claimRuns(db.pool, [{ runId: newer, expectedAttempt: null }], {
+    nodeId: A,
+    graceMs: 1000,
+    skewToleranceMs: 1000,
+  });
+  assert.ok(run?.startPending, 'claimed ahead');
+  await untilDbTime(db.pool, run.notBefore);
+  assert.deepEqual(await startRuns(db.pool, A, [run], SKEW_MS), [true]);
+  await failStarts(job);
+  const calls: string[] = [];
+  await attemptAtItsTime(worker(A, calls), run);
+  assert.deepEqual(calls, []);
+  assert.deepEqual(await stateOf(newer), {
+    state: 'queued',
+    claimed_by: null,
+    attempt: 1,
+    attempts_left: 3,
+    started: true,
+    outcome: 'cancelled',
+    announced: 1,
+  });
+  await heal(job);
+  // A pause: the handed-back run fell due while the job was enabled; it is not withdrawn.
+  await pauseJob(db.pool, { id: job }, { runsTopic: 'runs', misfireThresholdMs: 5000 });
+  // The older run is claimed (its announcement was late): replaced by the newer, uncalled.
+  const [first] = await claimRuns(db.pool, [{ runId: older, expectedAttempt: null }], {
+    nodeId: B,
+    graceMs: 1000,
+    skewToleranceMs: SKEW_MS,
+  });
+  assert.ok(first && !first.startPending);
+  const b = worker(B, calls);
+  await b.clock.sync(db.pool);
+  await runAttempt(b, first, new AbortController().signal);
+  assert.deepEqual(calls, [], 'the older run is not called once a run asked for later has started');
+  await claimedAgainAndCalled(newer, calls);
+  assert.deepEqual(calls, [`${B}:2`], 'the newer run is called once, by its next claim');
+  const { rows: states } = await db.pool.query(
+    'SELECT id, state, reason FROM runs WHERE job_id = $1 ORDER BY scheduled_for',
+    [job],
+  );
+  assert.deepEqual(states, [
+    { id: older, state: 'failed', reason: 'replaced' },
+    { id: newer, state: 'succeeded', reason: null },
+  ]);
 });
