@@ -5,7 +5,7 @@ import type { Logger } from '../observability/logger.js';
 import type { Metrics } from '../observability/metrics.js';
 import type { Database, DbClient } from '../store/db.js';
 import type { RetentionConfig } from '../config/index.js';
-import { isDatabaseUnavailable, isServerError } from '../store/db.js';
+import { isDatabaseUnavailable, isServerError, withClient } from '../store/db.js';
 import { databaseCutoff, nextJobAfter, pruneOutbox, pruneRuns } from '../store/retention.js';
 import { loopBackoffMs } from '../loop-backoff.js';
 
@@ -138,24 +138,9 @@ export class Pruner {
    * failed one's transaction has ended.
    */
   private async sweepJobs(): Promise<{ pruned: number; skipped: number }> {
-    const session = await this.options.pool.connect();
-    // While checked out, the pool does not listen for the client's errors (see inTransaction).
-    let lost: Error | undefined;
-    const onError = (err: Error) => {
-      lost ??= err;
-    };
-    session.on('error', onError);
-    let broken = false;
-    try {
-      return await this.sweepJobsOn(session);
-    } catch (err) {
-      // A refused statement is handled inside; what ends the pass may have ended the session too.
-      broken = true;
-      throw err;
-    } finally {
-      session.removeListener('error', onError);
-      session.release(broken || lost !== undefined);
-    }
+    // A refused statement is handled inside; what ends the pass may have ended the session too, so
+    // the client is not given back after a throw.
+    return withClient(this.options.pool, (session) => this.sweepJobsOn(session));
   }
 
   private async sweepJobsOn(session: DbClient): Promise<{ pruned: number; skipped: number }> {

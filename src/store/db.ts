@@ -141,16 +141,20 @@ export function isStatementCancelled(err: unknown): boolean {
 }
 
 /**
- * Runs `work` in a transaction on one client; rolls back on any error and rethrows it.
+ * Runs `work` on one client checked out of `pool` (its statements in order, each sent once the one
+ * before has ended, its transaction too), then gives the client back.
  *
  * While the client is checked out, pg-pool no longer listens for its 'error' event, and pg emits
  * one when the session ends between statements (a server restart, pg_terminate_backend, the idle
  * transaction timeout). Unheard, that event would end the process, so we listen for the whole
- * checkout, fail the transaction with the error and have the pool discard the client.
+ * checkout (`work` reads it with `lost()`) and have the pool discard a client that emitted one.
+ * When `work` throws, the client goes back to the pool only if `reusable(client, err)` says so
+ * (default: never).
  */
-export async function inTransaction<T>(
+export async function withClient<T>(
   pool: Connections,
-  work: (client: pg.PoolClient) => Promise<T>,
+  work: (client: pg.PoolClient, lost: () => Error | undefined) => Promise<T>,
+  reusable: (client: pg.PoolClient, err: unknown) => Promise<boolean> = async () => false,
 ): Promise<T> {
   const client = await pool.connect();
   let connectionError: Error | undefined;
@@ -160,28 +164,46 @@ export async function inTransaction<T>(
   client.on('error', onConnectionError);
   let broken = false;
   try {
-    await client.query('BEGIN');
-    const result = await work(client);
-    if (connectionError) throw connectionError;
-    await client.query('COMMIT');
-    return result;
+    return await work(client, () => connectionError);
   } catch (err) {
-    if (connectionError || isReadTimeout(err)) {
-      broken = true;
-    } else {
-      try {
-        await client.query('ROLLBACK');
-      } catch {
-        // The connection is unusable: make the pool discard it instead of handing it out again.
-        broken = true;
-      }
-    }
+    broken = connectionError !== undefined || !(await reusable(client, err));
     throw toError(err);
   } finally {
     broken ||= connectionError !== undefined;
     client.release(broken);
     client.removeListener('error', onConnectionError);
   }
+}
+
+/**
+ * Runs `work` in a transaction on one client (withClient); rolls back on any error and rethrows
+ * it. A client whose session ended or whose read timed out is discarded, not rolled back.
+ */
+export async function inTransaction<T>(
+  pool: Connections,
+  work: (client: pg.PoolClient) => Promise<T>,
+): Promise<T> {
+  return withClient(
+    pool,
+    async (client, lost) => {
+      await client.query('BEGIN');
+      const result = await work(client);
+      const connectionError = lost();
+      if (connectionError) throw connectionError;
+      await client.query('COMMIT');
+      return result;
+    },
+    async (client, err) => {
+      if (isReadTimeout(err)) return false;
+      try {
+        await client.query('ROLLBACK');
+        return true;
+      } catch {
+        // The connection is unusable: make the pool discard it instead of handing it out again.
+        return false;
+      }
+    },
+  );
 }
 
 /** The readiness probe's statement: the database answers at all. */

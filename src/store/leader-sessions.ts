@@ -1,7 +1,7 @@
 import { createHash } from 'node:crypto';
 import pg from 'pg';
 import { withTimeout } from '../errors.js';
-import { isServerError } from './db.js';
+import { isServerError, withClient } from './db.js';
 import type { Connections } from './pool-share.js';
 
 /**
@@ -65,21 +65,14 @@ export async function endPredecessorSessions(
   token: bigint,
   stillLeading: () => boolean,
 ): Promise<string[] | null> {
-  const client = await pool.connect();
-  let broken = false;
-  try {
+  return withClient(pool, async (client) => {
     if (!stillLeading()) return null;
     const { rows } = await client.query<{ applicationName: string; ended: boolean }>(
       END_PREDECESSOR_SESSIONS,
       [token.toString()],
     );
     return rows.filter((r) => r.ended).map((r) => r.applicationName);
-  } catch (err) {
-    broken = true;
-    throw err;
-  } finally {
-    client.release(broken);
-  }
+  });
 }
 
 /**
