@@ -14,6 +14,7 @@ import { buryRun, replayDeadLetter } from '../../src/store/dead-letters.js';
 import { pauseJob } from '../../src/jobs/commands.js';
 import { claimRuns, startRuns, type ClaimedRun } from '../../src/store/runs.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
+import { jobWithQueuedRuns, queuedRuns } from '../support/execution.js';
 
 // `replace`: once a run asked for later has started, an older run of the job is not called
 // (runs.ts REPLACE_OLDER). The newer run's replacement takes the older queued runs FOR UPDATE SKIP
@@ -49,20 +50,19 @@ after(() => db.drop());
 
 /** A `replace` job with two due occurrences, 20 s and 10 s ago. */
 async function olderAndNewer(): Promise<{ job: string; older: string; newer: string }> {
-  const { rows } = await db.pool.query<{ id: string; job: string }>(
-    `WITH j AS (
-       INSERT INTO jobs (name, schedule, target, timeout_ms, max_attempts, concurrency, next_run_at)
-       VALUES ('rl-' || gen_random_uuid(), '*/10 * * * * *', '{"url":"http://127.0.0.1:9/"}', 1000, 3,
-               'replace', now() + interval '1 hour')
-       RETURNING *)
-     INSERT INTO runs (job_id, scheduled_for, state, max_attempts, target, timeout_ms, backoff_ms,
-                       backoff_multiplier, concurrency, not_before)
-     SELECT j.id, t, 'queued', 3, j.target, 1000, 0, 2, 'replace', t
-     FROM j, (SELECT date_trunc('second', now()) - s * interval '10 seconds' AS t
-              FROM generate_series(2, 1, -1) AS s) o
-     ORDER BY t RETURNING runs.id, runs.job_id AS job`,
-  );
-  return { job: rows[0]!.job, older: rows[0]!.id, newer: rows[1]!.id };
+  const {
+    job,
+    runs: [older, newer],
+  } = await jobWithQueuedRuns(db.pool, {
+    name: 'rl',
+    schedule: '*/10 * * * * *',
+    concurrency: 'replace',
+    dueAt: [
+      "date_trunc('second', now()) - interval '20 seconds'",
+      "date_trunc('second', now()) - interval '10 seconds'",
+    ],
+  });
+  return { job, older: older!, newer: newer! };
 }
 
 /**
@@ -223,15 +223,8 @@ test('the reverse: a newer run whose claim held its row while the older one was 
  */
 async function olderAttemptedBesideUnstarted(calls: string[]) {
   const { job, older } = await olderAndNewer();
-  const { rows } = await db.pool.query<{ id: string }>(
-    `INSERT INTO runs (job_id, scheduled_for, state, max_attempts, target, timeout_ms, backoff_ms,
-                       backoff_multiplier, concurrency, not_before)
-     SELECT id, now() + interval '5 seconds', 'queued', 3, target, 1000, 0, 2, 'replace',
-            now() + interval '5 seconds'
-     FROM jobs WHERE id = $1 RETURNING id`,
-    [job],
-  );
-  const [ahead] = await claimRuns(db.pool, [{ runId: rows[0]!.id, expectedAttempt: null }], {
+  const [aheadId] = await queuedRuns(db.pool, job, ["now() + interval '5 seconds'"]);
+  const [ahead] = await claimRuns(db.pool, [{ runId: aheadId!, expectedAttempt: null }], {
     nodeId: B,
     ...OPTIONS,
     skewToleranceMs: 10_000,

@@ -13,6 +13,7 @@ import { forgiveExpiredClaims } from '../../src/store/releases.js';
 import { claimRuns, startRuns, type ClaimedRun } from '../../src/store/runs.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
 import { untilDbTime } from '../support/db-time.js';
+import { jobWithQueuedRuns } from '../support/execution.js';
 
 // A run claimed ahead of its time is marked started (START) right before its call; a START that
 // cannot be written (PostgreSQL away, a pool timeout) is retried while the claim covers the call,
@@ -52,26 +53,20 @@ const heal = (job: string) => db.pool.query('DELETE FROM start_fault WHERE job_i
 
 /** A job with one run due 300 ms from now (1 s timeout), claimed ahead by node A (1 s grace). */
 async function claimedAhead(): Promise<{ job: string; run: ClaimedRun }> {
-  const { rows } = await db.pool.query<{ id: string; job: string }>(
-    `WITH j AS (
-       INSERT INTO jobs (name, schedule, target, timeout_ms, max_attempts, concurrency, next_run_at)
-       VALUES ('sf-' || gen_random_uuid(), '* * * * * *', '{"url":"http://127.0.0.1:9/"}', 1000, 3,
-               'allow', now() + interval '1 hour')
-       RETURNING *)
-     INSERT INTO runs (job_id, scheduled_for, state, max_attempts, target, timeout_ms, backoff_ms,
-                       backoff_multiplier, concurrency, not_before)
-     SELECT j.id, t, 'queued', 3, j.target, 1000, 0, 2, 'allow', t
-     FROM j, (SELECT clock_timestamp() + interval '300 milliseconds' AS t) o
-     RETURNING runs.id, runs.job_id AS job`,
-  );
-  const [run] = await claimRuns(db.pool, [{ runId: rows[0]!.id, expectedAttempt: null }], {
+  const { job, runs } = await jobWithQueuedRuns(db.pool, {
+    name: 'sf',
+    schedule: '* * * * * *',
+    concurrency: 'allow',
+    dueAt: ["clock_timestamp() + interval '300 milliseconds'"],
+  });
+  const [run] = await claimRuns(db.pool, [{ runId: runs[0]!, expectedAttempt: null }], {
     nodeId: A,
     graceMs: 1000,
     skewToleranceMs: SKEW_MS,
     leadMs: 60_000,
   });
   assert.ok(run?.startPending, 'claimed ahead');
-  return { job: rows[0]!.job, run };
+  return { job, run };
 }
 
 /**
@@ -213,21 +208,13 @@ test('a START that keeps failing while the hand-back cannot be written either le
 // An older run claimed meanwhile is replaced uncalled; the newer one must then still be called,
 // once, and without START, whatever a pause does in between.
 test('replace: a run handed back marked started (a lost START) replaces an older run claimed meanwhile; a pause keeps it, and it is called once', async () => {
-  const { rows } = await db.pool.query<{ id: string; job: string }>(
-    `WITH j AS (
-       INSERT INTO jobs (name, schedule, target, timeout_ms, max_attempts, concurrency, next_run_at)
-       VALUES ('sfr-' || gen_random_uuid(), '* * * * * *', '{"url":"http://127.0.0.1:9/"}', 1000, 3,
-               'replace', now() + interval '1 hour')
-       RETURNING *)
-     INSERT INTO runs (job_id, scheduled_for, state, max_attempts, target, timeout_ms, backoff_ms,
-                       backoff_multiplier, concurrency, not_before)
-     SELECT j.id, t, 'queued', 3, j.target, 1000, 0, 2, 'replace', t
-     FROM j, (VALUES (clock_timestamp() - interval '10 seconds'),
-                     (clock_timestamp() + interval '300 milliseconds')) o (t)
-     ORDER BY t RETURNING runs.id, runs.job_id AS job`,
-  );
-  const job = rows[0]!.job;
-  const [older, newer] = [rows[0]!.id, rows[1]!.id];
+  const { job, runs } = await jobWithQueuedRuns(db.pool, {
+    name: 'sfr',
+    schedule: '* * * * * *',
+    concurrency: 'replace',
+    dueAt: ["clock_timestamp() - interval '10 seconds'", "clock_timestamp() + interval '300 milliseconds'"],
+  });
+  const [older, newer] = [runs[0]!, runs[1]!];
   // Node A claims the newer run within the skew tolerance before its time (a replace run is claimed
   // only so early), its START commits and the answer is lost, then every START fails.
   const [run] = await claimRuns(db.pool, [{ runId: newer, expectedAttempt: null }], {

@@ -1,3 +1,4 @@
+import { randomUUID } from 'node:crypto';
 import { createServer, type IncomingMessage, type Server } from 'node:http';
 import type { AddressInfo } from 'node:net';
 import { performance } from 'node:perf_hooks';
@@ -156,6 +157,43 @@ export async function insertJob(db: pg.Pool, spec: JobSpec): Promise<string> {
     ],
   );
   return rows[0]!.id;
+}
+
+/**
+ * Queued runs of job `jobId` due at each of `dueAt` (SQL timestamp expressions, oldest first),
+ * copying the job's target, timeout and concurrency, with three attempts and no back-off, made
+ * directly in the table; their ids in that order.
+ */
+export async function queuedRuns(db: pg.Pool, jobId: string, dueAt: string[]): Promise<string[]> {
+  const { rows } = await db.query<{ id: string }>(
+    `INSERT INTO runs (job_id, scheduled_for, state, max_attempts, target, timeout_ms, backoff_ms,
+                       backoff_multiplier, concurrency, not_before)
+     SELECT j.id, o.t, 'queued', 3, j.target, j.timeout_ms, 0, 2, j.concurrency, o.t
+     FROM jobs j, (VALUES ${dueAt.map((at) => `((${at})::timestamptz)`).join(', ')}) o (t)
+     WHERE j.id = $1 ORDER BY o.t RETURNING id`,
+    [jobId],
+  );
+  return rows.map((r) => r.id);
+}
+
+/**
+ * A job named `name`-<unique> calling a closed port (1 s timeout, 3 attempts, its next run an hour
+ * away: no dispatcher makes runs of it here) and its queuedRuns due at `dueAt`.
+ */
+export async function jobWithQueuedRuns(
+  db: pg.Pool,
+  spec: { name: string; schedule: string; concurrency: 'allow' | 'forbid' | 'replace'; dueAt: string[] },
+): Promise<{ job: string; runs: string[] }> {
+  const job = await insertJob(db, {
+    name: `${spec.name}-${randomUUID()}`,
+    schedule: spec.schedule,
+    target: { url: 'http://127.0.0.1:9/' },
+    nextRunAt: new Date(Date.now() + 3_600_000),
+    timeoutMs: 1000,
+    maxAttempts: 3,
+    concurrency: spec.concurrency,
+  });
+  return { job, runs: await queuedRuns(db, job, spec.dueAt) };
 }
 
 /**
