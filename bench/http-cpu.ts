@@ -112,7 +112,7 @@ async function machineryHerd(url: string, window: number) {
     claimGraceMs: 600_000,
     prefetch: 1_000_000,
     clock,
-    run: (run, signal, left, ended) => runAttempt(context, run, signal, left, ended),
+    run: (run, signal, left, ended, untilSlot) => runAttempt(context, run, signal, left, ended, untilSlot),
     onBackpressure: () => undefined,
     logger: silentLogger,
     metrics,

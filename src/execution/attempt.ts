@@ -88,6 +88,7 @@ export async function runAttempt(
   cancel: AbortSignal,
   drainLeftMs?: () => number,
   callEnded?: (called?: boolean, writeMayWait?: boolean) => void,
+  untilSlot: () => Promise<void> = async () => undefined,
 ): Promise<void> {
   const { pool, nodeId, logger, metrics } = ctx;
   // Made lazily: most attempts log nothing.
@@ -128,6 +129,9 @@ export async function runAttempt(
       }
       if (typeof started === 'object') notMade = started;
     }
+    // A run claimed ahead is marked started while it waits for its slot (run-queue.ts, start
+    // passes); one that will make no call does not wait for one.
+    if (!notMade) await untilSlot();
     // Not for a run that makes no call (aborted: the claim was lost, or the worker stops and hands
     // it back; START could not be written): whoever calls it replaces the older runs then.
     if (run.concurrency === 'replace' && !cancel.aborted && !notMade) {

@@ -37,13 +37,17 @@ export interface RunQueueOptions {
    * left before a drain aborts what still runs (Infinity while the queue is not draining), so a
    * call that could not end by then must not start (attempt.ts hands its claim back instead). `callEnded` is called once
    * the call has ended (or will not be made) and only its outcome is left to write, with
-   * `writeMayWait` when that write may be held back (`writesHeld`). Must not reject.
+   * `writeMayWait` when that write may be held back (`writesHeld`). `untilSlot` resolves once the
+   * run holds an execution slot (or at once when `signal` aborts): run() awaits it before the call.
+   * A run claimed ahead (startPending) is given to run() before its slot, to be marked started
+   * meanwhile; any other already holds its slot. Must not reject.
    */
   readonly run: (
     run: ClaimedRun,
     signal: AbortSignal,
     drainLeftMs: (() => number) | undefined,
     callEnded: (called?: boolean, writeMayWait?: boolean) => void,
+    untilSlot: () => Promise<void>,
   ) => Promise<void>;
   /**
    * Given, while draining, the held announcements this queue leaves uncalled (due after the drain
@@ -102,6 +106,8 @@ interface Execution {
   slotted: boolean;
   /** performance.now() when it got its slot: the call time estimate's sample starts there. */
   slotAt: number;
+  /** Holds a start pass (see StartPasses) until it has its slot or has ended. */
+  startPass?: boolean;
   /** Its call ended past `concurrency` settling runs: it keeps its slot until written. */
   keptSlot?: boolean;
   /**
@@ -144,6 +150,30 @@ interface SlotWaiter {
   /** `waitedForCall`: the slot is one a call (or a held write) gave back, not a reservation. */
   readonly grant: (waitedForCall: boolean) => void;
 }
+
+/**
+ * Start passes: a run claimed ahead is marked started (START, batched with the other runs' STARTs
+ * into statements of up to 256 runs) when it is due, before its call. Marked only once it had its
+ * slot, a herd's STARTs went as the slots freed, a few runs per statement (≈185 statements per
+ * node for 3,300 runs, each a round trip the call waited for). So a due run takes a start pass, is
+ * marked started while it waits for its slot, and gives the pass back when it gets the slot. The
+ * passes are given out in blocks: once no more than half of them are held, the runs waiting for
+ * one get passes up to the limit together, and their STARTs go in a few full statements while the
+ * runs already marked take the slots. At most {@link startPasses} runs of a worker are marked
+ * started without a call: a worker that dies leaves those to the reaper at their claims' deadline,
+ * as it leaves its calls in flight (runs claimed ahead and not marked are taken back sooner,
+ * HELIOS_CLAIM_GRACE_MS after they fell due). Waiters are served first come first served.
+ */
+const START_PASSES_PER_SLOT = 8;
+/** Two full START statements (MAX_BATCH, batching.ts). */
+const START_PASSES_MAX = 512;
+
+/** Start passes of a worker with `concurrency` slots (see START_PASSES_PER_SLOT). */
+export const startPasses = (concurrency: number): number =>
+  Math.min(concurrency * START_PASSES_PER_SLOT, START_PASSES_MAX);
+
+/** `untilSlot` for a run that holds its slot already. */
+const slotHeld = (): Promise<void> => Promise.resolve();
 
 /** Removes the first `item` from `queue`, if it is there (a scan: for the rare removal from the middle). */
 function removeFrom<T>(queue: Denque<T>, item: T): void {
@@ -268,6 +298,10 @@ export class RunQueue {
   private ahead = 0;
   /** Claimed, due runs waiting for a slot, first come first served. */
   private readonly slotWaiters = new Denque<SlotWaiter>();
+  /** Executions holding a start pass (see START_PASSES_PER_SLOT). */
+  private startPassesHeld = 0;
+  /** Claimed, due runs still to be marked started, waiting for a start pass, first come first served. */
+  private readonly startPassWaiters = new Denque<() => void>();
   /** Recent time a slot was held until the call ended, ms (see RunQueue). */
   private callMs: number;
   /** Calls timed so far, up to 1 / CALL_MS_WEIGHT (the estimate is their mean until then). */
@@ -392,8 +426,12 @@ export class RunQueue {
       // A poll whose claims came back after the drain ended: nothing would abort the call any
       // more, and the executor is closed next. Called with the stop reason, it hands them back.
       if (this.drainedWith) execution.controller.abort(this.drainedWith);
-      await this.options.run(run, execution.controller.signal, this.drainLeftNow, (called, writeMayWait) =>
-        this.callEnded(execution, called, writeMayWait),
+      await this.options.run(
+        run,
+        execution.controller.signal,
+        this.drainLeftNow,
+        (called, writeMayWait) => this.callEnded(execution, called, writeMayWait),
+        slotHeld,
       );
     });
   }
@@ -402,13 +440,19 @@ export class RunQueue {
    * Claims for the claim watch: those being executed, and those waiting for their time or a slot
    * unless their START is still to come. A run claimed ahead is checked by its START (leaving the
    * thousands a herd or a second of steady load claims ahead out of every check: at 2,000 runs/s
-   * with a 1 s lead, the default then, the watch's statement cost ≈50 µs per run). Not those
-   * settling: their call is over, so there is nothing left to abort, and their write is conditional
-   * on the claim (a herd's writes held back while calls wait are thousands).
+   * with a 1 s lead, the default then, the watch's statement cost ≈50 µs per run); from its start
+   * pass on (START on its way or done, at most as many as the slots) it is watched: a delete or a
+   * takeover after its START ends its wait for a slot. Not those settling: their call is over, so
+   * there is nothing left to abort, and their write is conditional on the claim (a herd's writes
+   * held back while calls wait are thousands).
    */
   *claims(): Iterable<{ runId: string; attempt: number; controller: AbortController }> {
     for (const execution of this.executing.values())
-      if (execution.attempt > 0 && !execution.settling && (execution.slotted || !execution.startPending))
+      if (
+        execution.attempt > 0 &&
+        !execution.settling &&
+        (execution.slotted || execution.startPass || !execution.startPending)
+      )
         yield execution;
   }
 
@@ -488,7 +532,12 @@ export class RunQueue {
    * drain should not wait for writes held back meanwhile.
    */
   callsUnderway(): boolean {
-    return !this.draining && (this.ready.length > 0 || this.slotWaiters.length > 0 || this.backlogCalls > 0);
+    return !this.draining && (this.ready.length > 0 || this.waitingForCalls() || this.backlogCalls > 0);
+  }
+
+  /** Due runs wait for a slot or a start pass (which slots give back). */
+  private waitingForCalls(): boolean {
+    return this.slotWaiters.length > 0 || this.startPassWaiters.length > 0;
   }
 
   /**
@@ -600,6 +649,52 @@ export class RunQueue {
   }
 
   /**
+   * Resolves once the execution holds a start pass (see START_PASSES_PER_SLOT), or at once when
+   * `signal` aborts (the run is then handed back or dropped without a call).
+   */
+  private startPassFor(execution: Execution, signal: AbortSignal): Promise<void> {
+    if (signal.aborted) return Promise.resolve();
+    if (this.startPassWaiters.length === 0 && this.startPassesHeld < startPasses(this.options.concurrency)) {
+      this.takeStartPass(execution);
+      return Promise.resolve();
+    }
+    return new Promise<void>((resolve) => {
+      const grant = () => {
+        execution.stopWaiting = undefined;
+        this.takeStartPass(execution);
+        resolve();
+      };
+      execution.stopWaiting = () => {
+        execution.stopWaiting = undefined;
+        removeFrom(this.startPassWaiters, grant);
+        resolve();
+      };
+      this.startPassWaiters.push(grant);
+      // Waiting for passes that runs waiting for slots hold: a backlog (see `backlog`).
+      if (this.callsFillSlots()) this.backlog = true;
+    });
+  }
+
+  private takeStartPass(execution: Execution): void {
+    execution.startPass = true;
+    this.startPassesHeld += 1;
+  }
+
+  /**
+   * The execution got its slot or has ended: its start pass is free. Once no more than half of
+   * the passes are held, the runs waiting for one get passes up to the limit together (a block).
+   */
+  private returnStartPass(execution: Execution): void {
+    if (!execution.startPass) return;
+    execution.startPass = false;
+    this.startPassesHeld -= 1;
+    const passes = startPasses(this.options.concurrency);
+    if (this.startPassesHeld > passes / 2) return;
+    while (this.startPassWaiters.length > 0 && this.startPassesHeld < passes)
+      this.startPassWaiters.shift()!();
+  }
+
+  /**
    * Every slot is taken by an execution, not by the poller's reservation: a run that waits for a
    * slot now waits for a call to end. A run that waits only while the poller's query holds the
    * slots reserved (a few ms) waits for no call, and is no backlog: holding writes back for it
@@ -629,6 +724,7 @@ export class RunQueue {
     execution.slotAt = performance.now();
     this.ahead -= 1;
     this.slotted += 1;
+    this.returnStartPass(execution);
     if (waitedForCall) this.backlog = true;
     if (this.backlog || this.readyWaitsForCalls()) this.startBacklogCall(execution);
   }
@@ -739,8 +835,7 @@ export class RunQueue {
       this.held.delete(runId);
       this.track(runId, entry.message.attempt, false, (execution) => this.claimAndRun(entry, execution));
     }
-    if (this.readyWaitsForCalls() || (this.slotWaiters.length > 0 && this.callsFillSlots()))
-      this.backlog = true;
+    if (this.readyWaitsForCalls() || (this.waitingForCalls() && this.callsFillSlots())) this.backlog = true;
     this.update();
   }
 
@@ -780,6 +875,7 @@ export class RunQueue {
         if (this.executing.get(runId) === execution) this.executing.delete(runId);
         this.superseded.delete(execution);
         if (execution.keptSlot) this.sampleSlot(execution);
+        this.returnStartPass(execution);
         this.endBacklogCall(execution);
         if (execution.settling) this.settling -= 1;
         if (execution.slotted) this.slotted -= 1;
@@ -817,14 +913,25 @@ export class RunQueue {
     // One abort listener for both waits below (see Execution.stopWaiting).
     signal.addEventListener('abort', () => execution.stopWaiting?.(), { once: true });
     await this.untilDue(run.notBefore.getTime(), execution, signal);
-    // Aborted meanwhile (the claim was lost, the worker stopped): run() makes no call then.
-    await this.slotFor(execution, signal);
-    // A re-sync of the clock estimate during the wait for a slot may have moved the instant later
-    // again: no call before it by the estimate (the slot is held meanwhile).
-    await this.untilDue(run.notBefore.getTime(), execution, signal);
+    const untilSlot = async () => {
+      // Aborted meanwhile (the claim was lost, the worker stopped): run() makes no call then.
+      await this.slotFor(execution, signal);
+      // A re-sync of the clock estimate during the wait for a slot may have moved the instant later
+      // again: no call before it by the estimate (the slot is held meanwhile).
+      await this.untilDue(run.notBefore.getTime(), execution, signal);
+    };
+    // A run still to be marked started is marked while it waits for its slot (a start pass: see
+    // StartPasses), so that a slot freed by a call goes to a run ready to call at once, not to one
+    // whose START is still on its way. The others take their slot first.
+    if (run.startPending) await this.startPassFor(execution, signal);
+    else await untilSlot();
     // A drain that began while this run waited for its time, or begins before its call, applies to it.
-    await this.options.run(run, signal, this.drainLeftNow, (called, writeMayWait) =>
-      this.callEnded(execution, called, writeMayWait),
+    await this.options.run(
+      run,
+      signal,
+      this.drainLeftNow,
+      (called, writeMayWait) => this.callEnded(execution, called, writeMayWait),
+      run.startPending ? untilSlot : slotHeld,
     );
   }
 
@@ -897,7 +1004,7 @@ export class RunQueue {
   private update(): void {
     // Over once nothing waits and its calls have ended, whatever emptied the queues (forget(), an
     // aborted wait). Safe in the middle of a pump: track() counts its run before it calls this.
-    if (this.backlogCalls === 0 && this.ready.length === 0 && this.slotWaiters.length === 0) {
+    if (this.backlogCalls === 0 && this.ready.length === 0 && !this.waitingForCalls()) {
       this.backlog = false;
     }
     const full = this.held.size >= this.options.prefetch;

@@ -147,7 +147,8 @@ export class Worker {
       claimGraceMs: options.settings.claimGraceMs,
       prefetch: options.settings.prefetch,
       clock: this.clock,
-      run: (run, signal, drainLeftMs, callEnded) => runAttempt(context, run, signal, drainLeftMs, callEnded),
+      run: (run, signal, drainLeftMs, callEnded, untilSlot) =>
+        runAttempt(context, run, signal, drainLeftMs, callEnded, untilSlot),
       handOff: (messages) => this.handOff(messages),
       onBackpressure: (full) => (full ? this.intake.pause() : this.intake.resume()),
       writesHeld: () => completions.held,

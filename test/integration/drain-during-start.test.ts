@@ -148,7 +148,8 @@ async function node(
     concurrency: 4,
     prefetch: 100,
     clock,
-    run: (run, signal, drainLeftMs, callEnded) => runAttempt(ctx, run, signal, drainLeftMs, callEnded),
+    run: (run, signal, drainLeftMs, callEnded, untilSlot) =>
+      runAttempt(ctx, run, signal, drainLeftMs, callEnded, untilSlot),
     handOff: (messages) => handedOff.push(...messages),
     onBackpressure: () => undefined,
     logger: silentLogger,

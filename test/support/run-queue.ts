@@ -9,9 +9,16 @@ import { waitFor } from './execution.js';
 /**
  * A RunQueue for unit tests, with fakes: every claim succeeds (fakeClaimedRun), no claim lead, no
  * claims ahead of the free slots (claimGraceMs 0), 2 slots, nothing logged. `run` plays
- * attempt.ts; the rest can be overridden.
+ * attempt.ts; the rest can be overridden. `run` is given each run once it holds its slot (or its
+ * signal aborted), START and call in one: a run claimed ahead, which the queue gives to attempt.ts
+ * before its slot to be marked started meanwhile, waits for its slot first. With `slotFirst`
+ * false, `run` gets the queue's own arguments, `untilSlot` included (start passes).
  */
-export function testRunQueue(overrides: Partial<RunQueueOptions> & Pick<RunQueueOptions, 'run'>): RunQueue {
+export function testRunQueue(
+  overrides: Partial<RunQueueOptions> & Pick<RunQueueOptions, 'run'>,
+  { slotFirst = true } = {},
+): RunQueue {
+  const run = overrides.run;
   return new RunQueue({
     claim: async (request) => ({ kind: 'claimed', run: fakeClaimedRun(request.runId, request.attempt) }),
     claimLeadMs: 0,
@@ -23,6 +30,13 @@ export function testRunQueue(overrides: Partial<RunQueueOptions> & Pick<RunQueue
     logger: silentLogger,
     metrics: createMetrics('test'),
     ...overrides,
+    // Any other run holds its slot when given: called at once (a synchronous callEnded stays so).
+    run: slotFirst
+      ? (claimed, signal, drainLeftMs, callEnded, untilSlot) =>
+          claimed.startPending
+            ? untilSlot().then(() => run(claimed, signal, drainLeftMs, callEnded, untilSlot))
+            : run(claimed, signal, drainLeftMs, callEnded, untilSlot)
+      : run,
   });
 }
 

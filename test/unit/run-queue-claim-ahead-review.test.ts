@@ -5,7 +5,7 @@ import { runAttempt, type AttemptContext } from '../../src/execution/attempt.js'
 import { DbClock } from '../../src/execution/db-clock.js';
 import { ClaimLostError } from '../../src/errors.js';
 import type { HttpExecutor } from '../../src/execution/http-executor.js';
-import { RunQueue, type RunQueueOptions } from '../../src/execution/run-queue.js';
+import { RunQueue, startPasses, type RunQueueOptions } from '../../src/execution/run-queue.js';
 import type { RunMessage } from '../../src/execution/run-message.js';
 import { silentLogger } from '../../src/observability/logger.js';
 import { createMetrics } from '../../src/observability/metrics.js';
@@ -588,31 +588,37 @@ test('while runs wait for slots, claims ahead are bounded by the pace slots were
 test('the claim watch leaves out runs claimed ahead until their START is under way; retries claimed ahead stay in', async () => {
   // START checks a claimed-ahead run's claim before its call; the watch checking each of them
   // every interval cost its statement ≈50 µs per run at 2,000 runs/s (a second's runs claimed ahead).
+  // From its start pass on (START on its way or done, while it waits for its slot) a run is
+  // watched: at most startPasses(concurrency) of them.
   const clock = new DbClock();
   const at = new Date(clock.now() + 150);
+  const passes = startPasses(1);
+  const runs = passes + 2;
+  const retry = id(runs + 1);
   const { queue, seen } = makeQueue({
     concurrency: 1,
     claimLeadMs: 5_000,
     claim: async (request) => {
       seen.claimed.push(request.runId);
-      // Run 3 is a retry (started before): claimed ahead, but nothing will START it.
-      const startPending = request.runId !== id(3);
+      // The retry (started before): claimed ahead, but nothing will START it.
+      const startPending = request.runId !== retry;
       return {
         kind: 'claimed',
         run: { ...fakeClaimedRun(request.runId, request.attempt), notBefore: at, startPending },
       };
     },
   });
-  for (let n = 1; n <= 3; n++) queue.hold(message(id(n), 1, at));
-  await until(() => seen.claimed.length === 3, 'claimed ahead');
+  for (let n = 1; n <= runs + 1; n++) queue.hold(message(id(n), 1, at));
+  await until(() => seen.claimed.length === runs + 1, 'claimed ahead');
   await sleep(10);
   const watched = () => [...queue.claims()].map((c) => c.runId).sort();
-  assert.deepEqual(watched(), [id(3)], 'waiting for their time: only the retry');
+  assert.deepEqual(watched(), [retry], 'waiting for their time: only the retry');
   await until(() => seen.called.length === 1, 'the first call');
-  // One slot: the run called is watched, the other claimed-ahead one waits for its slot unwatched.
-  const first = seen.called[0]!;
-  assert.deepEqual(watched(), [...new Set([first, id(3)])].sort());
-  await drive(seen, 3);
+  // One slot: the run called and the runs holding the other passes (marked started, waiting for
+  // the slot) are watched; the two waiting for a pass are not.
+  const holdingPasses = Array.from({ length: passes }, (_, i) => id(i + 1));
+  assert.deepEqual(watched(), [...holdingPasses, retry].sort());
+  await drive(seen, runs + 1);
   await until(() => counters(queue).executing === 0, 'all ended');
   assert.deepEqual(watched(), []);
   assertIdle(queue, 1);

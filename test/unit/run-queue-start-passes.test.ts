@@ -1,0 +1,173 @@
+import assert from 'node:assert/strict';
+import { setTimeout as sleep } from 'node:timers/promises';
+import { test } from 'node:test';
+import { startPasses, type RunQueue, type RunQueueOptions } from '../../src/execution/run-queue.js';
+import type { RunMessage } from '../../src/model.js';
+import { fakeClaimedRun } from '../support/claimed-run.js';
+import { gate, setCallTime, testRunQueue, until } from '../support/run-queue.js';
+
+// Start passes (run-queue.ts): a run claimed ahead is marked started (START) while it waits for
+// its slot, not after it got one, so a slot a call gives back goes to a run ready to call; and at
+// most startPasses(concurrency) runs are marked started without a slot, given out in blocks so
+// that their STARTs go together. Fakes: `run` plays attempt.ts, its START a round trip of
+// START_MS, its call open until the test ends it.
+
+const START_MS = 60;
+const id = (n: number) => `00000000-0000-4000-8000-${String(n).padStart(12, '0')}`;
+
+const due = (runId: string, notBefore: Date): RunMessage => ({
+  runId,
+  jobId: runId,
+  attempt: 1,
+  scheduledFor: notBefore,
+  notBefore,
+  timeoutMs: 1000,
+});
+
+interface Seen {
+  /** performance.now() when each run's START was sent, and when its call began. */
+  starts: Map<string, number>;
+  calls: Map<string, number>;
+  /** Runs marked started (START answered) whose call has not begun: the most there were at once. */
+  startedWithoutSlot: number;
+  mostStartedWithoutSlot: number;
+  /** Calls open, ended by the test (first come first ended). */
+  open: { runId: string; end: () => void }[];
+}
+
+/** A queue whose runs are all claimed ahead (startPending) and due now; `concurrency` slots. */
+function startingQueue(concurrency: number, overrides: Partial<RunQueueOptions> = {}) {
+  const seen: Seen = {
+    starts: new Map(),
+    calls: new Map(),
+    startedWithoutSlot: 0,
+    mostStartedWithoutSlot: 0,
+    open: [],
+  };
+  const queue: RunQueue = testRunQueue(
+    {
+      concurrency,
+      claimGraceMs: 10_000,
+      claim: async (request) => ({
+        kind: 'claimed',
+        run: { ...fakeClaimedRun(request.runId), startPending: true },
+      }),
+      run: async (run, signal, _left, callEnded, untilSlot) => {
+        // attempt.ts: START first (a round trip), then the slot, then the call.
+        seen.starts.set(run.id, performance.now());
+        await sleep(START_MS);
+        seen.startedWithoutSlot += 1;
+        seen.mostStartedWithoutSlot = Math.max(seen.mostStartedWithoutSlot, seen.startedWithoutSlot);
+        await untilSlot();
+        seen.startedWithoutSlot -= 1;
+        if (signal.aborted) return callEnded(false);
+        seen.calls.set(run.id, performance.now());
+        const call = gate();
+        seen.open.push({ runId: run.id, end: call.open });
+        await call.promise;
+        callEnded(true);
+      },
+      ...overrides,
+    },
+    { slotFirst: false },
+  );
+  setCallTime(queue, 50);
+  return { queue, seen };
+}
+
+/** Ends the oldest open call. */
+function endOne(seen: Seen): string {
+  const call = seen.open.shift();
+  assert.ok(call, 'a call to end');
+  call.end();
+  return call.runId;
+}
+
+test('a slot a call gives back goes to a run already marked started: its call does not wait for a START', async () => {
+  const { queue, seen } = startingQueue(2);
+  const now = new Date();
+  for (let n = 1; n <= 6; n++) queue.hold(due(id(n), now));
+  await until(() => seen.calls.size === 2, 'the first two calls');
+  // The other four were marked started meanwhile, waiting for a slot.
+  await until(() => seen.startedWithoutSlot === 4, 'four runs marked started, waiting for a slot');
+  for (let n = 3; n <= 6; n++) {
+    const ended = performance.now();
+    endOne(seen);
+    await until(() => seen.calls.size === n, `call ${n}`);
+    const waited = seen.calls.get(id(n))! - ended;
+    assert.ok(waited < START_MS / 2, `call ${n} began ${waited.toFixed(1)} ms after a slot was given back`);
+  }
+  while (seen.open.length > 0) endOne(seen);
+  await until(() => seen.open.length === 0 && seen.calls.size === 6, 'all called');
+  await queue.drain(100, new Error('test over'));
+});
+
+test('runs marked started without a slot are at most the start passes, given out in blocks', async () => {
+  const concurrency = 2;
+  const passes = startPasses(concurrency);
+  assert.ok(passes >= 4, `passes ${passes}`);
+  const { queue, seen } = startingQueue(concurrency);
+  const now = new Date();
+  const runs = passes * 3;
+  for (let n = 1; n <= runs; n++) queue.hold(due(id(n), now));
+  await until(() => seen.calls.size === concurrency, 'the first calls');
+  await sleep(START_MS * 2);
+  // The slots took two passes back: no block yet (more than half are held).
+  assert.equal(seen.starts.size, passes, 'as many STARTs as passes at first');
+  // Ending calls gives slots to runs holding passes; once only half the passes are held, a
+  // block of STARTs goes at once, up to the limit again.
+  const startsAt: number[] = [];
+  while (seen.calls.size < runs) {
+    const before = seen.starts.size;
+    endOne(seen);
+    await until(() => seen.open.length === concurrency || seen.calls.size === runs, 'the next call');
+    if (seen.starts.size > before) startsAt.push(seen.starts.size - before);
+  }
+  assert.ok(
+    seen.mostStartedWithoutSlot <= passes,
+    `${seen.mostStartedWithoutSlot} marked started without a slot`,
+  );
+  assert.equal(seen.starts.size, runs, 'every run started once');
+  // Blocks of half the passes (the last one may be smaller): not one START per slot given back.
+  assert.ok(
+    startsAt.slice(0, -1).every((block) => block >= passes / 2),
+    `STARTs given out in blocks: ${startsAt.join(', ')}`,
+  );
+  while (seen.open.length > 0) endOne(seen);
+  await queue.drain(100, new Error('test over'));
+});
+
+test('runs waiting for a start pass are calls underway, though no slot is taken yet', async () => {
+  const concurrency = 2;
+  const passes = startPasses(concurrency);
+  const { queue, seen } = startingQueue(concurrency);
+  const now = new Date();
+  for (let n = 1; n <= passes + 3; n++) queue.hold(due(id(n), now));
+  // Every pass is held by a run whose START is on its way: no call yet, three runs wait for a pass.
+  await until(() => seen.starts.size === passes, 'the passes given out');
+  assert.equal(seen.calls.size, 0);
+  assert.equal(queue.callsUnderway(), true, 'writes held for the herd stay held');
+  await until(() => seen.calls.size === concurrency, 'the first calls');
+  while (seen.calls.size < passes + 3 || seen.open.length > 0) {
+    if (seen.open.length > 0) endOne(seen);
+    await sleep(2);
+  }
+  await until(() => !queue.callsUnderway(), 'the herd over');
+  await queue.drain(100, new Error('test over'));
+});
+
+test('a drain aborts the runs holding a pass whose call could not end before its deadline: no call, their STARTs done or not', async () => {
+  const { queue, seen } = startingQueue(1);
+  const now = new Date();
+  for (let n = 1; n <= 3; n++) queue.hold(due(id(n), now));
+  await until(() => seen.calls.size === 1, 'the first call');
+  await until(() => seen.startedWithoutSlot === 2, 'two marked started, waiting for the slot');
+  // The calls' timeout (1 s) could not end before a 300 ms deadline: the two waiting are aborted
+  // at the drain's start; the call in flight is left to end.
+  const drained = queue.drain(300, new Error('stopping'));
+  await sleep(20);
+  assert.equal(seen.startedWithoutSlot, 0, 'the waiting runs ended their wait');
+  endOne(seen);
+  await drained;
+  assert.deepEqual([...seen.calls.keys()], [id(1)], 'only the call in flight was made');
+});
