@@ -580,13 +580,14 @@ export class RunQueue {
 
   /**
    * Samples the pace at which waiting runs got slots, in windows of PACE_WINDOW_MS during which
-   * runs waited throughout (from before the window until after it). Once none waits, slots are
-   * to spare and the call time alone bounds the claims ahead again.
+   * runs waited throughout (from before the window until after it), for a slot or for a start
+   * pass (which runs give back as they get slots). Once none waits, slots are to spare and the
+   * call time alone bounds the claims ahead again.
    */
   private measurePace(): void {
     const now = performance.now();
     const window = this.paceWindow;
-    const waiting = this.slotWaiters.length > 0;
+    const waiting = this.waitingForCalls();
     if (!waiting) this.saturatedPace = undefined;
     else if (now - window.since < PACE_WINDOW_MS) return;
     else if (window.waitedAtStart) {

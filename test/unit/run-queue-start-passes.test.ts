@@ -171,3 +171,35 @@ test('a drain aborts the runs holding a pass whose call could not end before its
   await drained;
   assert.deepEqual([...seen.calls.keys()], [id(1)], 'only the call in flight was made');
 });
+
+test('runs waiting for a start pass count as waiting for calls in the pace that bounds the claims ahead', async () => {
+  // Every pass held by a run whose START is still on its way: no run waits for a slot, but the
+  // node starts no call meanwhile, and its claims ahead must follow that pace, not the call time.
+  const concurrency = 2;
+  const passes = startPasses(concurrency);
+  const startGate = gate();
+  const { queue, seen } = startingQueue(concurrency, {
+    run: async (run, signal, _left, callEnded, untilSlot) => {
+      seen.starts.set(run.id, performance.now());
+      await startGate.promise;
+      await untilSlot();
+      if (signal.aborted) return callEnded(false);
+      callEnded(true);
+    },
+  });
+  const now = new Date();
+  for (let n = 1; n <= passes + 4; n++) queue.hold(due(id(n), now));
+  await until(() => seen.starts.size === passes, 'the passes given out');
+  const pace = () => (queue as unknown as { saturatedPace?: number }).saturatedPace;
+  // The pace is sampled when the queue is pumped (a run announced, a call ended), over windows of
+  // 250 ms during which runs waited throughout: two announcements 300 ms apart, no slot given.
+  await sleep(300);
+  queue.hold(due(id(passes + 5), now));
+  await sleep(300);
+  queue.hold(due(id(passes + 6), now));
+  assert.equal(seen.calls.size, 0);
+  assert.equal(pace(), 0, 'the pace measured while runs waited for a pass');
+  startGate.open();
+  await until(() => seen.starts.size === passes + 6, 'all started');
+  await queue.drain(1_000, new Error('test over'));
+});
