@@ -185,9 +185,17 @@ export async function deleteFinishedRuns(
 
 /**
  * Deletes job $1 (its runs, attempts and dead letters cascade), if it is still named $2 (NULL: any
- * name): the name is checked again on the locked row.
+ * name): the name is checked again on the locked row. A job that had a running run NOTIFYs
+ * `helios_runs` (sent at commit), as a `replace` does: the workers' claim watches check at once
+ * instead of at their next interval, so a run marked started that waits for its slot (run-queue.ts,
+ * start passes) or a call in flight is stopped within a round trip of the delete.
  */
-const DELETE = `DELETE FROM jobs WHERE id = $1 AND ($2::text IS NULL OR name = $2)`;
+const DELETE = `
+  WITH deleted AS (DELETE FROM jobs WHERE id = $1 AND ($2::text IS NULL OR name = $2) RETURNING id)
+  SELECT count(*)::int AS deleted,
+         bool_or(CASE WHEN EXISTS (SELECT 1 FROM runs r WHERE r.job_id = d.id AND r.state = 'running')
+                      THEN pg_notify('helios_runs', d.id::text) IS NULL END) AS notified
+  FROM deleted d`;
 
 /**
  * True when the job was deleted (false when it was gone or renamed). Inside the command's
@@ -199,8 +207,8 @@ const DELETE = `DELETE FROM jobs WHERE id = $1 AND ($2::text IS NULL OR name = $
  */
 export async function deleteJob(db: DbClient, id: string, name: string | null = null): Promise<boolean> {
   return lockYielding(db, async () => {
-    const { rowCount } = await db.query(DELETE, [id, name]);
-    return (rowCount ?? 0) > 0;
+    const { rows } = await db.query<{ deleted: number }>(DELETE, [id, name]);
+    return (rows[0]?.deleted ?? 0) > 0;
   });
 }
 
