@@ -321,9 +321,10 @@ export async function runAttempt(
  * Before, the run was left to the reaper, re-queued only once its claim expired (up to an hour
  * late for a long timeout). Calling it unmarked could race a pause. A run marked started and then
  * handed back uncalled (whyNotStart, or start-failed after a try that committed but whose answer
- * was lost) keeps started_at: it is due by then (START marks only a run due by the database clock,
- * within the skew tolerance; an aborted run is not marked), so no later pause would withdraw it
- * anyway (only later occurrences are withdrawn), and whoever claims it next calls it without START.
+ * was lost) keeps started_at: it is due by then, or within the skew tolerance of it (START marks
+ * only a run due by the database clock, within the skew tolerance; an aborted run is not marked),
+ * and a pause withdraws only runs not started (jobs.ts WITHDRAW_FUTURE_RUNS), so it keeps it even
+ * when handed back still ahead of its time; whoever claims it next calls it without START.
  * One handed back unmarked is STARTed by whoever claims it next.
  *
  * START also checks the run is due by the database clock itself (within the skew tolerance): when
