@@ -180,12 +180,19 @@ export async function runAttempt(
       // its claim expires, as it recovers a worker that died.
       // A replacement that cannot be written may fail on every claim (a lock held past the
       // statement timeout, a plan gone bad): each claim handed the run back, re-queued and
-      // announced, for ever. Such hand-backs count with the reaper's forgiven expiries (a run
-      // started either way: its claim or its START began it); past FORGIVEN_EXPIRIES the attempt
-      // is charged, so the run ends dead as a job whose calls keep killing workers does. A START
-      // that cannot be written needs no bound: the run is due once handed back, so whoever claims
-      // it next starts it with the claim, without START.
-      const counted = notMade.outcome === 'replace-failed' ? FORGIVEN_EXPIRIES : undefined;
+      // announced, for ever. So may a claim acknowledged too late: runs that wait for a slot past
+      // a small claim grace under steady load, a worker whose estimate of the database clock runs
+      // ahead by more than the grace (a lopsided sample, re-taken below), a START or a
+      // replacement that always takes longer than the grace. Such hand-backs count with the
+      // reaper's forgiven expiries (a run started either way: its claim or its START began it);
+      // past FORGIVEN_EXPIRIES the attempt is charged, so the run ends dead as a job whose calls
+      // keep killing workers does. A START that cannot be written needs no bound: the run is due
+      // once handed back, so whoever claims it next starts it with the claim, without START; nor
+      // does a stopping worker's hand-back: it claims nothing more.
+      const counted =
+        notMade.outcome === 'replace-failed' || notMade.outcome === 'claim-too-late'
+          ? FORGIVEN_EXPIRIES
+          : undefined;
       let releaseErr: Error | undefined;
       const released = await release(report, counted).catch((err: unknown) => {
         releaseErr = toError(err);
@@ -202,6 +209,13 @@ export async function runAttempt(
             })
           : null;
       if (charged?.state === 'dead') metrics.deadLetters.inc();
+      // Too late by this worker's estimate of the database clock, which may run ahead (a sample
+      // whose round trip was delayed before the database read its clock, a host clock stepped):
+      // re-sampled now, at most once a second (a herd's hand-backs share one), rather than at the
+      // next periodic sync (30 s), until which every claim of this worker was handed back too.
+      // After the hand-back, which need not wait for it (the slot is free already).
+      if (notMade.outcome === 'claim-too-late')
+        await ctx.clock.sync(pool, LATE_CLAIM_SYNC_AGE_MS).catch(() => undefined);
       log().warn(
         {
           released: Boolean(released),
@@ -311,9 +325,10 @@ export async function runAttempt(
  * Before, the run was left to the reaper, re-queued only once its claim expired (up to an hour
  * late for a long timeout). Calling it unmarked could race a pause. A run marked started and then
  * handed back uncalled (whyNotStart, or start-failed after a try that committed but whose answer
- * was lost) keeps started_at: it is due by then (START marks only a run due by the database clock,
- * within the skew tolerance; an aborted run is not marked), so no later pause would withdraw it
- * anyway (only later occurrences are withdrawn), and whoever claims it next calls it without START.
+ * was lost) keeps started_at: it is due by then, or within the skew tolerance of it (START marks
+ * only a run due by the database clock, within the skew tolerance; an aborted run is not marked),
+ * and a pause withdraws only runs not started (jobs.ts WITHDRAW_FUTURE_RUNS), so it keeps it even
+ * when handed back still ahead of its time; whoever claims it next calls it without START.
  * One handed back unmarked is STARTed by whoever claims it next.
  *
  * START also checks the run is due by the database clock itself (within the skew tolerance): when
@@ -408,7 +423,8 @@ const NOT_MADE = {
  * latest) before the claim expires, or before a stopping worker's drain aborts what still runs
  * (`drainLeftMs`). Either way the call could be cut after reaching the target and then be made again
  * by whoever takes the run next; handing the claim back instead costs the run no attempt, and
- * whoever claims it next makes the call.
+ * whoever claims it next makes the call. Claims handed back too late count with the run's forgiven
+ * expiries, past which the attempt is charged (runAttempt): the cause may last.
  */
 function whyNotStart(
   ctx: AttemptContext,
@@ -439,6 +455,9 @@ function whyNotStart(
   }
   return undefined;
 }
+
+/** A claim handed back too late re-samples the clock estimate if its last sample is this old. */
+const LATE_CLAIM_SYNC_AGE_MS = 1000;
 
 /** First pause between tries of a settle write, doubling up to SETTLE_RETRY_MAX_MS. */
 const SETTLE_RETRY_MS = 25;

@@ -1,5 +1,6 @@
 import { performance } from 'node:perf_hooks';
-import { databaseEpochMs, type Queryable } from '../store/db.js';
+import { databaseEpochMs, withClient, type Queryable } from '../store/db.js';
+import type { Connections } from '../store/pool-share.js';
 
 /**
  * How far this host's wall clock and monotonic clock may drift apart since a sample before the
@@ -11,7 +12,8 @@ const CLOCKS_DISAGREE_MS = 50;
  * This process's estimate of the database clock, the one clock for scheduling decisions.
  * A worker holds a run until its `not_before` by *this* clock, so a node whose own clock is off
  * still fires on time. The offset is sampled NTP-style (midpoint of the round trip, best of a few
- * samples): its error is at most half the round trip, well inside the claim's skew tolerance.
+ * samples, on one connection checked out first): its error is at most half the round trip, well
+ * inside the claim's skew tolerance.
  *
  * Between samples it runs on both of this host's clocks, which fail differently: the wall clock
  * steps (an NTP correction), the monotonic clock stops while the host is suspended. While they
@@ -72,10 +74,12 @@ export class DbClock {
    * Re-samples the offsets if the last sample is older than `maxAgeMs` (by the monotonic clock)
    * or the clocks disagree; errors propagate.
    */
-  async sync(db: Queryable, maxAgeMs = 0, samples = 3): Promise<void> {
+  async sync(db: Queryable | Connections, maxAgeMs = 0, samples = 3): Promise<void> {
     if (this.monotonic() - this.lastSync < maxAgeMs && !this.disagreeing) return;
     // One sampling at a time: callers that ask meanwhile (a herd's runs) share it.
-    this.sampling ??= this.sample(db, samples).finally(() => (this.sampling = undefined));
+    this.sampling ??= (
+      isPool(db) ? withClient(db, (client) => this.sample(client, samples)) : this.sample(db, samples)
+    ).finally(() => (this.sampling = undefined));
     return this.sampling;
   }
 
@@ -96,4 +100,16 @@ export class DbClock {
     }
     this.lastSync = this.monotonic();
   }
+}
+
+/**
+ * A pool (not a checked-out client): sampled on one client checked out first. Through the pool,
+ * each sample's round trip included the wait for a connection, before the database read its
+ * clock: the midpoint put the estimate ahead by half that wait. A worker whose pool stayed
+ * saturated (a herd, a slow database) took every sample so; waits past twice the claim grace (5 s
+ * by default, 100 ms at least) put it ahead by more than the grace, and every claim it made until
+ * the next sample was handed back as too late (attempt.ts claim-too-late).
+ */
+function isPool(db: Queryable | Connections): db is Connections {
+  return 'connect' in db && typeof db.connect === 'function' && !('release' in db);
 }

@@ -70,11 +70,11 @@ async function claimedAhead(): Promise<{ job: string; run: ClaimedRun }> {
 }
 
 /**
- * A worker on `nodeId` (the real START batcher) whose calls are appended to `calls`, its warnings'
- * messages to `warned`.
+ * A worker on `nodeId` (the real START batcher, `skewMs` its clock skew tolerance) whose calls are
+ * appended to `calls`, its warnings' messages to `warned`.
  */
-function worker(nodeId: string, calls: string[], warned: string[] = []): AttemptContext {
-  const starts = createStartBatcher(db.pool, nodeId, SKEW_MS);
+function worker(nodeId: string, calls: string[], warned: string[] = [], skewMs = SKEW_MS): AttemptContext {
+  const starts = createStartBatcher(db.pool, nodeId, skewMs);
   const executor = {
     execute: async (run: ClaimedRun): Promise<AttemptReport> => {
       calls.push(`${nodeId}:${run.attempt}`);
@@ -204,30 +204,39 @@ test('a START that keeps failing while the hand-back cannot be written either le
 });
 
 // `replace`: a run handed back marked started (its START committed, the answer lost) counts as
-// started for the job's older runs (runs.ts REPLACE_OLDER: started_at set), before it is called.
-// An older run claimed meanwhile is replaced uncalled; the newer one must then still be called,
-// once, and without START, whatever a pause does in between.
-test('replace: a run handed back marked started (a lost START) replaces an older run claimed meanwhile; a pause keeps it, and it is called once', async () => {
+// started for the job's older runs (runs.ts REPLACE_OLDER: started_at set), before it is called. An
+// older run claimed meanwhile is replaced uncalled; the newer one must then still be called, once,
+// and without START, whatever a pause does in between. START marks a run up to the skew tolerance
+// before its time (a worker whose estimate of the database clock runs early), so it may be handed
+// back, marked, still ahead of its time: a pause then must keep it (jobs.ts WITHDRAW_FUTURE_RUNS
+// takes only runs not started). Handed back after its time, as it used to be here, the run is no
+// future run for a pause to withdraw, whatever the pause checks: that step could not fail.
+test('replace: a run handed back marked started (a lost START) before its time replaces an older run claimed meanwhile; a pause keeps it, and it is called once', async () => {
+  const skewMs = 3000;
   const { job, runs } = await jobWithQueuedRuns(db.pool, {
     name: 'sfr',
     schedule: '* * * * * *',
     concurrency: 'replace',
-    dueAt: ["clock_timestamp() - interval '10 seconds'", "clock_timestamp() + interval '300 milliseconds'"],
+    dueAt: ["clock_timestamp() - interval '10 seconds'", "clock_timestamp() + interval '2400 milliseconds'"],
   });
   const [older, newer] = [runs[0]!, runs[1]!];
-  // Node A claims the newer run within the skew tolerance before its time (a replace run is claimed
-  // only so early), its START commits and the answer is lost, then every START fails.
+  // Node A (a 3 s skew tolerance, a 100 ms grace) claims the newer run 2.4 s before its time (a
+  // replace run is claimed only within the tolerance), its START commits at once and the answer
+  // is lost, then every START fails.
   const [run] = await claimRuns(db.pool, [{ runId: newer, expectedAttempt: null }], {
     nodeId: A,
-    graceMs: 1000,
-    skewToleranceMs: 1000,
+    graceMs: 100,
+    skewToleranceMs: skewMs,
   });
   assert.ok(run?.startPending, 'claimed ahead');
-  await untilDbTime(db.pool, run.notBefore);
-  assert.deepEqual(await startRuns(db.pool, A, [run], SKEW_MS), [true]);
+  assert.deepEqual(await startRuns(db.pool, A, [run], skewMs), [true]);
   await failStarts(job);
   const calls: string[] = [];
-  await attemptAtItsTime(worker(A, calls), run);
+  // START is retried while a call could still end within the claim (its time + the grace), then
+  // the claim is handed back: ≈1.6 s on, ≈800 ms before the run's time.
+  const a = worker(A, calls, [], skewMs);
+  await a.clock.sync(db.pool);
+  await runAttempt(a, run, new AbortController().signal);
   assert.deepEqual(calls, []);
   assert.deepEqual(await stateOf(newer), {
     state: 'queued',
@@ -239,8 +248,13 @@ test('replace: a run handed back marked started (a lost START) replaces an older
     announced: 1,
   });
   await heal(job);
-  // A pause: the handed-back run fell due while the job was enabled; it is not withdrawn.
+  // A pause before the run's time: it was started, so it is not withdrawn.
   await pauseJob(db.pool, { id: job }, { runsTopic: 'runs', misfireThresholdMs: 5000 });
+  const { rows: kept } = await db.pool.query<{ ahead: boolean }>(
+    'SELECT scheduled_for > clock_timestamp() AS ahead FROM runs WHERE id = $1',
+    [newer],
+  );
+  assert.deepEqual(kept, [{ ahead: true }], 'kept by a pause that came before its time');
   // The older run is claimed (its announcement was late): replaced by the newer, uncalled.
   const [first] = await claimRuns(db.pool, [{ runId: older, expectedAttempt: null }], {
     nodeId: B,
@@ -252,6 +266,7 @@ test('replace: a run handed back marked started (a lost START) replaces an older
   await b.clock.sync(db.pool);
   await runAttempt(b, first, new AbortController().signal);
   assert.deepEqual(calls, [], 'the older run is not called once a run asked for later has started');
+  await untilDbTime(db.pool, run.notBefore);
   await claimedAgainAndCalled(newer, calls);
   assert.deepEqual(calls, [`${B}:2`], 'the newer run is called once, by its next claim');
   const { rows: states } = await db.pool.query(

@@ -380,7 +380,7 @@ interface Harness {
   queue: RunQueue;
   /** Calls made at the target. */
   made: string[];
-  /** Claims handed back uncalled (attempt.ts's releaseClaim: the only use of the pool here). */
+  /** Claims handed back uncalled (attempt.ts's release). */
   handedBack: number;
   claimed: number;
 }
@@ -404,14 +404,10 @@ function attemptQueue(options: {
   const metrics = createMetrics('test');
   const timeoutMs = options.timeoutMs ?? 50;
   const h: Harness = { queue: undefined as unknown as RunQueue, made: [], handedBack: 0, claimed: 0 };
+  // The pool answers nothing: the clock estimate re-sampled after a hand-back (claim-too-late)
+  // finds no database time and stays as it is.
   const client = { query: async () => ({ rows: [] }), on() {}, removeListener() {}, release() {} };
-  const pool = {
-    connect: async () => {
-      h.handedBack += 1;
-      return client;
-    },
-    query: async () => ({ rows: [] }),
-  } as unknown as Connections;
+  const pool = { connect: async () => client, query: async () => ({ rows: [] }) } as unknown as Connections;
   const executor = {
     execute: async (run: ClaimedRun, cancel: AbortSignal): Promise<AttemptReport> => {
       if (cancel.aborted) {
@@ -439,6 +435,10 @@ function attemptQueue(options: {
     complete: async () => {
       if (options.writeMs) await sleep(options.writeMs);
       return true;
+    },
+    release: async (run) => {
+      h.handedBack += 1;
+      return message(run.id, run.attempt + 1);
     },
     logger: silentLogger,
     metrics,
