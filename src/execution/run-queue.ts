@@ -106,7 +106,7 @@ interface Execution {
   slotted: boolean;
   /** performance.now() when it got its slot: the call time estimate's sample starts there. */
   slotAt: number;
-  /** Holds a start pass (see StartPasses) until it has its slot or has ended. */
+  /** Holds a start pass (see START_PASSES_PER_SLOT) until it has its slot or has ended. */
   startPass?: boolean;
   /** Its call ended past `concurrency` settling runs: it keeps its slot until written. */
   keptSlot?: boolean;
@@ -441,7 +441,7 @@ export class RunQueue {
    * unless their START is still to come. A run claimed ahead is checked by its START (leaving the
    * thousands a herd or a second of steady load claims ahead out of every check: at 2,000 runs/s
    * with a 1 s lead, the default then, the watch's statement cost ≈50 µs per run); from its start
-   * pass on (START on its way or done, at most as many as the slots) it is watched: a delete or a
+   * pass on (START on its way or done, at most startPasses() of them) it is watched: a delete or a
    * takeover after its START ends its wait for a slot. Not those settling: their call is over, so
    * there is nothing left to abort, and their write is conditional on the claim (a herd's writes
    * held back while calls wait are thousands).
@@ -922,7 +922,7 @@ export class RunQueue {
       await this.untilDue(run.notBefore.getTime(), execution, signal);
     };
     // A run still to be marked started is marked while it waits for its slot (a start pass: see
-    // StartPasses), so that a slot freed by a call goes to a run ready to call at once, not to one
+    // START_PASSES_PER_SLOT), so that a slot freed by a call goes to a run ready to call at once, not to one
     // whose START is still on its way. The others take their slot first.
     if (run.startPending) await this.startPassFor(execution, signal);
     else await untilSlot();
