@@ -922,8 +922,8 @@ export class RunQueue {
       await this.untilDue(run.notBefore.getTime(), execution, signal);
     };
     // A run still to be marked started is marked while it waits for its slot (a start pass: see
-    // START_PASSES_PER_SLOT), so that a slot freed by a call goes to a run ready to call at once, not to one
-    // whose START is still on its way. The others take their slot first.
+    // START_PASSES_PER_SLOT), so that a slot freed by a call goes to a run ready to call at once,
+    // not to one whose START is still on its way. The others take their slot first.
     if (run.startPending) await this.startPassFor(execution, signal);
     else await untilSlot();
     // A drain that began while this run waited for its time, or begins before its call, applies to it.
