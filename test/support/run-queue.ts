@@ -3,6 +3,7 @@ import { MicroBatcher, type BatchFunction } from '../../src/execution/micro-batc
 import { RunQueue, type RunQueueOptions } from '../../src/execution/run-queue.js';
 import { silentLogger } from '../../src/observability/logger.js';
 import { createMetrics } from '../../src/observability/metrics.js';
+import type { RunMessage } from '../../src/model.js';
 import { fakeClaimedRun } from './claimed-run.js';
 import { waitFor } from './execution.js';
 
@@ -39,6 +40,16 @@ export function testRunQueue(
       : run,
   });
 }
+
+/** Run `runId`'s first announcement, due at `notBefore` (default: now), with a 1 s timeout. */
+export const dueAnnouncement = (runId: string, notBefore = new Date()): RunMessage => ({
+  runId,
+  jobId: runId,
+  attempt: 1,
+  scheduledFor: notBefore,
+  notBefore,
+  timeoutMs: 1000,
+});
 
 /** Sets a queue's call time estimate (run-queue.ts), as a node that has timed `timed` calls has it. */
 export function setCallTime(queue: RunQueue, callMs: number, timed = 20): void {

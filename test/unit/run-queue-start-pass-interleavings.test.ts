@@ -3,9 +3,15 @@ import { setTimeout as sleep } from 'node:timers/promises';
 import { test } from 'node:test';
 import { ClaimLostError } from '../../src/errors.js';
 import { startPasses, type RunQueue } from '../../src/execution/run-queue.js';
-import type { RunMessage } from '../../src/model.js';
 import { fakeClaimedRun } from '../support/claimed-run.js';
-import { gate, queueCounters, setCallTime, testRunQueue, until } from '../support/run-queue.js';
+import {
+  dueAnnouncement as due,
+  gate,
+  queueCounters,
+  setCallTime,
+  testRunQueue,
+  until,
+} from '../support/run-queue.js';
 
 // Start passes (run-queue.ts) against the other ways an execution ends without its slot: the
 // poller's claim of the same run (superseded), the claim watch, a drain aborting runs that wait for
@@ -15,15 +21,6 @@ import { gate, queueCounters, setCallTime, testRunQueue, until } from '../suppor
 
 const START_MS = 20;
 const id = (n: number) => `00000000-0000-4000-8000-${String(n).padStart(12, '0')}`;
-
-const due = (runId: string, notBefore = new Date()): RunMessage => ({
-  runId,
-  jobId: runId,
-  attempt: 1,
-  scheduledFor: notBefore,
-  notBefore,
-  timeoutMs: 1000,
-});
 
 /** The queue's start pass bookkeeping, read for invariants only. */
 function passes(queue: RunQueue): { held: number; waiting: number } {

@@ -2,9 +2,8 @@ import assert from 'node:assert/strict';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { test } from 'node:test';
 import { startPasses, type RunQueue, type RunQueueOptions } from '../../src/execution/run-queue.js';
-import type { RunMessage } from '../../src/model.js';
 import { fakeClaimedRun } from '../support/claimed-run.js';
-import { gate, setCallTime, testRunQueue, until } from '../support/run-queue.js';
+import { dueAnnouncement as due, gate, setCallTime, testRunQueue, until } from '../support/run-queue.js';
 
 // Start passes (run-queue.ts): a run claimed ahead is marked started (START) while it waits for
 // its slot, not after it got one, so a slot a call gives back goes to a run ready to call; and at
@@ -14,15 +13,6 @@ import { gate, setCallTime, testRunQueue, until } from '../support/run-queue.js'
 
 const START_MS = 60;
 const id = (n: number) => `00000000-0000-4000-8000-${String(n).padStart(12, '0')}`;
-
-const due = (runId: string, notBefore: Date): RunMessage => ({
-  runId,
-  jobId: runId,
-  attempt: 1,
-  scheduledFor: notBefore,
-  notBefore,
-  timeoutMs: 1000,
-});
 
 interface Seen {
   /** performance.now() when each run's START was sent, and when its call began. */
