@@ -74,6 +74,7 @@ export class ClusterSignals {
       gauges.outboxOldestAge.set(c.outboxOldestAgeSeconds);
       gauges.runsQueued.set(c.runsQueued);
       gauges.runsOverdue.set(c.runsOverdue);
+      gauges.runsWaitingForbid.set(c.runsWaitingForbid);
       gauges.runsRunning.set(c.runsRunning);
       gauges.deadLettersOpen.set(c.deadLettersOpen);
       gauges.updated.set(Date.now() / 1000);

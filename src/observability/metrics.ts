@@ -31,7 +31,11 @@ function createClusterGauges() {
     ),
     runsOverdue: gauge(
       'helios_runs_overdue',
-      'Queued runs due longer ago than HELIOS_MISFIRE_THRESHOLD_MS (counted up to 100000), read by the leader',
+      'Queued runs due longer ago than HELIOS_MISFIRE_THRESHOLD_MS, not counting helios_runs_waiting_forbid (counted up to 100000), read by the leader',
+    ),
+    runsWaitingForbid: gauge(
+      'helios_runs_waiting_forbid',
+      "Retries and replays of forbid jobs due and waiting for their job's running run to end (counted up to 100000), read by the leader",
     ),
     runsRunning: gauge(
       'helios_runs_running',

@@ -10,6 +10,7 @@ import {
   skipRun,
   type ClaimedRun,
   type ClaimOptions,
+  waitsForRunningSibling,
 } from './runs.js';
 
 // The polling fallback's SQL: runs whose announcement is late or lost are found here.
@@ -30,8 +31,7 @@ const SELECT_OVERDUE = `
          ${misfiredAtClaim('r', '$3', { below: '$4', leaderKey: '$5' })} AS misfired
   FROM runs r
   WHERE r.state = 'queued' AND r.not_before <= now() - $1 * interval '1 millisecond'
-    AND NOT (r.concurrency = 'forbid' AND r.attempt > 0 AND EXISTS (
-      SELECT 1 FROM runs o WHERE o.job_id = r.job_id AND o.state = 'running'))
+    AND NOT ${waitsForRunningSibling('r')}
   ORDER BY r.not_before
   LIMIT $2
   FOR UPDATE OF r SKIP LOCKED`;

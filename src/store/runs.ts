@@ -100,6 +100,19 @@ export const misfiredAtClaim = (
 };
 
 /**
+ * Whether queued run `r` (SQL) is a `forbid` job's retry or replay (attempt > 0: never skipped)
+ * that another, running run of its job keeps from starting (CLAIM refuses it): it waits its turn,
+ * bounded by that run's claim deadline and the reaper. The polling fallback leaves it alone
+ * meanwhile (store/overdue.ts), and the leader counts it apart from the overdue runs
+ * (store/signals.ts): it is not stuck, and counted overdue, one such wait behind a call of
+ * minutes fed HeliosRunsOverdueGrowing on a healthy cluster. The subquery runs only for such runs (the
+ * cheap tests come first and AND stops at the first false).
+ */
+export const waitsForRunningSibling = (r: string): string => `(
+  ${r}.concurrency = 'forbid' AND ${r}.attempt > 0 AND EXISTS (
+    SELECT 1 FROM runs o WHERE o.job_id = ${r}.job_id AND o.state = 'running'))`;
+
+/**
  * Moves queued, due runs to running for node $2 and records their attempts, in one statement.
  * $1 = run ids, $5 = the attempt each caller expects to start (parallel; NULL = any),
  * $2 = node id, $3 = claim grace ms, $4 = clock-skew tolerance ms, $6 = claim lead ms, $7 = the

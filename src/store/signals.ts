@@ -1,4 +1,5 @@
 import type { Queryable } from './db.js';
+import { waitsForRunningSibling } from './runs.js';
 
 /** The cluster's queues as the leader reads them for its gauges (see observability/cluster-signals.ts). */
 export interface ClusterCounts {
@@ -8,8 +9,16 @@ export interface ClusterCounts {
   readonly outboxOldestAgeSeconds: number;
   /** Runs queued (waiting for their time, a worker, or a retry's back-off), at most the cap. */
   readonly runsQueued: number;
-  /** Queued runs due longer ago than the overdue threshold, at most the cap. */
+  /**
+   * Queued runs due longer ago than the overdue threshold, at most the cap; not a `forbid` job's
+   * retry or replay waiting for the job's running run ({@link ClusterCounts.runsWaitingForbid}).
+   */
   readonly runsOverdue: number;
+  /**
+   * Retries and replays of `forbid` jobs due and waiting for another run of their job to end (no
+   * worker may claim them meanwhile), at most the cap.
+   */
+  readonly runsWaitingForbid: number;
   /** Runs claimed by a worker and executing, at most the cap. */
   readonly runsRunning: number;
   /** Dead letters not replayed, at most the cap. */
@@ -20,6 +29,8 @@ export interface ClusterCounts {
  * Every count in one statement, each over a partial index and stopped at $2 rows, so a backlog of
  * millions costs the same as one of $2: an alert needs "far too many", not the exact figure.
  * The outbox age reads only the first entry of the pending index (ordered by publish_after).
+ * The runs waiting for a `forbid` sibling are found from the running runs (a few hundred at most,
+ * one lookup of their job's active runs each), never from the queue, which may hold millions.
  * $1 = overdue threshold in ms, $2 = cap per count.
  */
 const CLUSTER_COUNTS = `
@@ -30,9 +41,14 @@ const CLUSTER_COUNTS = `
               FROM outbox WHERE published_at IS NULL AND publish_after <= now()
               ORDER BY publish_after, id LIMIT 1), 0) AS "outboxOldestAgeSeconds",
     (SELECT count(*) FROM (SELECT 1 FROM runs WHERE state = 'queued' LIMIT $2) q)::int AS "runsQueued",
-    (SELECT count(*) FROM (SELECT 1 FROM runs WHERE state = 'queued'
-                             AND not_before < now() - $1 * interval '1 millisecond' LIMIT $2) d)::int
+    (SELECT count(*) FROM (SELECT 1 FROM runs r WHERE r.state = 'queued'
+                             AND r.not_before < now() - $1 * interval '1 millisecond'
+                             AND NOT ${waitsForRunningSibling('r')} LIMIT $2) d)::int
       AS "runsOverdue",
+    (SELECT count(DISTINCT w.id) FROM (
+       SELECT w.id FROM runs o JOIN runs w ON w.job_id = o.job_id
+       WHERE o.state = 'running' AND w.state = 'queued' AND w.concurrency = 'forbid' AND w.attempt > 0
+         AND w.not_before <= now() LIMIT $2) w)::int AS "runsWaitingForbid",
     (SELECT count(*) FROM (SELECT 1 FROM runs WHERE state = 'running' LIMIT $2) r)::int AS "runsRunning",
     (SELECT count(*) FROM (SELECT 1 FROM dead_letters WHERE replayed_at IS NULL LIMIT $2) l)::int
       AS "deadLettersOpen"`;

@@ -87,7 +87,8 @@ before(async () => {
             'forbid', now() - interval '1 hour', 'ghost', now() + interval '1 hour', now() - interval '1 hour'`,
     [jobs.forbid, jobs.misfired],
   );
-  // Queued retries of the forbid job: three due an hour ago (overdue), two due in an hour.
+  // Queued retries of the forbid job: three due an hour ago, waiting for the held run (counted as
+  // waiting, not overdue), two due in an hour.
   await db.pool.query(
     `INSERT INTO runs (job_id, scheduled_for, state, attempt, max_attempts, target, timeout_ms, backoff_ms,
                        backoff_multiplier, concurrency, not_before)
@@ -183,7 +184,8 @@ test('after a scripted scenario every cluster gauge and new counter shows the ex
   const expected = {
     helios_outbox_pending_rows: 5, // the four old rows and the misfired job's run
     helios_runs_queued: 5,
-    helios_runs_overdue: 3,
+    helios_runs_overdue: 0,
+    helios_runs_waiting_forbid: 3,
     helios_runs_running: 2,
     helios_dead_letters_open: 2,
     helios_kafka_consumer_lag_messages: LAG_MESSAGES,

@@ -10,6 +10,7 @@ const counts: ClusterCounts = {
   outboxOldestAgeSeconds: 3,
   runsQueued: 5,
   runsOverdue: 1,
+  runsWaitingForbid: 0,
   runsRunning: 2,
   deadLettersOpen: 4,
 };
