@@ -253,7 +253,18 @@ const CASES: Case[] = [
     fires: [],
   },
   {
-    name: 'one replay of a forbid job waits for its long-running sibling',
+    // One run nobody claims: it fires within 10 minutes. A `forbid` job's replay waiting for its
+    // running sibling (a call of minutes) did so too while helios_runs_overdue counted it: the
+    // leader counts such waits apart (helios_runs_waiting_forbid, store/signals.ts).
+    name: 'one run overdue and unclaimed for 10 minutes',
+    interval: '1m',
+    series: { 'helios_runs_overdue{node="a"}': '0x4 1x120' },
+    at: '15m',
+    alert: 'HeliosRunsOverdueGrowing',
+    fires: [{}],
+  },
+  {
+    name: "one run overdue for two hours: the last hour's low has caught up",
     interval: '1m',
     series: { 'helios_runs_overdue{node="a"}': '0x4 1x120' },
     at: '2h',
