@@ -29,8 +29,9 @@ export interface ClusterCounts {
  * Every count in one statement, each over a partial index and stopped at $2 rows, so a backlog of
  * millions costs the same as one of $2: an alert needs "far too many", not the exact figure.
  * The outbox age reads only the first entry of the pending index (ordered by publish_after).
- * The runs waiting for a `forbid` sibling are found from the running runs (a few hundred at most,
- * one lookup of their job's active runs each), never from the queue, which may hold millions.
+ * The runs waiting for a `forbid` sibling are found from the jobs running something (a few
+ * hundred at most, one lookup of their active runs each), never from the queue, which may hold
+ * millions (test/integration/runs-waiting-forbid.test.ts counts the rows the plan reads).
  * $1 = overdue threshold in ms, $2 = cap per count.
  */
 const CLUSTER_COUNTS = `
@@ -45,10 +46,12 @@ const CLUSTER_COUNTS = `
                              AND r.not_before < now() - $1 * interval '1 millisecond'
                              AND NOT ${waitsForRunningSibling('r')} LIMIT $2) d)::int
       AS "runsOverdue",
-    (SELECT count(DISTINCT w.id) FROM (
-       SELECT w.id FROM runs o JOIN runs w ON w.job_id = o.job_id
-       WHERE o.state = 'running' AND w.state = 'queued' AND w.concurrency = 'forbid' AND w.attempt > 0
-         AND w.not_before <= now() LIMIT $2) w)::int AS "runsWaitingForbid",
+    -- A subquery per job running something: a join was planned as a hash join over all of runs.
+    (SELECT least(coalesce(sum((
+       SELECT count(*) FROM runs w
+       WHERE w.job_id = o.job_id AND w.state = 'queued' AND w.concurrency = 'forbid' AND w.attempt > 0
+         AND w.not_before <= now())), 0), $2)
+     FROM (SELECT DISTINCT job_id FROM runs WHERE state = 'running') o)::int AS "runsWaitingForbid",
     (SELECT count(*) FROM (SELECT 1 FROM runs WHERE state = 'running' LIMIT $2) r)::int AS "runsRunning",
     (SELECT count(*) FROM (SELECT 1 FROM dead_letters WHERE replayed_at IS NULL LIMIT $2) l)::int
       AS "deadLettersOpen"`;

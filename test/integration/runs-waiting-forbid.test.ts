@@ -1,6 +1,6 @@
 import assert from 'node:assert/strict';
-import { after, before, test } from 'node:test';
-import { silentLogger } from '../../src/observability/logger.js';
+import { pino } from 'pino';
+import { after, before, beforeEach, test } from 'node:test';
 import { createMetrics } from '../../src/observability/metrics.js';
 import { inTransaction, type Queryable } from '../../src/store/db.js';
 import { claimOverdueRuns } from '../../src/store/overdue.js';
@@ -21,6 +21,8 @@ before(async () => {
   db = await createTestDatabase();
 });
 after(() => db.drop());
+// Each test's runs alone (cascades to them).
+beforeEach(() => db.pool.query('DELETE FROM jobs'));
 
 async function job(concurrency: 'forbid' | 'allow'): Promise<string> {
   const { rows } = await db.pool.query<{ id: string }>(
@@ -65,7 +67,6 @@ test('a forbid retry waiting for its running sibling is counted waiting, not ove
     { overdue: counts.runsOverdue, waiting: counts.runsWaitingForbid, running: counts.runsRunning },
     { overdue: 2, waiting: 1, running: 1 },
   );
-  await db.pool.query('DELETE FROM jobs');
 });
 
 test('the polling fallback leaves a waiting forbid retry alone while its sibling runs, and claims it at the next poll after', async () => {
@@ -75,6 +76,7 @@ test('the polling fallback leaves a waiting forbid retry alone while its sibling
   const metrics = createMetrics('waiting-forbid');
   const statements: string[] = [];
   const claimed: ClaimedRun[] = [];
+  const lines: string[] = [];
   let polls = 0;
   const abort = new AbortController();
   const options = { nodeId: 'node-b', graceMs: 5000, skewToleranceMs: 10, misfireThresholdMs: 5000 };
@@ -84,9 +86,10 @@ test('the polling fallback leaves a waiting forbid retry alone while its sibling
         polls += 1;
         const query = client.query;
         // Every statement of the poll but its BEGIN and COMMIT (inTransaction's, not the poll's).
-        client.query = ((text: string, values?: unknown[]) => {
-          statements.push(text.trim().split(/\s+/).slice(0, 3).join(' '));
-          return (query as (t: string, v?: unknown[]) => unknown).call(client, text, values);
+        client.query = ((text: string | { text: string }, values?: unknown[]) => {
+          const sql = typeof text === 'string' ? text : text.text;
+          statements.push(sql.trim().split(/\s+/).slice(0, 3).join(' '));
+          return (query as (t: unknown, v?: unknown[]) => unknown).call(client, text, values);
         }) as typeof client.query;
         try {
           return await claimOverdueRuns(client, overdueMs, limit, options);
@@ -100,7 +103,7 @@ test('the polling fallback leaves a waiting forbid retry alone while its sibling
     capacity: () => 10,
     reserve: () => () => undefined,
     execute: (runs) => claimed.push(...runs),
-    logger: silentLogger,
+    logger: pino({ level: 'debug' }, { write: (line: string) => void lines.push(line) }),
     metrics,
     signal: abort.signal,
   });
@@ -117,6 +120,9 @@ test('the polling fallback leaves a waiting forbid retry alone while its sibling
     );
     assert.equal(whileWaiting.length, pollsWhileWaiting);
     assert.equal(claimed.length, 0);
+    assert.deepEqual(lines.splice(0), [], 'log lines while the retry waits');
+    const claims = await metrics.registry.getSingleMetricAsString('helios_run_claims_total');
+    assert.doesNotMatch(claims, /source="poll"/, 'claims counted while the retry waits');
     // The sibling ends: the next poll claims the retry.
     const ended = Date.now();
     await db.pool.query(
@@ -133,17 +139,18 @@ test('the polling fallback leaves a waiting forbid retry alone while its sibling
     abort.abort();
     await loop;
   }
-  await db.pool.query('DELETE FROM jobs');
 });
 
-/** Every scan node of a JSON plan with the rows it returned over all its loops. */
+/** Every scan node of a JSON plan with the rows it read (returned or filtered out) over all its loops. */
 function scans(plan: Record<string, unknown>): { node: string; rows: number }[] {
   const own =
     typeof plan['Node Type'] === 'string' && /Scan/.test(plan['Node Type'])
       ? [
           {
             node: `${plan['Node Type']} ${String(plan['Index Name'] ?? plan['Relation Name'] ?? '')}`,
-            rows: Number(plan['Actual Rows']) * Number(plan['Actual Loops']),
+            rows:
+              (Number(plan['Actual Rows']) + Number(plan['Rows Removed by Filter'] ?? 0)) *
+              Number(plan['Actual Loops']),
           },
         ]
       : [];
