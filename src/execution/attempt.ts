@@ -180,19 +180,17 @@ export async function runAttempt(
       // its claim expires, as it recovers a worker that died.
       // A replacement that cannot be written may fail on every claim (a lock held past the
       // statement timeout, a plan gone bad): each claim handed the run back, re-queued and
-      // announced, for ever. So may a claim acknowledged too late: runs that wait for a slot past
-      // a small claim grace under steady load, a worker whose estimate of the database clock runs
-      // ahead by more than the grace (a lopsided sample, re-taken below), a START or a
-      // replacement that always takes longer than the grace. Such hand-backs count with the
-      // reaper's forgiven expiries (a run started either way: its claim or its START began it);
-      // past FORGIVEN_EXPIRIES the attempt is charged, so the run ends dead as a job whose calls
-      // keep killing workers does. A START that cannot be written needs no bound: the run is due
-      // once handed back, so whoever claims it next starts it with the claim, without START; nor
-      // does a stopping worker's hand-back: it claims nothing more.
-      const counted =
-        notMade.outcome === 'replace-failed' || notMade.outcome === 'claim-too-late'
-          ? FORGIVEN_EXPIRIES
-          : undefined;
+      // announced, for ever. Such hand-backs count with the reaper's forgiven expiries (a run
+      // started either way: its claim or its START began it); past FORGIVEN_EXPIRIES the attempt
+      // is charged, so the run ends dead as a job whose calls keep killing workers does. A START
+      // that cannot be written needs no bound: the run is due once handed back, so whoever claims
+      // it next starts it with the claim, without START; nor does a stopping worker's hand-back:
+      // it claims nothing more. Nor a claim acknowledged too late: counted, a database coming back
+      // from an outage (claims answered seconds late, a pool of dead connections) charged the
+      // attempts of every run due meanwhile and buried them (leader-stall-review-blackhole); its
+      // lasting causes are the node's load (the claim budget) and a clock estimate running ahead,
+      // which the hand-back re-samples (below).
+      const counted = notMade.outcome === 'replace-failed' ? FORGIVEN_EXPIRIES : undefined;
       let releaseErr: Error | undefined;
       const released = await release(report, counted).catch((err: unknown) => {
         releaseErr = toError(err);
@@ -423,8 +421,7 @@ const NOT_MADE = {
  * latest) before the claim expires, or before a stopping worker's drain aborts what still runs
  * (`drainLeftMs`). Either way the call could be cut after reaching the target and then be made again
  * by whoever takes the run next; handing the claim back instead costs the run no attempt, and
- * whoever claims it next makes the call. Claims handed back too late count with the run's forgiven
- * expiries, past which the attempt is charged (runAttempt): the cause may last.
+ * whoever claims it next makes the call.
  */
 function whyNotStart(
   ctx: AttemptContext,
