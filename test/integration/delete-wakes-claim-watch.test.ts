@@ -7,7 +7,7 @@ import { silentLogger } from '../../src/observability/logger.js';
 import { Notifications } from '../../src/store/notifications.js';
 import { claimRuns } from '../../src/store/runs.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
-import { waitFor } from '../support/execution.js';
+import { jobWithQueuedRuns, waitFor } from '../support/execution.js';
 
 // A job's delete NOTIFYs `helios_runs` when it had a running run (store/jobs.ts DELETE), so the
 // workers' claim watches check at once: a run already marked started that waits for its slot
@@ -25,24 +25,19 @@ after(() => db.drop());
 
 /** A job with one due run claimed (running) by NODE. */
 async function jobWithRunningRun(): Promise<{ jobId: string; runId: string; attempt: number }> {
-  const { rows } = await db.pool.query<{ jobId: string; id: string }>(
-    `WITH j AS (
-       INSERT INTO jobs (name, schedule, target, timeout_ms, max_attempts, concurrency, next_run_at)
-       VALUES ('del-' || gen_random_uuid(), '0 0 1 1 *', '{"url":"http://127.0.0.1:9/"}', 10000, 3,
-               'allow', now() + interval '1 hour') RETURNING *)
-     INSERT INTO runs (job_id, scheduled_for, state, max_attempts, target, timeout_ms, backoff_ms,
-                       backoff_multiplier, concurrency, not_before)
-     SELECT j.id, now(), 'queued', 3, j.target, 10000, 100, 2, 'allow', now() FROM j
-     RETURNING runs.job_id AS "jobId", runs.id`,
-  );
-  const { jobId, id } = rows[0]!;
-  const [claimed] = await claimRuns(db.pool, [{ runId: id, expectedAttempt: null }], {
+  const { job, runs } = await jobWithQueuedRuns(db.pool, {
+    name: 'del',
+    schedule: '0 0 1 1 *',
+    concurrency: 'allow',
+    dueAt: ['now()'],
+  });
+  const [claimed] = await claimRuns(db.pool, [{ runId: runs[0]!, expectedAttempt: null }], {
     nodeId: NODE,
     graceMs: 5000,
     skewToleranceMs: 10,
   });
   assert.ok(claimed);
-  return { jobId, runId: id, attempt: claimed.attempt };
+  return { jobId: job, runId: claimed.id, attempt: claimed.attempt };
 }
 
 test("a job's delete wakes the claim watch at once: its running run's execution is aborted, its outcome unwanted", async () => {
