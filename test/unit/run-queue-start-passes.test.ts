@@ -193,3 +193,52 @@ test('runs waiting for a start pass count as waiting for calls in the pace that 
   await until(() => seen.starts.size === passes + 6, 'all started');
   await queue.drain(1_000, new Error('test over'));
 });
+
+test('runs claimed once due wait for a pass behind the runs claimed ahead before them: none overtakes them to a slot', async () => {
+  // A run claimed once due (overdue under a backlog, a forbid or replace run) needs no START, but
+  // took its slot without a pass: it went to the slots ahead of runs claimed before it that still
+  // waited for one. Under a backlog those waited past their claims' grace and were handed back by
+  // the block (offered 4,000 runs/s on the benchmark's 3 nodes: ≈1,000 `claim-too-late`).
+  const claimedAhead = 3 * startPasses(1); // more than the passes: some wait for one
+  const { queue, seen } = startingQueue(1, {
+    claim: async (request) => ({
+      kind: 'claimed',
+      run: {
+        ...fakeClaimedRun(request.runId),
+        startPending: Number(request.runId.slice(-4)) <= claimedAhead,
+      },
+    }),
+    run: async (run, signal, _left, callEnded, untilSlot) => {
+      // attempt.ts: a run claimed ahead is marked started (a round trip), then waits for its slot;
+      // the others hold their slot already.
+      if (run.startPending) {
+        seen.starts.set(run.id, performance.now());
+        await sleep(5);
+      }
+      await untilSlot();
+      if (signal.aborted) return callEnded(false);
+      seen.calls.set(run.id, performance.now());
+      const call = gate();
+      seen.open.push({ runId: run.id, end: call.open });
+      await call.promise;
+      callEnded(true);
+    },
+  });
+  const now = new Date();
+  for (let n = 1; n <= claimedAhead; n++) queue.hold(due(id(n), now));
+  await until(() => seen.starts.size === startPasses(1) && seen.calls.size === 1, 'the first block started');
+  const late = [1001, 1002, 1003].map(id);
+  for (const runId of late) queue.hold(due(runId, now));
+  const order: string[] = [];
+  while (order.length < claimedAhead + late.length) {
+    await until(() => seen.open.length > 0, `call ${order.length + 1}`);
+    order.push(endOne(seen));
+  }
+  const firstLate = order.findIndex((runId) => late.includes(runId));
+  assert.equal(
+    firstLate,
+    claimedAhead,
+    `a run claimed once due was called ${claimedAhead - firstLate} calls early`,
+  );
+  await queue.drain(1_000, new Error('test over'));
+});
