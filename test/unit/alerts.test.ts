@@ -85,6 +85,7 @@ test('every metric the alert rules and the dashboard name is one a Helios node e
 test('every alert says what happened and what to do, with a severity', () => {
   assert.deepEqual(rules.map((r) => r.alert).sort(), [
     'HeliosCallsNotRecorded',
+    'HeliosClaimsTooLate',
     'HeliosClockEstimateEarly',
     'HeliosClusterGaugesStale',
     'HeliosDbPoolWaiting',
@@ -525,6 +526,60 @@ const CASES: Case[] = [
     series: { 'helios_starts_early_total{node="b"}': '3x30' },
     at: '25m',
     alert: 'HeliosClockEstimateEarly',
+    fires: [],
+  },
+  {
+    // A lasting loop on one node (its grace too small for its load, say): a fifth of its claims
+    // handed back, claimed again, handed back. The cluster's share is under 1 %: read per node.
+    name: 'a node hands back a fifth of its claims as too late for 20 minutes',
+    interval: '1m',
+    series: {
+      'helios_run_claims_total{node="a",source="kafka",result="claimed"}': '0+600x30',
+      'helios_run_claims_total{node="b",source="kafka",result="claimed"}': '0+25x30',
+      'helios_run_claims_total{node="b",source="poll",result="claimed"}': '0+5x30',
+      'helios_runs_executed_total{node="b",outcome="claim-too-late"}': '0+6x30',
+      'helios_runs_executed_total{node="b",outcome="succeeded"}': '0+24x30',
+    },
+    at: '20m',
+    alert: 'HeliosClaimsTooLate',
+    fires: [{ node: 'b' }],
+  },
+  {
+    // PostgreSQL gone a minute, then back: the herd due meanwhile is claimed, and most of it
+    // handed back, within 30 s; then none. Evaluated while the burst is still in the window.
+    name: 'a herd handed back as too late in 30 s as PostgreSQL comes back, then none',
+    interval: '15s',
+    series: {
+      'helios_run_claims_total{node="a",source="kafka",result="claimed"}':
+        '0+10x20 200x4 1700 3200 3200+10x40',
+      'helios_runs_executed_total{node="a",outcome="claim-too-late"}': '0x25 1000 2000 2000x40',
+    },
+    at: '10m45s',
+    alert: 'HeliosClaimsTooLate',
+    fires: [],
+  },
+  {
+    // A slow recovery: claims answered late for 4 minutes. Past 5 minutes after its end the
+    // window no longer holds it; with a window as long as the `for`, this fired.
+    name: 'claims handed back as too late for 4 minutes, 8 minutes ago',
+    interval: '1m',
+    series: {
+      'helios_run_claims_total{node="a",source="kafka",result="claimed"}': '0+100x30',
+      'helios_runs_executed_total{node="a",outcome="claim-too-late"}': '0x5 0+50x4 200x20',
+    },
+    at: '18m',
+    alert: 'HeliosClaimsTooLate',
+    fires: [],
+  },
+  {
+    name: 'a busy node hands back a claim or two a minute among a thousand',
+    interval: '1m',
+    series: {
+      'helios_run_claims_total{node="a",source="kafka",result="claimed"}': '0+1000x40',
+      'helios_runs_executed_total{node="a",outcome="claim-too-late"}': '0+2x40',
+    },
+    at: '35m',
+    alert: 'HeliosClaimsTooLate',
     fires: [],
   },
   {
