@@ -37,6 +37,8 @@ export type Behaviour = (
   delayMs?: number;
   /** Never answer (until the client gives up). */
   hang?: boolean;
+  /** Answer only once this settles (then after `delayMs`): a call held open until the test lets it end. */
+  until?: Promise<unknown>;
   /** Send the status and headers at once (after `delayMs`), the body this much later. */
   bodyAfterMs?: number;
   body?: string;
@@ -87,8 +89,12 @@ export class TargetServer {
           const timer = setTimeout(() => res.end(answer.body ?? 'ok'), answer.bodyAfterMs);
           res.on('close', () => clearTimeout(timer));
         };
-        if (answer.delayMs) setTimeout(respond, answer.delayMs);
-        else respond();
+        const answerNow = () => {
+          if (answer.delayMs) setTimeout(respond, answer.delayMs);
+          else respond();
+        };
+        if (answer.until) void answer.until.then(answerNow, answerNow);
+        else answerNow();
       });
     });
   }
