@@ -410,7 +410,8 @@ interface NotMade {
 
 const NOT_MADE = {
   stopping: 'call not made: the worker stops before its timeout would end',
-  'claim-too-late': 'call not made: the claim was acknowledged too late for its timeout',
+  'claim-too-late':
+    'call not made: the claim had less than its timeout left (its answer came late, or the run waited for a slot)',
   'replace-failed':
     "call not made: the job's older runs could not be replaced while the claim covered the call",
   'start-failed': 'call not made: the run could not be marked started while the claim covered the call',
@@ -440,7 +441,7 @@ function whyNotStart(
   if (claimLeftMs <= run.timeoutMs) {
     return {
       outcome: 'claim-too-late',
-      error: `claim acknowledged with ${Math.round(claimLeftMs)} ms left, less than the timeout; call not made`,
+      error: `claim had ${Math.round(claimLeftMs)} ms left when the call would begin, less than the timeout; call not made`,
     };
   }
   const stoppingInMs = drainLeftMs?.() ?? Infinity;
