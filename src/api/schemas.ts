@@ -233,7 +233,10 @@ export const Cluster = Type.Object(
       {
         queued: Type.Integer({ description: CAPPED_COUNT }),
         overdue: Type.Integer({
-          description: `queued runs due longer ago than the misfire threshold (HELIOS_MISFIRE_THRESHOLD_MS); ${CAPPED_COUNT}`,
+          description: `queued runs due longer ago than the misfire threshold (HELIOS_MISFIRE_THRESHOLD_MS), but those in waitingForbid; ${CAPPED_COUNT}`,
+        }),
+        waitingForbid: Type.Integer({
+          description: `queued retries and replays of forbid jobs, due, waiting for the job's running run to end (helios_runs_waiting_forbid); ${CAPPED_COUNT}`,
         }),
         running: Type.Integer({ description: CAPPED_COUNT }),
       },

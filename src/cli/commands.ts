@@ -114,7 +114,7 @@ export async function clusterCommand(client: ApiClient, args: CommandArgs, io: O
   );
   const { outbox, runs, deadLetters } = cluster;
   io.out(
-    `runs queued: ${runs.queued}   overdue: ${runs.overdue}   running: ${runs.running}   dead letters open: ${deadLetters.open}`,
+    `runs queued: ${runs.queued}   overdue: ${runs.overdue}   waiting (forbid): ${runs.waitingForbid}   running: ${runs.running}   dead letters open: ${deadLetters.open}`,
   );
   io.out(`outbox pending: ${outbox.pending}   oldest due waited: ${outbox.oldestDueAgeSeconds.toFixed(1)} s`);
   io.out('');

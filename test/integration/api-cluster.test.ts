@@ -23,7 +23,7 @@ interface Cluster {
     lastSeen: string;
   }[];
   outbox: { pending: number; oldestDueAgeSeconds: number };
-  runs: { queued: number; overdue: number; running: number };
+  runs: { queued: number; overdue: number; waitingForbid: number; running: number };
   deadLetters: { open: number };
 }
 
@@ -34,7 +34,7 @@ test('GET /cluster shows the leader and its fencing token, live nodes, outbox, r
     leader: null,
     nodes: [],
     outbox: { pending: 0, oldestDueAgeSeconds: 0 },
-    runs: { queued: 0, overdue: 0, running: 0 },
+    runs: { queued: 0, overdue: 0, waitingForbid: 0, running: 0 },
     deadLetters: { open: 0 },
   });
 
@@ -92,6 +92,18 @@ test('GET /cluster shows the leader and its fencing token, live nodes, outbox, r
        SELECT id, job_id, 3, CASE WHEN row_number() OVER (ORDER BY id) = 1 THEN now() END FROM dead`,
       [job.id],
     );
+    // A forbid job's retry, overdue, waiting for the job's running run: waiting, not overdue.
+    const forbid = (
+      await api.call('POST', '/api/v1/jobs', { body: jobBody('cluster-forbid', { concurrency: 'forbid' }) })
+    ).body as { id: string };
+    await api.db.pool.query(
+      `INSERT INTO runs (job_id, scheduled_for, state, attempt, max_attempts, target, timeout_ms,
+                         backoff_ms, backoff_multiplier, concurrency, not_before)
+       SELECT id, now() - interval '1 hour' - g * interval '1 minute', s, 1, 3, target, 1000, 0, 1, 'forbid',
+              now() - interval '10 seconds'
+       FROM jobs, unnest(ARRAY['running', 'queued']) WITH ORDINALITY AS u (s, g) WHERE id = $1`,
+      [forbid.id],
+    );
     await api.db.pool.query(
       `INSERT INTO outbox (topic, key, payload, publish_after)
        VALUES ('helios.runs', 'k', '{}', now() - interval '30 seconds'), ('helios.runs', 'k', '{}', now() + interval '1 hour')`,
@@ -111,7 +123,7 @@ test('GET /cluster shows the leader and its fencing token, live nodes, outbox, r
       cluster.outbox.oldestDueAgeSeconds >= 30 && cluster.outbox.oldestDueAgeSeconds < 40,
       `oldest due outbox row waited ${cluster.outbox.oldestDueAgeSeconds} s`,
     );
-    assert.deepEqual(cluster.runs, { queued: 2, overdue: 1, running: 1 });
+    assert.deepEqual(cluster.runs, { queued: 3, overdue: 1, waitingForbid: 1, running: 2 });
     assert.deepEqual(cluster.deadLetters, { open: 1 });
   } finally {
     await api.db.pool.query(`DELETE FROM outbox`);
@@ -157,7 +169,7 @@ test('GET /cluster stops each count at the cap, so a huge backlog costs a call n
     assert.equal(response.status, 200);
     const cluster = response.body as Cluster;
     assert.equal(cluster.outbox.pending, CLUSTER_COUNT_CAP);
-    assert.deepEqual(cluster.runs, { queued: CLUSTER_COUNT_CAP, overdue: 0, running: 0 });
+    assert.deepEqual(cluster.runs, { queued: CLUSTER_COUNT_CAP, overdue: 0, waitingForbid: 0, running: 0 });
   } finally {
     await api.db.pool.query(`DELETE FROM outbox`);
     await api.call('DELETE', `/api/v1/jobs/${job.id}`);

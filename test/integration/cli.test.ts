@@ -174,7 +174,10 @@ test('create, get, list, trigger, runs, run, pause, resume, delete, dead-letters
   const cluster = await helios(['cluster']);
   assert.equal(cluster.code, 0, cluster.stderr);
   assert.match(cluster.stdout, /^leader: none/);
-  assert.match(cluster.stdout, /runs queued: 1 {3}overdue: [01] {3}running: 0 {3}dead letters open: 0/);
+  assert.match(
+    cluster.stdout,
+    /runs queued: 1 {3}overdue: [01] {3}waiting \(forbid\): 0 {3}running: 0 {3}dead letters open: 0/,
+  );
   assert.match(cluster.stdout, /outbox pending: \d+ {3}oldest due waited: \d+\.\d s/);
   const clusterJson = JSON.parse((await helios(['cluster', '--json'])).stdout) as {
     runs: { queued: number };

@@ -20,7 +20,7 @@ export function clusterRoutes(app: Api, options: ApiOptions): void {
       schema: {
         tags: ['cluster'],
         summary:
-          'Leader, live nodes, pending outbox rows, queued, overdue and running runs, open dead letters',
+          'Leader, live nodes, pending outbox rows, queued, overdue, waiting and running runs, open dead letters',
         response: { 200: Cluster, ...problems(...COMMON_PROBLEMS) },
       },
     },
@@ -57,7 +57,12 @@ export function clusterRoutes(app: Api, options: ApiOptions): void {
           lastSeen: n.lastSeen,
         })),
         outbox: { pending: counts.outboxPending, oldestDueAgeSeconds: counts.outboxOldestAgeSeconds },
-        runs: { queued: counts.runsQueued, overdue: counts.runsOverdue, running: counts.runsRunning },
+        runs: {
+          queued: counts.runsQueued,
+          overdue: counts.runsOverdue,
+          waitingForbid: counts.runsWaitingForbid,
+          running: counts.runsRunning,
+        },
         deadLetters: { open: counts.deadLettersOpen },
       };
     },
