@@ -113,8 +113,9 @@ export async function clusterCommand(client: ApiClient, args: CommandArgs, io: O
       : 'leader: none',
   );
   const { outbox, runs, deadLetters } = cluster;
+  // `?` from a node of a release before the count (a rolling upgrade).
   io.out(
-    `runs queued: ${runs.queued}   overdue: ${runs.overdue}   waiting (forbid): ${runs.waitingForbid}   running: ${runs.running}   dead letters open: ${deadLetters.open}`,
+    `runs queued: ${runs.queued}   overdue: ${runs.overdue}   waiting (forbid): ${runs.waitingForbid ?? '?'}   running: ${runs.running}   dead letters open: ${deadLetters.open}`,
   );
   io.out(`outbox pending: ${outbox.pending}   oldest due waited: ${outbox.oldestDueAgeSeconds.toFixed(1)} s`);
   io.out('');
