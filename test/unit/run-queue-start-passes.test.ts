@@ -242,3 +242,32 @@ test('runs claimed once due wait for a pass behind the runs claimed ahead before
   );
   await queue.drain(1_000, new Error('test over'));
 });
+
+test('slots runs take at once after their START count in the pace, as slots given to waiting runs do', async () => {
+  // Runs wait for passes throughout; each block's STARTs come back together and its runs take the
+  // slots the calls before them freed, at once (slotFor), none waiting in the slot queue. Counted
+  // only when given in pump(), those slots made no pace, and the claims ahead stopped at the free
+  // slots while the node called at full speed (a 60 s hold at 5,000 runs/s: ≈3,000/s completed).
+  const concurrency = 4;
+  const { queue, seen } = startingQueue(concurrency, {
+    run: async (run, signal, _left, callEnded, untilSlot) => {
+      seen.starts.set(run.id, performance.now());
+      await sleep(20); // START
+      await untilSlot();
+      if (signal.aborted) return callEnded(false);
+      seen.calls.set(run.id, performance.now());
+      callEnded(true); // a call that ends at once: the next run finds its slot free
+    },
+  });
+  const now = new Date();
+  const runs = 60 * startPasses(concurrency); // ≈1 s of blocks: the pace is sampled in 250 ms windows
+  for (let n = 1; n <= runs; n++) queue.hold(due(id(n), now));
+  const pace = () => (queue as unknown as { saturatedPace?: number }).saturatedPace;
+  await until(() => seen.calls.size >= (runs * 3) / 4, 'three quarters of the calls', 10_000);
+  const slotsPerMs = seen.calls.size / (performance.now() - Math.min(...seen.calls.values()));
+  assert.ok(
+    (pace() ?? 0) > slotsPerMs / 4,
+    `the pace measured ${pace()} slots per ms, where runs got ${slotsPerMs.toFixed(2)}`,
+  );
+  await queue.drain(1_000, new Error('test over'));
+});
