@@ -1,3 +1,5 @@
+import assert from 'node:assert/strict';
+import { setTimeout as sleep } from 'node:timers/promises';
 import { DbClock } from '../../src/execution/db-clock.js';
 import { MicroBatcher, type BatchFunction } from '../../src/execution/micro-batcher.js';
 import { RunQueue, type RunQueueOptions } from '../../src/execution/run-queue.js';
@@ -222,4 +224,70 @@ export async function drainSendsHeldWrite(
     endCall();
     await drained;
   }
+}
+
+/**
+ * A test RunQueue whose `run` plays attempt.ts: a run claimed ahead (`startPending(n)`, n its id's
+ * last 6 digits) is marked started unless aborted (a round trip of `startMs`), then every run waits
+ * for its slot and makes its call unless aborted, held open until the test ends it. `concurrency`
+ * slots, claims ahead to spare (10 s grace, 50 ms calls), each run claimed with its announcement's
+ * timeout. `endCalls(total)` ends calls as they begin, one every 2 ms, until `total` were made and
+ * none is open, and fails after `withinMs` (a run left waiting).
+ */
+export function attemptPlayingQueue(options: {
+  concurrency: number;
+  startMs: number;
+  startPending: (n: number) => boolean;
+}) {
+  const started: string[] = [];
+  const called: string[] = [];
+  const notCalled: string[] = [];
+  const open: (() => void)[] = [];
+  const queue: RunQueue = testRunQueue(
+    {
+      concurrency: options.concurrency,
+      claimGraceMs: 10_000,
+      claim: async (request) => ({
+        kind: 'claimed',
+        run: {
+          ...fakeClaimedRun(request.runId),
+          timeoutMs: request.timeoutMs ?? 1000,
+          startPending: options.startPending(Number(request.runId.slice(-6))),
+        },
+      }),
+      run: async (run, signal, _left, callEnded, untilSlot) => {
+        if (run.startPending && !signal.aborted) {
+          started.push(run.id);
+          await sleep(options.startMs);
+        }
+        await untilSlot();
+        if (signal.aborted) {
+          notCalled.push(run.id);
+          return callEnded(false);
+        }
+        called.push(run.id);
+        const call = gate();
+        open.push(call.open);
+        await call.promise;
+        callEnded(true);
+      },
+    },
+    { slotFirst: false },
+  );
+  setCallTime(queue, 50);
+  const endCalls = async (total: number, withinMs = 3_000) => {
+    const by = performance.now() + withinMs;
+    while (called.length < total || open.length > 0) {
+      assert.ok(performance.now() < by, `${called.length} of ${total} calls made: runs left waiting`);
+      open.shift()?.();
+      await sleep(2);
+    }
+  };
+  return { queue, started, called, notCalled, open, endCalls };
+}
+
+/** A queue's start pass bookkeeping (run-queue.ts), read for invariants only. */
+export function startPassCounts(queue: RunQueue): { held: number; waiting: number } {
+  const q = queue as unknown as { startPassesHeld: number; startPassWaiters: { length: number } };
+  return { held: q.startPassesHeld, waiting: q.startPassWaiters.length };
 }

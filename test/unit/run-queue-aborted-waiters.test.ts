@@ -2,10 +2,9 @@ import assert from 'node:assert/strict';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { test } from 'node:test';
 import { ClaimLostError } from '../../src/errors.js';
-import { startPasses, type RunQueue } from '../../src/execution/run-queue.js';
+import { startPasses } from '../../src/execution/run-queue.js';
 import type { RunMessage } from '../../src/model.js';
-import { fakeClaimedRun } from '../support/claimed-run.js';
-import { dueAnnouncement, gate, setCallTime, testRunQueue, until } from '../support/run-queue.js';
+import { attemptPlayingQueue, dueAnnouncement, until } from '../support/run-queue.js';
 
 // A run whose signal aborts while it waits for a slot or a start pass (run-queue.ts, slotFor and
 // startPassFor) must leave that wait's queue. Left in it, a later grant goes to an execution that
@@ -22,54 +21,9 @@ const id = (n: number) => `00000000-0000-4000-8000-${String(n).padStart(12, '0')
 /** Run `n`'s first announcement, due now, with a call timeout of `timeoutMs`. */
 const due = (n: number, timeoutMs = 1000): RunMessage => ({ ...dueAnnouncement(id(n)), timeoutMs });
 
-/**
- * One slot, claims ahead to spare; each run claimed with its announcement's timeout, ahead
- * (startPending: it takes a start pass) when `startPending`.
- */
-function oneSlotQueue(startPending: boolean) {
-  const started: string[] = [];
-  const called: string[] = [];
-  const notCalled: string[] = [];
-  const open: (() => void)[] = [];
-  const queue: RunQueue = testRunQueue(
-    {
-      concurrency: 1,
-      claimGraceMs: 10_000,
-      claim: async (request) => ({
-        kind: 'claimed',
-        run: { ...fakeClaimedRun(request.runId), timeoutMs: request.timeoutMs ?? 1000, startPending },
-      }),
-      run: async (run, signal, _left, callEnded, untilSlot) => {
-        if (run.startPending && !signal.aborted) {
-          started.push(run.id);
-          await sleep(START_MS);
-        }
-        await untilSlot();
-        if (signal.aborted) {
-          notCalled.push(run.id);
-          return callEnded(false);
-        }
-        called.push(run.id);
-        const call = gate();
-        open.push(call.open);
-        await call.promise;
-        callEnded(true);
-      },
-    },
-    { slotFirst: false },
-  );
-  setCallTime(queue, 50);
-  /** Ends calls as they begin until `total` were made and none is open; fails after 1 s. */
-  const endCalls = async (total: number) => {
-    const by = performance.now() + 1_000;
-    while (called.length < total || open.length > 0) {
-      assert.ok(performance.now() < by, `${called.length} of ${total} calls made: runs left waiting`);
-      open.shift()?.();
-      await sleep(2);
-    }
-  };
-  return { queue, started, called, notCalled, open, endCalls };
-}
+/** One slot; every run claimed ahead (it takes a start pass) when `startPending`, else once due. */
+const oneSlotQueue = (startPending: boolean) =>
+  attemptPlayingQueue({ concurrency: 1, startMs: START_MS, startPending: () => startPending });
 
 test('runs waiting for a slot whose claims are lost end uncalled, and the runs behind them get the slot', async () => {
   const { queue, called, notCalled, endCalls } = oneSlotQueue(false);

@@ -6,12 +6,11 @@ import { startPasses, type RunQueue } from '../../src/execution/run-queue.js';
 import type { RunMessage } from '../../src/model.js';
 import { fakeClaimedRun } from '../support/claimed-run.js';
 import {
+  attemptPlayingQueue,
   dueAnnouncement,
-  gate,
   queueCounters,
   queueWithGatedCalls,
-  setCallTime,
-  testRunQueue,
+  startPassCounts,
   until,
 } from '../support/run-queue.js';
 
@@ -23,63 +22,13 @@ const START_MS = 10;
 const id = (n: number) => `00000000-0000-4000-8000-${String(n).padStart(12, '0')}`;
 const due = (n: number, timeoutMs = 1000): RunMessage => ({ ...dueAnnouncement(id(n)), timeoutMs });
 
-function passes(queue: RunQueue): { held: number; waiting: number } {
-  const q = queue as unknown as { startPassesHeld: number; startPassWaiters: { length: number } };
-  return { held: q.startPassesHeld, waiting: q.startPassWaiters.length };
-}
-
 /** `concurrency` slots; runs with n in `pending` claimed ahead, the others claimed once due. */
-function mixedQueue(concurrency: number, pending: (n: number) => boolean) {
-  const started: string[] = [];
-  const called: string[] = [];
-  const notCalled: string[] = [];
-  const open: (() => void)[] = [];
-  const queue: RunQueue = testRunQueue(
-    {
-      concurrency,
-      claimGraceMs: 10_000,
-      claim: async (request) => ({
-        kind: 'claimed',
-        run: {
-          ...fakeClaimedRun(request.runId),
-          timeoutMs: request.timeoutMs ?? 1000,
-          startPending: pending(Number(request.runId.slice(-6))),
-        },
-      }),
-      run: async (run, signal, _left, callEnded, untilSlot) => {
-        if (run.startPending && !signal.aborted) {
-          started.push(run.id);
-          await sleep(START_MS);
-        }
-        await untilSlot();
-        if (signal.aborted) {
-          notCalled.push(run.id);
-          return callEnded(false);
-        }
-        called.push(run.id);
-        const call = gate();
-        open.push(call.open);
-        await call.promise;
-        callEnded(true);
-      },
-    },
-    { slotFirst: false },
-  );
-  setCallTime(queue, 50);
-  const endCalls = async (total: number, ms = 3_000) => {
-    const by = performance.now() + ms;
-    while (called.length < total || open.length > 0) {
-      assert.ok(performance.now() < by, `${called.length} of ${total} calls made: runs left waiting`);
-      while (open.length > 0) open.shift()!();
-      await sleep(1);
-    }
-  };
-  return { queue, started, called, notCalled, open, endCalls };
-}
+const mixedQueue = (concurrency: number, pending: (n: number) => boolean) =>
+  attemptPlayingQueue({ concurrency, startMs: START_MS, startPending: pending });
 
 async function assertSettled(queue: RunQueue): Promise<void> {
   await until(() => queueCounters(queue).executing === 0, 'every execution ended');
-  assert.deepEqual(passes(queue), { held: 0, waiting: 0 }, 'start passes all back');
+  assert.deepEqual(startPassCounts(queue), { held: 0, waiting: 0 }, 'start passes all back');
   const c = queueCounters(queue);
   assert.deepEqual(
     {
@@ -98,7 +47,7 @@ test('runs claimed once due waiting for a pass or a slot are watched, and a lost
   const n = startPasses(1) + 4;
   const { queue, called, notCalled, endCalls } = mixedQueue(1, () => false);
   for (let i = 1; i <= n; i++) queue.hold(due(i));
-  await until(() => called.length === 1 && passes(queue).waiting > 0, 'one call, the rest wait');
+  await until(() => called.length === 1 && startPassCounts(queue).waiting > 0, 'one call, the rest wait');
   const watched = new Set([...queue.claims()].map((c) => c.runId));
   assert.equal(watched.size, n, 'every claimed run (pass holders and pass waiters) watched');
   // Lose the claims of two pass holders waiting for the slot and two runs waiting for a pass.
@@ -116,7 +65,7 @@ test("the poller's claim of a run claimed once due that holds a pass supersedes 
   const n = startPasses(1) + 3;
   const { queue, called, endCalls } = mixedQueue(1, (i) => i % 2 === 0);
   for (let i = 1; i <= n; i++) queue.hold(due(i));
-  await until(() => called.length === 1 && passes(queue).waiting > 0, 'one call, the rest wait');
+  await until(() => called.length === 1 && startPassCounts(queue).waiting > 0, 'one call, the rest wait');
   await sleep(START_MS * 3);
   const release = queue.reserve(3);
   for (const i of [3, 4, n]) queue.execute(fakeClaimedRun(id(i), 2));
@@ -131,7 +80,7 @@ test('one slot, eight passes, runs claimed ahead and once due interleaved, the p
   const n = 5 * startPasses(1);
   const { queue, called, endCalls } = mixedQueue(1, (i) => i % 3 !== 0);
   for (let i = 1; i <= n; i++) queue.hold(due(i));
-  await until(() => called.length === 1 && passes(queue).waiting > 0, 'one call, the rest wait');
+  await until(() => called.length === 1 && startPassCounts(queue).waiting > 0, 'one call, the rest wait');
   // The poller's query holds the slot reserved while every pass is held.
   const release = queue.reserve(1);
   await sleep(30);
@@ -146,7 +95,10 @@ test('a drain: runs claimed once due waiting for a pass whose calls could not en
   // Run 1 calls; 2..9 short (100 ms) hold passes or wait; 10..12 long (10 s) wait for a pass.
   for (let i = 1; i <= 9; i++) queue.hold(due(i, 100));
   for (let i = 10; i <= 12; i++) queue.hold(due(i, 10_000));
-  await until(() => called.length === 1 && passes(queue).waiting === 4, 'one call, 8 passes held, 4 waiting');
+  await until(
+    () => called.length === 1 && startPassCounts(queue).waiting === 4,
+    'one call, 8 passes held, 4 waiting',
+  );
   const drained = queue.drain(2_000, new Error('test over'));
   await until(() => notCalled.length === 3, 'long runs aborted');
   assert.deepEqual(new Set(notCalled), new Set([id(10), id(11), id(12)]));
@@ -166,7 +118,7 @@ test('more than 64 slots (passes capped at 512): runs claimed once due beyond th
   const { queue, called, endCalls } = mixedQueue(concurrency, (i) => i % 4 === 0);
   for (let i = 1; i <= n; i++) queue.hold(due(i));
   await until(() => called.length === concurrency, 'the slots full');
-  assert.equal(passes(queue).held <= 512, true);
+  assert.equal(startPassCounts(queue).held <= 512, true);
   await endCalls(n, 10_000);
   await assertSettled(queue);
   assert.equal(new Set(called).size, n);
@@ -180,7 +132,10 @@ test('held writes: runs claimed once due waiting for a pass keep writes held, an
   );
   try {
     for (let i = 1; i <= n; i++) queue.hold(dueAnnouncement(id(i)));
-    await until(() => called.size === 1 && passes(queue).waiting > 0, 'one call, runs wait for passes');
+    await until(
+      () => called.size === 1 && startPassCounts(queue).waiting > 0,
+      'one call, runs wait for passes',
+    );
     assert.equal(queue.callsUnderway(), true);
     open(id(1));
     await until(() => written.flat().length === n, 'every write gone', 2_000);
@@ -196,7 +151,10 @@ test('a run claimed once due aborted right after its pass was granted, before it
   const { queue, called, notCalled, endCalls } = mixedQueue(1, () => false);
   const n = startPasses(1) + 2;
   for (let i = 1; i <= n; i++) queue.hold(due(i));
-  await until(() => called.length === 1 && passes(queue).waiting === 2, 'one call, two waiting for a pass');
+  await until(
+    () => called.length === 1 && startPassCounts(queue).waiting === 2,
+    'one call, two waiting for a pass',
+  );
   // Aborted in the same tick its pass is granted (the block grant), before it asks for a slot.
   const waiters = [id(n - 1), id(n)];
   const q = queue as unknown as {

@@ -5,11 +5,10 @@ import { ClaimLostError } from '../../src/errors.js';
 import { startPasses, type RunQueue } from '../../src/execution/run-queue.js';
 import { fakeClaimedRun } from '../support/claimed-run.js';
 import {
+  attemptPlayingQueue,
   dueAnnouncement as due,
-  gate,
   queueCounters,
-  setCallTime,
-  testRunQueue,
+  startPassCounts,
   until,
 } from '../support/run-queue.js';
 
@@ -22,59 +21,14 @@ import {
 const START_MS = 20;
 const id = (n: number) => `00000000-0000-4000-8000-${String(n).padStart(12, '0')}`;
 
-/** The queue's start pass bookkeeping, read for invariants only. */
-function passes(queue: RunQueue): { held: number; waiting: number } {
-  const q = queue as unknown as { startPassesHeld: number; startPassWaiters: { length: number } };
-  return { held: q.startPassesHeld, waiting: q.startPassWaiters.length };
-}
-
 /** One slot; every run claimed ahead (startPending) and due now; calls held open until ended. */
-function startingQueue() {
-  const started: string[] = [];
-  const called: string[] = [];
-  const open: (() => void)[] = [];
-  const queue: RunQueue = testRunQueue(
-    {
-      concurrency: 1,
-      claimGraceMs: 10_000,
-      claim: async (request) => ({
-        kind: 'claimed',
-        run: { ...fakeClaimedRun(request.runId), startPending: true },
-      }),
-      run: async (run, signal, _left, callEnded, untilSlot) => {
-        // attempt.ts: START unless aborted, then the slot, then the call unless aborted.
-        if (run.startPending && !signal.aborted) {
-          started.push(run.id);
-          await sleep(START_MS);
-        }
-        await untilSlot();
-        if (signal.aborted) return callEnded(false);
-        called.push(run.id);
-        const call = gate();
-        open.push(call.open);
-        await call.promise;
-        callEnded(true);
-      },
-    },
-    { slotFirst: false },
-  );
-  setCallTime(queue, 50);
-  /** Ends calls as they begin until `total` were made; fails after 3 s (a run left waiting). */
-  const endCalls = async (total: number) => {
-    const by = performance.now() + 3_000;
-    while (called.length < total || open.length > 0) {
-      assert.ok(performance.now() < by, `${called.length} of ${total} calls made: runs left waiting`);
-      open.shift()?.();
-      await sleep(2);
-    }
-  };
-  return { queue, started, called, open, endCalls };
-}
+const startingQueue = () =>
+  attemptPlayingQueue({ concurrency: 1, startMs: START_MS, startPending: () => true });
 
 /** Nothing left held, waiting or counted once every execution has ended. */
 async function assertSettled(queue: RunQueue): Promise<void> {
   await until(() => queueCounters(queue).executing === 0, 'every execution ended');
-  assert.deepEqual(passes(queue), { held: 0, waiting: 0 }, 'start passes all back');
+  assert.deepEqual(startPassCounts(queue), { held: 0, waiting: 0 }, 'start passes all back');
   const c = queueCounters(queue);
   assert.deepEqual(
     { slotted: c.slotted, ahead: c.ahead, superseded: c.superseded, backlogCalls: c.backlogCalls },
@@ -90,7 +44,7 @@ test("runs holding a pass that the poller's claim of the same run supersedes giv
   await until(() => called.length === 1 && started.length === startPasses(1), 'one call, the passes out');
   await sleep(START_MS * 2);
   // Seven runs marked started wait for the slot; three wait for a pass (more than half are held).
-  assert.deepEqual(passes(queue), { held: startPasses(1) - 1, waiting: 3 });
+  assert.deepEqual(startPassCounts(queue), { held: startPasses(1) - 1, waiting: 3 });
   // Their claims expired and were taken back; the poller claimed four of them again on this node.
   const release = queue.reserve(4);
   for (let i = 2; i <= 5; i++) queue.execute(fakeClaimedRun(id(i), 2));
@@ -129,10 +83,17 @@ test('a drain aborts runs waiting for a pass: they take none and are not marked 
   const n = startPasses(1) + 3;
   const { queue, started, called, open } = startingQueue();
   for (let i = 1; i <= n; i++) queue.hold(due(id(i)));
-  await until(() => called.length === 1 && passes(queue).waiting === 3, 'one call, three waiting for a pass');
+  await until(
+    () => called.length === 1 && startPassCounts(queue).waiting === 3,
+    'one call, three waiting for a pass',
+  );
   // The calls (1 s timeout) cannot end before a 200 ms deadline: all but the call in flight aborted.
   const drained = queue.drain(200, new Error('stopping'));
-  await until(() => passes(queue).waiting === 0, 'the runs waiting for a pass ended their wait', 100);
+  await until(
+    () => startPassCounts(queue).waiting === 0,
+    'the runs waiting for a pass ended their wait',
+    100,
+  );
   open.shift()!();
   await drained;
   await assertSettled(queue);
