@@ -632,10 +632,10 @@ export class RunQueue {
     if (execution.slotted || signal.aborted) return Promise.resolve();
     if (this.slotWaiters.length === 0 && this.busy() < this.options.concurrency) {
       this.giveSlot(execution);
-      // A slot given to a run that waited for its start pass is the pace too: a block of runs whose
-      // STARTs come back together takes the free slots here, not in pump(). Uncounted, a window in
-      // which every slot went this way measured no pace at all, and the claims ahead stopped at the
-      // free slots.
+      // Counted in the pace as a slot pump() gives (measurePace keeps the count only for windows in
+      // which runs waited throughout): a block of runs whose STARTs come back together takes the
+      // free slots here. Uncounted, a window in which every slot went this way measured no pace at
+      // all while runs waited for passes, and the claims ahead stopped at the free slots.
       this.paceWindow.granted += 1;
       return Promise.resolve();
     }
