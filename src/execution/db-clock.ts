@@ -9,6 +9,14 @@ import type { Connections } from '../store/pool-share.js';
 const CLOCKS_DISAGREE_MS = 50;
 
 /**
+ * A sample's answer is waited for this long at most (see CheckoutOptions.readTimeoutMs): one
+ * whose round trip took longer is worth nothing (its error is up to half of it), and every caller
+ * of sync() shares the sampling in progress, the poller's loop among them: left waiting on a
+ * connection that went silent, it held them all for the pool's query read timeout (35 s).
+ */
+const SAMPLE_READ_TIMEOUT_MS = 2000;
+
+/**
  * This process's estimate of the database clock, the one clock for scheduling decisions.
  * A worker holds a run until its `not_before` by *this* clock, so a node whose own clock is off
  * still fires on time. The offset is sampled NTP-style (midpoint of the round trip, best of a few
@@ -78,7 +86,11 @@ export class DbClock {
     if (this.monotonic() - this.lastSync < maxAgeMs && !this.disagreeing) return;
     // One sampling at a time: callers that ask meanwhile (a herd's runs) share it.
     this.sampling ??= (
-      isPool(db) ? withClient(db, (client) => this.sample(client, samples)) : this.sample(db, samples)
+      isPool(db)
+        ? withClient(db, (client) => this.sample(client, samples), undefined, {
+            readTimeoutMs: SAMPLE_READ_TIMEOUT_MS,
+          })
+        : this.sample(db, samples)
     ).finally(() => (this.sampling = undefined));
     return this.sampling;
   }

@@ -26,8 +26,14 @@ export interface PollerOptions {
   readonly capacity: () => number;
   /** Reserves `n` slots while a poll is claiming (so nothing else takes them meanwhile). */
   readonly reserve: (n: number) => () => void;
-  /** Takes the claimed runs into the slots reserved for them (before the reservation ends). */
-  readonly execute: (runs: ClaimedRun[]) => void;
+  /**
+   * Takes the claimed runs into the slots reserved for them (before the reservation ends), or,
+   * `inReservedSlots` false, the reservation having lapsed (see reservationMaxMs), into the queue
+   * for slots that runs claimed from announcements wait in.
+   */
+  readonly execute: (runs: ClaimedRun[], inReservedSlots: boolean) => void;
+  /** A poll not answered within this holds its reservation no longer; default POLL_RESERVATION_MAX_MS. */
+  readonly reservationMaxMs?: number;
   readonly logger: Logger;
   readonly metrics: Metrics;
   readonly signal: AbortSignal;
@@ -35,6 +41,17 @@ export interface PollerOptions {
 
 /** The database clock offset is re-sampled this often. */
 const CLOCK_SYNC_MS = 30_000;
+
+/**
+ * How long a poll's reservation of the free slots lasts at most. A poll answers in a few ms; one
+ * that does not (a statement left waiting on a connection that went silent, a database in
+ * trouble) held every free slot of the worker for as long as it waited, up to the query read
+ * timeout: runs claimed from announcements meanwhile waited out their claims uncalled, and the
+ * reaper's forgiven expiries and then their attempts ran out (leader-stall-review-blackhole:
+ * occurrences dead after PostgreSQL came back). Past this, the slots are given back, and the
+ * poll's claims, when they come, wait for slots as announced runs do.
+ */
+export const POLL_RESERVATION_MAX_MS = 250;
 
 /**
  * The polling fallback (contract item 5): claims queued runs whose message is overdue, with
@@ -51,6 +68,11 @@ export async function pollOverdue(options: PollerOptions): Promise<void> {
       const capacity = options.capacity();
       if (capacity > 0) {
         const release = options.reserve(capacity);
+        let lapsed = false;
+        const lapse = setTimeout(() => {
+          lapsed = true;
+          release();
+        }, options.reservationMaxMs ?? POLL_RESERVATION_MAX_MS);
         let claimed: ClaimedRun[] = [];
         let misfired = 0;
         try {
@@ -61,8 +83,9 @@ export async function pollOverdue(options: PollerOptions): Promise<void> {
           if (misfired > 0) metrics.runsSkipped.inc({ reason: 'misfire' }, misfired);
           // The claimed runs take their slots before the reservation is given back: released
           // first, the slots went to announced runs that fell due meanwhile, and these ran on top.
-          if (claimed.length > 0) options.execute(claimed);
+          if (claimed.length > 0) options.execute(claimed, !lapsed);
         } finally {
+          clearTimeout(lapse);
           release();
         }
         if (misfired > 0) logger.info({ runs: misfired }, "skipped misfires by their jobs' policies");

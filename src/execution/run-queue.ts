@@ -423,14 +423,19 @@ export class RunQueue {
     };
   }
 
-  /** Executes a run claimed elsewhere (the poller), in a slot the caller reserved. */
-  execute(run: ClaimedRun): void {
+  /**
+   * Executes a run claimed elsewhere (the poller): in a slot the caller reserved, or, when
+   * `inReservedSlot` is false (the poll's reservation lapsed before its claims came back), after
+   * a start pass and a slot, as a run claimed from an announcement.
+   */
+  execute(run: ClaimedRun, inReservedSlot = true): void {
     this.forget(run.id);
-    this.track(run.id, run.attempt, true, async (execution) => {
-      execution.attempt = run.attempt;
+    this.track(run.id, run.attempt, inReservedSlot, async (execution) => {
       // A poll whose claims came back after the drain ended: nothing would abort the call any
       // more, and the executor is closed next. Called with the stop reason, it hands them back.
       if (this.drainedWith) execution.controller.abort(this.drainedWith);
+      if (!inReservedSlot) return this.runClaimed(run, execution);
+      execution.attempt = run.attempt;
       await this.options.run(
         run,
         execution.controller.signal,
@@ -914,7 +919,11 @@ export class RunQueue {
       return;
     }
     if (outcome.kind !== 'claimed') return;
-    const run = outcome.run;
+    await this.runClaimed(outcome.run, execution);
+  }
+
+  /** Waits for the claimed run's time, a start pass and a slot (see below), then runs it. */
+  private async runClaimed(run: ClaimedRun, execution: Execution): Promise<void> {
     execution.attempt = run.attempt;
     execution.callEndsBy = run.notBefore.getTime() + run.timeoutMs;
     execution.startPending = run.startPending;

@@ -71,6 +71,12 @@ type State = 'idle' | 'running' | 'stopping' | 'stopped';
 const HANDOFF_TIMEOUT_MS = 500;
 
 /**
+ * The least a poll's statements wait for their answers (see claimOverdue below), whatever the
+ * claim grace: a busy database answers a poll after an outage (hundreds of runs) in well under it.
+ */
+const POLL_READ_TIMEOUT_MIN_MS = 1000;
+
+/**
  * Executes runs on this node (contract items 5–8). Announcements arrive from Kafka and wait in a
  * {@link RunQueue} until due; each is then claimed in PostgreSQL (one conditional UPDATE) and
  * executed only if the claim succeeded. The polling fallback claims runs whose message is late,
@@ -206,16 +212,22 @@ export class Worker {
     this.intake.start();
     this.loops.push(
       pollOverdue({
+        // A poll answered later than the claim grace after its claim would have them handed back
+        // as too late: its statements wait no longer for an answer (a connection gone silent
+        // is discarded then, and the next poll takes another).
         claimOverdue: (overdueMs, limit) =>
-          inTransaction(options.pool, (client) =>
-            claimOverdueRuns(client, overdueMs, limit, this.claimOptions()),
+          inTransaction(
+            options.pool,
+            (client) => claimOverdueRuns(client, overdueMs, limit, this.claimOptions()),
+            { readTimeoutMs: Math.max(options.settings.claimGraceMs, POLL_READ_TIMEOUT_MIN_MS) },
           ),
         syncClock: (maxAgeMs) => this.clock.sync(options.pool, maxAgeMs),
         intervalMs: options.settings.pollIntervalMs,
         overdueMs: options.settings.pollOverdueMs,
         capacity: () => this.queue.freeSlots(),
         reserve: (n) => this.queue.reserve(n),
-        execute: (runs: ClaimedRun[]) => runs.forEach((run) => this.queue.execute(run)),
+        execute: (runs: ClaimedRun[], inReservedSlots) =>
+          runs.forEach((run) => this.queue.execute(run, inReservedSlots)),
         logger: logger.child({ loop: 'poller' }),
         metrics: options.metrics,
         signal,

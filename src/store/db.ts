@@ -155,6 +155,7 @@ export async function withClient<T>(
   pool: Connections,
   work: (client: pg.PoolClient, lost: () => Error | undefined) => Promise<T>,
   reusable: (client: pg.PoolClient, err: unknown) => Promise<boolean> = async () => false,
+  options: CheckoutOptions = {},
 ): Promise<T> {
   const client = await pool.connect();
   let connectionError: Error | undefined;
@@ -162,6 +163,7 @@ export async function withClient<T>(
     connectionError ??= err;
   };
   client.on('error', onConnectionError);
+  const unbound = options.readTimeoutMs === undefined ? undefined : boundReads(client, options.readTimeoutMs);
   let broken = false;
   try {
     return await work(client, () => connectionError);
@@ -169,10 +171,46 @@ export async function withClient<T>(
     broken = connectionError !== undefined || !(await reusable(client, err));
     throw toError(err);
   } finally {
+    unbound?.();
     broken ||= connectionError !== undefined;
     client.release(broken);
     client.removeListener('error', onConnectionError);
   }
+}
+
+/** How a checkout's statements are sent (withClient, inTransaction). */
+export interface CheckoutOptions {
+  /**
+   * Each statement's answer is waited for this long at most, not the pool's query_timeout (35 s):
+   * for work whose answer is worth nothing later (a poll whose claims would come back too late to
+   * call, a clock sample). Past it the statement fails with a read timeout and the connection is
+   * discarded (isReadTimeout). Such a wait is what a connection that went silent (a NAT or firewall
+   * that lost its state, a database moved behind the same address) gives every statement sent on
+   * it; the pool hands such a connection out as any other until a statement on it times out.
+   */
+  readonly readTimeoutMs?: number;
+}
+
+/**
+ * Makes every statement sent on `client` wait at most `ms` for its answer (node-postgres's
+ * per-statement query_timeout), until the returned function is called.
+ */
+function boundReads(client: pg.PoolClient, ms: number): () => void {
+  const ownQuery = Object.hasOwn(client, 'query');
+  const query = client.query;
+  client.query = function (this: pg.PoolClient, config: unknown, ...rest: unknown[]) {
+    const bounded =
+      typeof config === 'string'
+        ? { text: config, query_timeout: ms }
+        : config !== null && typeof config === 'object' && !('submit' in config)
+          ? { query_timeout: ms, ...config }
+          : config;
+    return (query as (...args: unknown[]) => unknown).call(this, bounded, ...rest);
+  } as typeof client.query;
+  return () => {
+    if (ownQuery) client.query = query;
+    else delete (client as { query?: unknown }).query;
+  };
 }
 
 /**
@@ -182,6 +220,7 @@ export async function withClient<T>(
 export async function inTransaction<T>(
   pool: Connections,
   work: (client: pg.PoolClient) => Promise<T>,
+  options: CheckoutOptions = {},
 ): Promise<T> {
   return withClient(
     pool,
@@ -203,6 +242,7 @@ export async function inTransaction<T>(
         return false;
       }
     },
+    options,
   );
 }
 

@@ -2,7 +2,7 @@ import assert from 'node:assert/strict';
 import { after, before, test } from 'node:test';
 import { pino } from 'pino';
 import type pg from 'pg';
-import { createPool, inTransaction, isReadTimeout } from '../../src/store/db.js';
+import { createPool, inTransaction, isReadTimeout, withClient } from '../../src/store/db.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
 import { TcpProxy } from '../support/tcp-proxy.js';
 
@@ -73,6 +73,62 @@ test('inside a transaction: the read timeout fails it without a ROLLBACK that co
     assert.equal(pool.totalCount, 0, 'the silent connection left the pool');
     proxy.heal();
     assert.deepEqual((await pool.query<{ one: number }>('SELECT 1 AS one')).rows, [{ one: 1 }]);
+  } finally {
+    proxy.heal();
+    await pool.end();
+  }
+});
+
+test('a checkout given its own read timeout: its statements wait that long at most, and the client goes back to the pool without it', async () => {
+  const url = new URL(db.url);
+  url.hostname = '127.0.0.1';
+  url.port = String(proxy.port);
+  // The pool's own read timeout is far longer: only the checkout's applies.
+  const pool = createPool({
+    connectionString: url.toString(),
+    max: 1,
+    logger: pino({ level: 'silent' }),
+    applicationName: 'read-timeout-test',
+    queryTimeoutMs: 30_000,
+  });
+  const bounded = { readTimeoutMs: TIMEOUT_MS };
+  try {
+    // Every statement of the checkout is bounded, BEGIN and COMMIT included, and a statement
+    // slower than the bound fails even on a healthy connection.
+    const sent: string[] = [];
+    await assert.rejects(
+      inTransaction(
+        pool,
+        async (client) => {
+          sent.push('work');
+          await client.query('SELECT pg_sleep(1)');
+        },
+        bounded,
+      ),
+      (err) => isReadTimeout(err),
+    );
+    assert.deepEqual(sent, ['work']);
+    assert.equal(pool.totalCount, 0, 'the connection whose read timed out left the pool');
+
+    // A bounded checkout that succeeds gives its client back unbounded: the next checkout of the
+    // same connection waits for a statement slower than the bound.
+    await withClient(pool, (client) => client.query('SELECT 1'), undefined, bounded);
+    assert.equal(pool.totalCount, 1);
+    const { rows } = await withClient(pool, (client) =>
+      client.query<{ slept: string }>(`SELECT pg_sleep(0.6)::text AS slept`),
+    );
+    assert.deepEqual(rows, [{ slept: '' }]);
+
+    // A connection gone silent: the checkout gives up after its bound, not the pool's 30 s.
+    proxy.cut();
+    const began = Date.now();
+    await assert.rejects(
+      inTransaction(pool, (client) => client.query('SELECT 1'), bounded),
+      (err) => isReadTimeout(err),
+    );
+    const waited = Date.now() - began;
+    assert.ok(waited < 5_000, `gave up after ${waited} ms, not the pool's 30 s`);
+    assert.equal(pool.totalCount, 0, 'the silent connection left the pool');
   } finally {
     proxy.heal();
     await pool.end();

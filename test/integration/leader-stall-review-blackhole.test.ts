@@ -115,6 +115,23 @@ async function scenario(fault: Fault): Promise<void> {
     ...(fault === 'leader-silenced' ? {} : { from: faultAt + 2000 }),
     label: (s) => `${new Date(s).toISOString()} (fault ${s - faultAt >= 0 ? '+' : ''}${s - faultAt} ms)`,
   });
+  if (problems.length > 0) {
+    // What became of each attempt of the runs that did not succeed, for the failure's reader.
+    const { rows } = await fixture.db.pool.query<{
+      at: Date;
+      attempt: number;
+      node: string;
+      outcome: string;
+      error: string | null;
+    }>(
+      `SELECT r.scheduled_for AS at, a.attempt, a.node_id AS node, a.outcome, a.error
+         FROM runs r JOIN run_attempts a ON a.run_id = r.id
+        WHERE r.job_id = $1 AND r.state <> 'succeeded' ORDER BY r.scheduled_for, a.attempt`,
+      [job.id],
+    );
+    for (const r of rows)
+      console.log(`# ${r.at.toISOString()} attempt ${r.attempt} on ${r.node}: ${r.outcome} ${r.error ?? ''}`);
+  }
   assert.deepEqual(problems, [], 'every occurrence in the window has one run that ran');
 }
 
