@@ -213,7 +213,8 @@ export class Worker {
       pollOverdue({
         // A poll answered later than the claim grace after its claim would have them handed back
         // as too late: its statements wait no longer for an answer (a connection gone silent
-        // is discarded then, and the next poll takes another).
+        // is discarded then, and the next poll takes another), but for its COMMIT, which may
+        // commit all the same (see db.ts COMMIT).
         claimOverdue: (overdueMs, limit) =>
           pollOverdueRuns(options.pool, overdueMs, limit, this.claimOptions(), {
             readTimeoutMs: Math.max(options.settings.claimGraceMs, POLL_READ_TIMEOUT_MIN_MS),
