@@ -7,8 +7,7 @@ import type { Metrics } from '../observability/metrics.js';
 import type { TargetPolicy } from '../security/target-policy.js';
 import type { WorkerConfig } from '../config/index.js';
 import type { Notifications } from '../store/notifications.js';
-import { inTransaction } from '../store/db.js';
-import { claimOverdueRuns } from '../store/overdue.js';
+import { pollOverdueRuns } from '../store/overdue.js';
 import { HANDOFF_CHANNEL, handOffRuns, peersOrEveryone } from '../store/handoff.js';
 import type { RunMessage } from '../model.js';
 import type { ClaimedRun, EndedEpochsReading } from '../store/runs.js';
@@ -214,13 +213,13 @@ export class Worker {
       pollOverdue({
         // A poll answered later than the claim grace after its claim would have them handed back
         // as too late: its statements wait no longer for an answer (a connection gone silent
-        // is discarded then, and the next poll takes another).
+        // is discarded then, and the next poll takes another), but for its COMMIT, which may
+        // commit all the same (see db.ts COMMIT).
         claimOverdue: (overdueMs, limit) =>
-          inTransaction(
-            options.pool,
-            (client) => claimOverdueRuns(client, overdueMs, limit, this.claimOptions()),
-            { readTimeoutMs: Math.max(options.settings.claimGraceMs, POLL_READ_TIMEOUT_MIN_MS) },
-          ),
+          pollOverdueRuns(options.pool, overdueMs, limit, this.claimOptions(), {
+            readTimeoutMs: Math.max(options.settings.claimGraceMs, POLL_READ_TIMEOUT_MIN_MS),
+            runsTopic: options.runsTopic,
+          }),
         syncClock: (maxAgeMs) => this.clock.sync(options.pool, maxAgeMs),
         intervalMs: options.settings.pollIntervalMs,
         overdueMs: options.settings.pollOverdueMs,

@@ -181,7 +181,8 @@ export async function withClient<T>(
 /** How a checkout's statements are sent (withClient, inTransaction). */
 export interface CheckoutOptions {
   /**
-   * Each statement's answer is waited for this long at most, not the pool's query_timeout (35 s):
+   * Each statement's answer is waited for this long at most, not the pool's query_timeout (35 s),
+   * but for a statement given its own query_timeout (inTransaction's COMMIT):
    * for work whose answer is worth nothing later (a poll whose claims would come back too late to
    * call, a clock sample). Past it the statement fails with a read timeout and the connection is
    * discarded (isReadTimeout). Such a wait is what a connection that went silent (a NAT or firewall
@@ -214,8 +215,19 @@ function boundReads(client: pg.PoolClient, ms: number): () => void {
 }
 
 /**
+ * COMMIT waits for its answer as long as the connection's own read timeout says (node-postgres
+ * takes a query_timeout of 0 as none given), never a checkout's shorter one (readTimeoutMs): a
+ * COMMIT whose answer was not waited for may still commit. The poll's did (a COMMIT slower than
+ * its bound: an fsync, a synchronous standby), and the runs it claimed were left claimed with no
+ * one to call them, until their claims expired and the reaper counted a forgiven expiry against
+ * each; waited for, they are called, or handed back uncounted when too late (claim-too-late).
+ */
+const COMMIT = { text: 'COMMIT', query_timeout: 0 };
+
+/**
  * Runs `work` in a transaction on one client (withClient); rolls back on any error and rethrows
- * it. A client whose session ended or whose read timed out is discarded, not rolled back.
+ * it. A client whose session ended or whose read timed out is discarded, not rolled back. The
+ * checkout's read timeout (`options`) bounds every statement but COMMIT (see COMMIT).
  */
 export async function inTransaction<T>(
   pool: Connections,
@@ -229,7 +241,7 @@ export async function inTransaction<T>(
       const result = await work(client);
       const connectionError = lost();
       if (connectionError) throw connectionError;
-      await client.query('COMMIT');
+      await client.query(COMMIT);
       return result;
     },
     async (client, err) => {
