@@ -218,7 +218,6 @@ export class Worker {
         claimOverdue: (overdueMs, limit) =>
           pollOverdueRuns(options.pool, overdueMs, limit, this.claimOptions(), {
             readTimeoutMs: Math.max(options.settings.claimGraceMs, POLL_READ_TIMEOUT_MIN_MS),
-            runsTopic: options.runsTopic,
           }),
         syncClock: (maxAgeMs) => this.clock.sync(options.pool, maxAgeMs),
         intervalMs: options.settings.pollIntervalMs,

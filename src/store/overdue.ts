@@ -125,7 +125,7 @@ export async function pollOverdueRuns(
   overdueMs: number,
   limit: number,
   options: ClaimOptions,
-  poll: { readonly readTimeoutMs: number; readonly runsTopic: string },
+  poll: { readonly readTimeoutMs: number },
 ): Promise<{ claimed: ClaimedRun[]; skipped: number; misfired: number }> {
   return inTransaction(pool, (client) => claimOverdueRuns(client, overdueMs, limit, options), {
     readTimeoutMs: poll.readTimeoutMs,

@@ -52,7 +52,7 @@ test("a poll whose COMMIT is answered after its statements' read timeout gets it
     1000,
     10,
     { nodeId: NODE, graceMs: 200, skewToleranceMs: 10 },
-    { readTimeoutMs: READ_TIMEOUT_MS, runsTopic: 'helios.runs' },
+    { readTimeoutMs: READ_TIMEOUT_MS },
   ).catch((err: unknown) => (isReadTimeout(err) ? 'read timeout' : Promise.reject(err)));
   // The COMMIT has ended on the server (it commits: nothing tells it that a client left).
   await sleep(Math.max(0, COMMIT_TAKES_MS + 300 - (Date.now() - began)));
