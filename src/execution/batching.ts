@@ -1,6 +1,6 @@
 import type { Connections } from '../store/pool-share.js';
 import { toError } from '../errors.js';
-import { inTransaction, isDatabaseUnavailable } from '../store/db.js';
+import { inTransaction, isDatabaseUnavailable, QUERY_READ_TIMEOUT_MS } from '../store/db.js';
 import {
   completeSucceededMany,
   failAttempt,
@@ -267,6 +267,35 @@ export function createFailureBatcher(
 export interface StartRequest {
   readonly id: string;
   readonly attempt: number;
+  /**
+   * Database time (ms) after which a call begun could no longer end within the claim (its
+   * deadline less the run's timeout): a START answered later is worth nothing (see
+   * startReadTimeoutMs). Omitted: the pool's read timeout.
+   */
+  readonly answerBy?: number;
+}
+
+/** The least a START statement waits for its answer (see startReadTimeoutMs). */
+const START_READ_TIMEOUT_MIN_MS = 250;
+
+/**
+ * How long a batch of STARTs waits for its answer: until the last of its runs could no longer be
+ * called within its claim (`answerBy`, by the later estimate of the database clock), at least
+ * START_READ_TIMEOUT_MIN_MS, at most the pool's read timeout. A START sent on a connection gone
+ * silent (a NAT or firewall that lost its state) waited the pool's 35 s; two such batches (the
+ * batcher's MAX_IN_FLIGHT) held every START of the worker behind them, and its runs claimed
+ * ahead waited out claim after claim uncalled, each a forgiven expiry, until their attempts were
+ * charged and they died. Past the bound the statement fails, the connection is discarded, and
+ * the START is tried again on another while the claim covers the call (attempt.ts beforeCall).
+ */
+export function startReadTimeoutMs(
+  runs: readonly StartRequest[],
+  clock: Pick<DbClock, 'latestNow'>,
+): number | undefined {
+  const answerBy = Math.max(...runs.map((run) => run.answerBy ?? Infinity));
+  if (!Number.isFinite(answerBy)) return undefined;
+  const leftMs = Math.ceil(answerBy - clock.latestNow());
+  return Math.min(QUERY_READ_TIMEOUT_MS, Math.max(START_READ_TIMEOUT_MIN_MS, leftMs));
 }
 
 /**
@@ -279,13 +308,19 @@ export function createStartBatcher(
   pool: Connections,
   nodeId: string,
   dueWithinMs: number,
+  clock?: Pick<DbClock, 'latestNow'>,
 ): MicroBatcher<StartRequest, StartAnswer> {
+  const readTimeout = (runs: readonly StartRequest[]) =>
+    clock ? startReadTimeoutMs(runs, clock) : undefined;
   return new MicroBatcher(
     async (runs) => {
       try {
-        return await startRuns(pool, nodeId, runs, dueWithinMs);
+        return await startRuns(pool, nodeId, runs, dueWithinMs, readTimeout(runs));
       } catch {
-        return oneByOne(runs, async (run) => (await startRuns(pool, nodeId, [run], dueWithinMs))[0]!);
+        return oneByOne(
+          runs,
+          async (run) => (await startRuns(pool, nodeId, [run], dueWithinMs, readTimeout([run])))[0]!,
+        );
       }
     },
     MAX_BATCH,

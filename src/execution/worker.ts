@@ -115,7 +115,12 @@ export class Worker {
     const writeMayWait = (run: ClaimedRun, report: AttemptReport) =>
       completionMayWait(run, report, this.clock, holdMs);
     const claims = createClaimBatcher(options.pool, this.claimOptions());
-    const starts = createStartBatcher(options.pool, options.nodeId, options.settings.skewToleranceMs);
+    const starts = createStartBatcher(
+      options.pool,
+      options.nodeId,
+      options.settings.skewToleranceMs,
+      this.clock,
+    );
     const topics = { runsTopic: options.runsTopic, deadLetterTopic: options.deadLetterTopic };
     const failures = createFailureBatcher(options.pool, options.nodeId, topics);
     const releases = createReleaseBatcher(options.pool, options.nodeId, topics.runsTopic);
@@ -125,7 +130,12 @@ export class Worker {
       executor: this.executor,
       topics,
       clock: this.clock,
-      start: (run) => starts.add({ id: run.id, attempt: run.attempt }),
+      start: (run) =>
+        starts.add({
+          id: run.id,
+          attempt: run.attempt,
+          answerBy: run.claimExpiresAt.getTime() - run.timeoutMs,
+        }),
       complete: (run, report) => completions.add({ run, report }, writeMayWait(run, report)),
       fail: (run, report, retryDelayMs) => failures.add({ run, report, retryDelayMs }),
       release: (run, report, expiryBound) => releases.add({ run, report, expiryBound }),

@@ -70,7 +70,7 @@ export function isDatabaseOutage(err: unknown): boolean {
 }
 
 /** How long a pooled client waits for a statement's answer; 5 s past the server's statement_timeout. */
-const QUERY_READ_TIMEOUT_MS = 35_000;
+export const QUERY_READ_TIMEOUT_MS = 35_000;
 
 /**
  * True for node-postgres's own "Query read timeout" (query_timeout). The statement may still be
@@ -79,6 +79,16 @@ const QUERY_READ_TIMEOUT_MS = 35_000;
  */
 export function isReadTimeout(err: unknown): boolean {
   return err instanceof Error && err.message === 'Query read timeout';
+}
+
+/**
+ * `config` waiting `readTimeoutMs` at most for its answer (node-postgres's per-statement
+ * query_timeout, which its types leave out); undefined: the pool's read timeout.
+ */
+export function withReadTimeout(config: pg.QueryConfig, readTimeoutMs: number | undefined): pg.QueryConfig {
+  if (readTimeoutMs === undefined) return config;
+  const timed: pg.QueryConfig & { query_timeout: number } = { ...config, query_timeout: readTimeoutMs };
+  return timed;
 }
 
 /** Names the session (the pool's applicationName). $1 = the name. */

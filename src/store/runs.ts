@@ -1,5 +1,5 @@
 import type { ConcurrencyPolicy, RunMessage, RunTarget } from '../model.js';
-import type { Queryable } from './db.js';
+import { withReadTimeout, type Queryable } from './db.js';
 
 /** A run this node has claimed: everything needed to execute the attempt and settle it. */
 export interface ClaimedRun {
@@ -325,11 +325,12 @@ export async function startRuns(
   nodeId: string,
   runs: readonly { readonly id: string; readonly attempt: number }[],
   dueWithinMs?: number,
+  readTimeoutMs?: number,
 ): Promise<StartAnswer[]> {
   if (runs.length === 0) return [];
   const sorted = inLockOrder(runs, (r) => r.id);
   const { rows } = await db.query<{ id: string; attempt: number }>(
-    { name: 'helios-start-runs', text: START },
+    withReadTimeout({ name: 'helios-start-runs', text: START }, readTimeoutMs),
     [sorted.map((r) => r.id), sorted.map((r) => r.attempt), nodeId, dueWithinMs ?? null],
   );
   // By attempt: a stale attempt of a run in the same batch as its current one is not started.
@@ -337,7 +338,7 @@ export async function startRuns(
   const missed = dueWithinMs === undefined ? [] : runs.filter((r) => !answers.has(`${r.id}/${r.attempt}`));
   if (missed.length > 0) {
     const { rows: waiting } = await db.query<{ id: string; attempt: number; due_in_ms: number }>(
-      { name: 'helios-start-not-yet-due', text: NOT_YET_DUE },
+      withReadTimeout({ name: 'helios-start-not-yet-due', text: NOT_YET_DUE }, readTimeoutMs),
       [missed.map((r) => r.id), missed.map((r) => r.attempt), nodeId],
     );
     for (const r of waiting) answers.set(`${r.id}/${r.attempt}`, { dueInMs: r.due_in_ms });

@@ -1,0 +1,88 @@
+import assert from 'node:assert/strict';
+import { after, before, test } from 'node:test';
+import { pino } from 'pino';
+import { createStartBatcher } from '../../src/execution/batching.js';
+import { DbClock } from '../../src/execution/db-clock.js';
+import { createPool } from '../../src/store/db.js';
+import { claimRuns } from '../../src/store/runs.js';
+import { createTestDatabase, type TestDatabase } from '../support/database.js';
+import { untilDbTime, within } from '../support/db-time.js';
+import { FaultProxy } from '../support/fault-proxy.js';
+
+// A START sent on a pooled connection gone silent (a NAT or firewall that lost its state: bytes
+// dropped both ways, the connection never closed, new connections fine) waited the pool's read
+// timeout (35 s), and the start batcher's two batches in flight held every START of the worker
+// behind it: its runs claimed ahead waited out their claims uncalled. A START now waits only as
+// long as a call begun after it could still end within the claim, and is tried again on another
+// connection.
+
+const NODE = 'start-silent';
+const GRACE_MS = 1000;
+const TIMEOUT_MS = 1000;
+
+let db: TestDatabase;
+let proxy: FaultProxy;
+before(async () => {
+  db = await createTestDatabase();
+  [proxy] = (await FaultProxy.inFrontOf(db.url, 1)) as [FaultProxy];
+});
+after(async () => {
+  await proxy.close();
+  await db.drop();
+});
+
+test('a START on a connection gone silent gives up when the call could no longer end within the claim, and starts the run on another', async () => {
+  const { rows } = await db.pool.query<{ id: string }>(
+    `WITH job AS (
+       INSERT INTO jobs (name, schedule, target, timeout_ms, max_attempts, next_run_at)
+       VALUES ('silent-' || gen_random_uuid(), '* * * * * *', '{"url":"http://127.0.0.1:9/"}', $1, 3,
+               now() + interval '1 hour') RETURNING id, target, timeout_ms)
+     INSERT INTO runs (job_id, scheduled_for, state, max_attempts, target, timeout_ms, backoff_ms,
+                       backoff_multiplier, concurrency, not_before)
+     SELECT job.id, t, 'queued', 3, job.target, job.timeout_ms, 100, 2, 'allow', t
+     FROM job, (SELECT clock_timestamp() + interval '1 second' AS t) s
+     RETURNING runs.id`,
+    [TIMEOUT_MS],
+  );
+  const [run] = await claimRuns(db.pool, [{ runId: rows[0]!.id, expectedAttempt: null }], {
+    nodeId: NODE,
+    graceMs: GRACE_MS,
+    skewToleranceMs: 10,
+    leadMs: 10_000,
+  });
+  assert.ok(run?.startPending, 'claimed ahead, to be started');
+
+  // The worker's pool: the pool's own read timeout (35 s), one idle connection that goes silent.
+  const pool = createPool({
+    connectionString: proxy.urlFor(db.url),
+    max: 4,
+    logger: pino({ level: 'silent' }),
+    applicationName: NODE,
+  });
+  try {
+    await pool.query('SELECT 1');
+    assert.equal(pool.idleCount, 1);
+    const clock = new DbClock();
+    await clock.sync(db.pool);
+    const starts = createStartBatcher(pool, NODE, 10, clock);
+    proxy.silenceExisting();
+    await untilDbTime(db.pool, run.notBefore);
+
+    const answerBy = run.claimExpiresAt.getTime() - run.timeoutMs;
+    const { value, ms } = await within(
+      starts.add({ id: run.id, attempt: run.attempt, answerBy }),
+      5000,
+      'the START on a silent connection',
+    );
+    assert.equal(value, true, 'started, on another connection');
+    assert.ok(ms < GRACE_MS + 1000, `answered ${Math.round(ms)} ms after it was asked`);
+    const { rows: started } = await db.pool.query<{ started: boolean }>(
+      'SELECT started_at IS NOT NULL AS started FROM runs WHERE id = $1',
+      [run.id],
+    );
+    assert.deepEqual(started, [{ started: true }]);
+  } finally {
+    proxy.heal();
+    await pool.end();
+  }
+});
