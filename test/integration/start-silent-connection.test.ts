@@ -92,7 +92,7 @@ test('a START on a connection gone silent gives up when the call could no longer
   }
 });
 
-test('a START on a connection gone silent is tried again on another in time for the call: the worker calls the run within its claim, not handing it back', async () => {
+async function attemptCallsWithinClaim(meanwhile: (runId: string) => Promise<void>) {
   const { rows } = await db.pool.query<{ id: string }>(
     `WITH job AS (
        INSERT INTO jobs (name, schedule, target, timeout_ms, max_attempts, next_run_at)
@@ -149,8 +149,8 @@ test('a START on a connection gone silent is tried again on another in time for 
       logger: silentLogger,
       metrics: createMetrics('test'),
     };
-    proxy.silenceExisting();
     await untilDbTime(db.pool, run.notBefore);
+    await meanwhile(run.id);
 
     await within(runAttempt(ctx, run, new AbortController().signal), 5000, 'the attempt');
     const { rows: after } = await db.pool.query<{ state: string; attempt: number }>(
@@ -166,4 +166,19 @@ test('a START on a connection gone silent is tried again on another in time for 
     proxy.heal();
     await pool.end();
   }
-});
+}
+
+test('a START on a connection gone silent is tried again on another in time for the call: the worker calls the run within its claim, not handing it back', () =>
+  attemptCallsWithinClaim(async () => {
+    proxy.silenceExisting();
+  }));
+
+test('a START the database answers slowly (a row lock held past half its bound) still counts: the run is called within its claim', () =>
+  attemptCallsWithinClaim(async (runId) => {
+    const holder = await db.pool.connect();
+    await holder.query('BEGIN');
+    await holder.query('SELECT 1 FROM runs WHERE id = $1 FOR UPDATE', [runId]);
+    setTimeout(() => {
+      void holder.query('COMMIT').finally(() => holder.release());
+    }, GRACE_MS * 0.7);
+  }));
