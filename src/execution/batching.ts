@@ -285,8 +285,7 @@ const START_READ_TIMEOUT_MIN_MS = 250;
  * silent (a NAT or firewall that lost its state) waited the pool's 35 s; two such batches (the
  * batcher's MAX_IN_FLIGHT) held every START of the worker behind them, and its runs claimed
  * ahead waited out claim after claim uncalled, each a forgiven expiry, until their attempts were
- * charged and they died. Past the bound the statement fails, the connection is discarded, and
- * the START is tried again on another while the claim covers the call (attempt.ts beforeCall).
+ * charged and they died. Past the bound the statement fails and the connection is discarded.
  */
 export function startReadTimeoutMs(
   runs: readonly StartRequest[],
@@ -299,10 +298,50 @@ export function startReadTimeoutMs(
 }
 
 /**
+ * A START still unanswered halfway to its bound (startReadTimeoutMs: when its runs could no
+ * longer be called within their claims) is sent again on another connection (START is
+ * repeatable), and the first answer counts. Given up only
+ * at its bound (startReadTimeoutMs), a START on a silent connection was tried again once no call
+ * could end within the claim any more: the retry started the run, and the worker handed it back
+ * as claimed too late. The first statement is not given up at the half: one the database is
+ * slow to answer (a lock, a loaded server) still counts when it answers in time, as before, and
+ * the second then waits behind its row locks and changes nothing.
+ */
+export function hedged<T>(send: () => Promise<T>, resendAfterMs: number | undefined): Promise<T> {
+  if (resendAfterMs === undefined) return send();
+  return new Promise<T>((resolve, reject) => {
+    let inFlight = 0;
+    let firstErr: unknown;
+    const go = () => {
+      inFlight += 1;
+      send().then(
+        (value) => {
+          clearTimeout(timer);
+          resolve(value);
+        },
+        (err: unknown) => {
+          inFlight -= 1;
+          firstErr ??= err;
+          // A first statement refused before the half is not sent again here (the caller's
+          // fallback takes over, as before); after it, the other may still answer.
+          if (inFlight === 0) {
+            clearTimeout(timer);
+            reject(toError(firstErr));
+          }
+        },
+      );
+    };
+    const timer = setTimeout(go, resendAfterMs);
+    go();
+  });
+}
+
+/**
  * Starts claimed-ahead runs in batches (see MicroBatcher; a herd's runs all start at their
  * instant): see StartAnswer. A run is started only when due by the database clock within
- * `dueWithinMs` (the clock skew tolerance). A batch that fails is retried item by item, as
- * completions are.
+ * `dueWithinMs` (the clock skew tolerance). A batch unanswered halfway to its read timeout is
+ * sent again on another connection (hedged). A batch that fails is retried
+ * item by item, as completions are.
  */
 export function createStartBatcher(
   pool: Connections,
@@ -312,15 +351,19 @@ export function createStartBatcher(
 ): MicroBatcher<StartRequest, StartAnswer> {
   const readTimeout = (runs: readonly StartRequest[]) =>
     clock ? startReadTimeoutMs(runs, clock) : undefined;
+  const start = (runs: readonly StartRequest[]) => {
+    const readTimeoutMs = readTimeout(runs);
+    return hedged(
+      () => startRuns(pool, nodeId, runs, dueWithinMs, readTimeout(runs)),
+      readTimeoutMs === undefined ? undefined : readTimeoutMs / 2,
+    );
+  };
   return new MicroBatcher(
     async (runs) => {
       try {
-        return await startRuns(pool, nodeId, runs, dueWithinMs, readTimeout(runs));
+        return await start(runs);
       } catch {
-        return oneByOne(
-          runs,
-          async (run) => (await startRuns(pool, nodeId, [run], dueWithinMs, readTimeout([run])))[0]!,
-        );
+        return oneByOne(runs, async (run) => (await start([run]))[0]!);
       }
     },
     MAX_BATCH,

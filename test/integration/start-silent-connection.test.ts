@@ -5,6 +5,11 @@ import { createStartBatcher } from '../../src/execution/batching.js';
 import { DbClock } from '../../src/execution/db-clock.js';
 import { createPool } from '../../src/store/db.js';
 import { claimRuns } from '../../src/store/runs.js';
+import { runAttempt, type AttemptContext } from '../../src/execution/attempt.js';
+import type { HttpExecutor } from '../../src/execution/http-executor.js';
+import { silentLogger } from '../../src/observability/logger.js';
+import { createMetrics } from '../../src/observability/metrics.js';
+import { completeSucceeded, type AttemptReport } from '../../src/store/attempts.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
 import { untilDbTime, within } from '../support/db-time.js';
 import { FaultProxy } from '../support/fault-proxy.js';
@@ -86,3 +91,94 @@ test('a START on a connection gone silent gives up when the call could no longer
     await pool.end();
   }
 });
+
+async function attemptCallsWithinClaim(meanwhile: (runId: string) => Promise<void>) {
+  const { rows } = await db.pool.query<{ id: string }>(
+    `WITH job AS (
+       INSERT INTO jobs (name, schedule, target, timeout_ms, max_attempts, next_run_at)
+       VALUES ('silent-' || gen_random_uuid(), '* * * * * *', '{"url":"http://127.0.0.1:9/"}', $1, 3,
+               now() + interval '1 hour') RETURNING id, target, timeout_ms)
+     INSERT INTO runs (job_id, scheduled_for, state, max_attempts, target, timeout_ms, backoff_ms,
+                       backoff_multiplier, concurrency, not_before)
+     SELECT job.id, t, 'queued', 3, job.target, job.timeout_ms, 100, 2, 'allow', t
+     FROM job, (SELECT clock_timestamp() + interval '1 second' AS t) s
+     RETURNING runs.id`,
+    [TIMEOUT_MS],
+  );
+  const [run] = await claimRuns(db.pool, [{ runId: rows[0]!.id, expectedAttempt: null }], {
+    nodeId: NODE,
+    graceMs: GRACE_MS,
+    skewToleranceMs: 10,
+    leadMs: 10_000,
+  });
+  assert.ok(run?.startPending, 'claimed ahead, to be started');
+
+  const pool = createPool({
+    connectionString: proxy.urlFor(db.url),
+    max: 4,
+    logger: pino({ level: 'silent' }),
+    applicationName: NODE,
+  });
+  try {
+    await pool.query('SELECT 1');
+    assert.equal(pool.idleCount, 1);
+    const clock = new DbClock();
+    await clock.sync(db.pool);
+    // As the worker wires it (worker.ts): the START batcher on the worker's pool, each START
+    // answered by the instant a call begun after it could still end within the claim.
+    const starts = createStartBatcher(pool, NODE, 10, clock);
+    const calls: number[] = [];
+    const ctx: AttemptContext = {
+      pool: db.pool,
+      nodeId: NODE,
+      executor: {
+        execute: async (): Promise<AttemptReport> => {
+          calls.push(clock.latestNow());
+          return { outcome: 'succeeded', statusCode: 200, durationMs: 1, error: null, responseExcerpt: null };
+        },
+      } as unknown as HttpExecutor,
+      topics: { runsTopic: 'runs', deadLetterTopic: 'dead' },
+      clock,
+      start: (claimed) =>
+        starts.add({
+          id: claimed.id,
+          attempt: claimed.attempt,
+          answerBy: claimed.claimExpiresAt.getTime() - claimed.timeoutMs,
+        }),
+      complete: (claimed, report) => completeSucceeded(db.pool, claimed, NODE, report),
+      logger: silentLogger,
+      metrics: createMetrics('test'),
+    };
+    await untilDbTime(db.pool, run.notBefore);
+    await meanwhile(run.id);
+
+    await within(runAttempt(ctx, run, new AbortController().signal), 5000, 'the attempt');
+    const { rows: after } = await db.pool.query<{ state: string; attempt: number }>(
+      'SELECT state, attempt FROM runs WHERE id = $1',
+      [run.id],
+    );
+    assert.deepEqual(
+      { calls: calls.length, ...after[0] },
+      { calls: 1, state: 'succeeded', attempt: 1 },
+      'called by this worker within its claim (not handed back as claimed too late)',
+    );
+  } finally {
+    proxy.heal();
+    await pool.end();
+  }
+}
+
+test('a START on a connection gone silent is tried again on another in time for the call: the worker calls the run within its claim, not handing it back', () =>
+  attemptCallsWithinClaim(async () => {
+    proxy.silenceExisting();
+  }));
+
+test('a START the database answers slowly (a row lock held past half its bound) still counts: the run is called within its claim', () =>
+  attemptCallsWithinClaim(async (runId) => {
+    const holder = await db.pool.connect();
+    await holder.query('BEGIN');
+    await holder.query('SELECT 1 FROM runs WHERE id = $1 FOR UPDATE', [runId]);
+    setTimeout(() => {
+      void holder.query('COMMIT').finally(() => holder.release());
+    }, GRACE_MS * 0.7);
+  }));
