@@ -4,7 +4,8 @@ import { pino } from 'pino';
 import { createStartBatcher } from '../../src/execution/batching.js';
 import { DbClock } from '../../src/execution/db-clock.js';
 import { createPool } from '../../src/store/db.js';
-import { claimRuns } from '../../src/store/runs.js';
+import { claimRuns, startRuns } from '../../src/store/runs.js';
+import type pg from 'pg';
 import { runAttempt, type AttemptContext } from '../../src/execution/attempt.js';
 import type { HttpExecutor } from '../../src/execution/http-executor.js';
 import { silentLogger } from '../../src/observability/logger.js';
@@ -182,3 +183,36 @@ test('a START the database answers slowly (a row lock held past half its bound) 
       void holder.query('COMMIT').finally(() => holder.release());
     }, GRACE_MS * 0.7);
   }));
+
+test('a START that finds its run not yet due, while another START of it (a resend) starts it, answers started, not withdrawn', async () => {
+  const { rows } = await db.pool.query<{ id: string }>(
+    `WITH job AS (
+       INSERT INTO jobs (name, schedule, target, timeout_ms, max_attempts, next_run_at)
+       VALUES ('resent-' || gen_random_uuid(), '* * * * * *', '{"url":"http://127.0.0.1:9/"}', $1, 3,
+               now() + interval '1 hour') RETURNING id, target, timeout_ms)
+     INSERT INTO runs (job_id, scheduled_for, state, max_attempts, target, timeout_ms, backoff_ms,
+                       backoff_multiplier, concurrency, not_before)
+     SELECT job.id, t, 'queued', 3, job.target, job.timeout_ms, 100, 2, 'allow', t
+     FROM job, (SELECT clock_timestamp() + interval '30 seconds' AS t) s
+     RETURNING runs.id`,
+    [TIMEOUT_MS],
+  );
+  const [run] = await claimRuns(db.pool, [{ runId: rows[0]!.id, expectedAttempt: null }], {
+    nodeId: NODE,
+    graceMs: GRACE_MS,
+    skewToleranceMs: 10,
+    leadMs: 60_000,
+  });
+  assert.ok(run?.startPending, 'claimed ahead, to be started');
+  // START misses the run (not due within 10 ms); before its second statement asks why, the other
+  // START of the run commits (one asked without the due check: the database clock's own START).
+  const pool = {
+    connect: () => db.pool.connect(),
+    query: (async (config: pg.QueryConfig, values?: unknown[]) => {
+      if (typeof config === 'object' && config.name === 'helios-start-not-yet-due')
+        assert.deepEqual(await startRuns(db.pool, NODE, [run]), [true], 'the other START started it');
+      return db.pool.query(config, values);
+    }) as unknown as pg.Pool['query'],
+  };
+  assert.deepEqual(await startRuns(pool, NODE, [run], 10), [true]);
+});
