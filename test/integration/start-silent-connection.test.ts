@@ -4,7 +4,7 @@ import { pino } from 'pino';
 import { createStartBatcher } from '../../src/execution/batching.js';
 import { DbClock } from '../../src/execution/db-clock.js';
 import { createPool } from '../../src/store/db.js';
-import { claimRuns, startRuns } from '../../src/store/runs.js';
+import { claimRuns, startRuns, type ClaimedRun } from '../../src/store/runs.js';
 import type pg from 'pg';
 import { runAttempt, type AttemptContext } from '../../src/execution/attempt.js';
 import type { HttpExecutor } from '../../src/execution/http-executor.js';
@@ -37,7 +37,8 @@ after(async () => {
   await db.drop();
 });
 
-test('a START on a connection gone silent gives up when the call could no longer end within the claim, and starts the run on another', async () => {
+/** A run of a new job due `dueInMs` from now by the database clock, claimed ahead by NODE. */
+async function runClaimedAhead(dueInMs: number): Promise<ClaimedRun> {
   const { rows } = await db.pool.query<{ id: string }>(
     `WITH job AS (
        INSERT INTO jobs (name, schedule, target, timeout_ms, max_attempts, next_run_at)
@@ -46,17 +47,22 @@ test('a START on a connection gone silent gives up when the call could no longer
      INSERT INTO runs (job_id, scheduled_for, state, max_attempts, target, timeout_ms, backoff_ms,
                        backoff_multiplier, concurrency, not_before)
      SELECT job.id, t, 'queued', 3, job.target, job.timeout_ms, 100, 2, 'allow', t
-     FROM job, (SELECT clock_timestamp() + interval '1 second' AS t) s
+     FROM job, (SELECT clock_timestamp() + $2 * interval '1 millisecond' AS t) s
      RETURNING runs.id`,
-    [TIMEOUT_MS],
+    [TIMEOUT_MS, dueInMs],
   );
   const [run] = await claimRuns(db.pool, [{ runId: rows[0]!.id, expectedAttempt: null }], {
     nodeId: NODE,
     graceMs: GRACE_MS,
     skewToleranceMs: 10,
-    leadMs: 10_000,
+    leadMs: dueInMs + 10_000,
   });
   assert.ok(run?.startPending, 'claimed ahead, to be started');
+  return run;
+}
+
+test('a START on a connection gone silent gives up when the call could no longer end within the claim, and starts the run on another', async () => {
+  const run = await runClaimedAhead(1000);
 
   // The worker's pool: the pool's own read timeout (35 s), one idle connection that goes silent.
   const pool = createPool({
@@ -94,25 +100,7 @@ test('a START on a connection gone silent gives up when the call could no longer
 });
 
 async function attemptCallsWithinClaim(meanwhile: (runId: string) => Promise<void>) {
-  const { rows } = await db.pool.query<{ id: string }>(
-    `WITH job AS (
-       INSERT INTO jobs (name, schedule, target, timeout_ms, max_attempts, next_run_at)
-       VALUES ('silent-' || gen_random_uuid(), '* * * * * *', '{"url":"http://127.0.0.1:9/"}', $1, 3,
-               now() + interval '1 hour') RETURNING id, target, timeout_ms)
-     INSERT INTO runs (job_id, scheduled_for, state, max_attempts, target, timeout_ms, backoff_ms,
-                       backoff_multiplier, concurrency, not_before)
-     SELECT job.id, t, 'queued', 3, job.target, job.timeout_ms, 100, 2, 'allow', t
-     FROM job, (SELECT clock_timestamp() + interval '1 second' AS t) s
-     RETURNING runs.id`,
-    [TIMEOUT_MS],
-  );
-  const [run] = await claimRuns(db.pool, [{ runId: rows[0]!.id, expectedAttempt: null }], {
-    nodeId: NODE,
-    graceMs: GRACE_MS,
-    skewToleranceMs: 10,
-    leadMs: 10_000,
-  });
-  assert.ok(run?.startPending, 'claimed ahead, to be started');
+  const run = await runClaimedAhead(1000);
 
   const pool = createPool({
     connectionString: proxy.urlFor(db.url),
@@ -185,25 +173,7 @@ test('a START the database answers slowly (a row lock held past half its bound) 
   }));
 
 test('a START that finds its run not yet due, while another START of it (a resend) starts it, answers started, not withdrawn', async () => {
-  const { rows } = await db.pool.query<{ id: string }>(
-    `WITH job AS (
-       INSERT INTO jobs (name, schedule, target, timeout_ms, max_attempts, next_run_at)
-       VALUES ('resent-' || gen_random_uuid(), '* * * * * *', '{"url":"http://127.0.0.1:9/"}', $1, 3,
-               now() + interval '1 hour') RETURNING id, target, timeout_ms)
-     INSERT INTO runs (job_id, scheduled_for, state, max_attempts, target, timeout_ms, backoff_ms,
-                       backoff_multiplier, concurrency, not_before)
-     SELECT job.id, t, 'queued', 3, job.target, job.timeout_ms, 100, 2, 'allow', t
-     FROM job, (SELECT clock_timestamp() + interval '30 seconds' AS t) s
-     RETURNING runs.id`,
-    [TIMEOUT_MS],
-  );
-  const [run] = await claimRuns(db.pool, [{ runId: rows[0]!.id, expectedAttempt: null }], {
-    nodeId: NODE,
-    graceMs: GRACE_MS,
-    skewToleranceMs: 10,
-    leadMs: 60_000,
-  });
-  assert.ok(run?.startPending, 'claimed ahead, to be started');
+  const run = await runClaimedAhead(30_000);
   // START misses the run (not due within 10 ms); before its second statement asks why, the other
   // START of the run commits (one asked without the due check: the database clock's own START).
   const pool = {
