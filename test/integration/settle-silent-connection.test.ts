@@ -1,0 +1,197 @@
+import assert from 'node:assert/strict';
+import { after, before, test } from 'node:test';
+import { pino } from 'pino';
+import {
+  createCompletionBatcher,
+  createFailureBatcher,
+  createReleaseBatcher,
+} from '../../src/execution/batching.js';
+import { DbClock } from '../../src/execution/db-clock.js';
+import type { AttemptReport } from '../../src/store/attempts.js';
+import { createPool } from '../../src/store/db.js';
+import { claimRuns, type ClaimedRun } from '../../src/store/runs.js';
+import { createTestDatabase, type TestDatabase } from '../support/database.js';
+import { dbNow, within } from '../support/db-time.js';
+import { FaultProxy } from '../support/fault-proxy.js';
+
+// A settle write (a completion, a failure's retry or dead letter, a hand-back) sent on a pooled
+// connection gone silent (a NAT or firewall that lost its state: bytes dropped both ways, the
+// connection never closed, new connections fine) waited the pool's read timeout (35 s), past the
+// claim: the reaper then re-queued a run whose call had succeeded (called again), and the
+// batcher's two batches in flight held every settle write of the worker behind it. Each settle
+// statement now waits only part of what is left of its claims, and is tried again on another
+// connection while the claim holds; its COMMIT waits as the pool says.
+
+const NODE = 'settle-silent';
+const TOPICS = { runsTopic: 'helios.runs', deadLetterTopic: 'helios.dead' };
+const SUCCESS: AttemptReport = {
+  outcome: 'succeeded',
+  statusCode: 200,
+  durationMs: 5,
+  error: null,
+  responseExcerpt: null,
+};
+const FAILURE: AttemptReport = {
+  outcome: 'failed',
+  statusCode: 503,
+  durationMs: 5,
+  error: 'HTTP 503',
+  responseExcerpt: null,
+};
+
+let db: TestDatabase;
+let proxy: FaultProxy;
+before(async () => {
+  db = await createTestDatabase();
+  [proxy] = (await FaultProxy.inFrontOf(db.url, 1)) as [FaultProxy];
+});
+after(async () => {
+  await proxy.close();
+  await db.drop();
+});
+
+/** A run due now, claimed by NODE: its claim lasts its timeout + grace (2 s). */
+async function claimed(maxAttempts = 3): Promise<ClaimedRun> {
+  const { rows } = await db.pool.query<{ id: string }>(
+    `WITH job AS (
+       INSERT INTO jobs (name, schedule, target, timeout_ms, max_attempts, next_run_at)
+       VALUES ('settle-silent-' || gen_random_uuid(), '* * * * * *', '{"url":"http://127.0.0.1:9/"}', 1000, $1,
+               now() + interval '1 hour') RETURNING id, target, timeout_ms)
+     INSERT INTO runs (job_id, scheduled_for, state, max_attempts, target, timeout_ms, backoff_ms,
+                       backoff_multiplier, concurrency, not_before)
+     SELECT job.id, t, 'queued', $1, job.target, job.timeout_ms, 100, 2, 'allow', t
+     FROM job, (SELECT clock_timestamp() AS t) s
+     RETURNING runs.id`,
+    [maxAttempts],
+  );
+  const [run] = await claimRuns(db.pool, [{ runId: rows[0]!.id, expectedAttempt: null }], {
+    nodeId: NODE,
+    graceMs: 1000,
+    skewToleranceMs: 10,
+  });
+  assert.ok(run && !run.startPending, 'claimed, due');
+  return run;
+}
+
+/**
+ * The worker's pool (the pool's own read timeout, 35 s) with `idle` idle connections that have
+ * gone silent, and a clock estimate; `work` runs with them.
+ */
+async function onSilentConnections(
+  idle: number,
+  work: (pool: ReturnType<typeof createPool>, clock: DbClock) => Promise<void>,
+): Promise<void> {
+  const pool = createPool({
+    connectionString: proxy.urlFor(db.url),
+    max: 4,
+    logger: pino({ level: 'silent' }),
+    applicationName: NODE,
+  });
+  try {
+    await Promise.all(Array.from({ length: idle }, () => pool.query('SELECT pg_sleep(0.05)')));
+    assert.equal(pool.idleCount, idle);
+    const clock = new DbClock();
+    await clock.sync(db.pool);
+    proxy.silenceExisting();
+    await work(pool, clock);
+  } finally {
+    // Closed: a statement still waiting on a silent connection (before the fix) ends now.
+    proxy.heal({ closeExisting: true });
+    await pool.end();
+  }
+}
+
+/** Fails unless `write` answered before the claims of `runs` expired (by the database clock). */
+async function beforeTheClaims<T>(runs: ClaimedRun[], write: Promise<T>, what: string): Promise<T> {
+  const expires = Math.min(...runs.map((run) => run.claimExpiresAt.getTime()));
+  const { value } = await within(write, Math.max(0, expires - (await dbNow(db.pool))), what);
+  assert.ok((await dbNow(db.pool)) < expires, `${what}: answered before the claim expired`);
+  return value;
+}
+
+async function settled(runId: string) {
+  const { rows } = await db.pool.query<{
+    state: string;
+    outcomes: string[];
+    announced: number;
+    letters: number;
+  }>(
+    `SELECT r.state,
+            (SELECT array_agg(outcome ORDER BY attempt) FROM run_attempts WHERE run_id = r.id) AS outcomes,
+            (SELECT count(*)::int FROM outbox WHERE payload->>'runId' = r.id::text) AS announced,
+            (SELECT count(*)::int FROM dead_letters WHERE run_id = r.id) AS letters
+     FROM runs r WHERE r.id = $1`,
+    [runId],
+  );
+  return rows[0];
+}
+
+test('a completion on a connection gone silent is written on another before the claim expires', async () => {
+  const run = await claimed();
+  await onSilentConnections(1, async (pool, clock) => {
+    const completions = createCompletionBatcher(pool, NODE, undefined, clock);
+    const done = await beforeTheClaims(
+      [run],
+      completions.add({ run, report: SUCCESS }),
+      'the completion on a silent connection',
+    );
+    assert.equal(done, true, 'completed, on another connection');
+  });
+  assert.deepEqual(await settled(run.id), {
+    state: 'succeeded',
+    outcomes: ['succeeded'],
+    announced: 0,
+    letters: 0,
+  });
+});
+
+test("failures on connections gone silent (the retries' statement, the burials' transaction) are settled on others before the claims expire, once each", async () => {
+  const retried = await claimed(3);
+  const buried = await claimed(1);
+  await onSilentConnections(2, async (pool, clock) => {
+    const failures = createFailureBatcher(pool, NODE, TOPICS, clock);
+    const results = await beforeTheClaims(
+      [retried, buried],
+      Promise.all(
+        [retried, buried].map((run) => failures.add({ run, report: FAILURE, retryDelayMs: 60_000 })),
+      ),
+      'the failures on silent connections',
+    );
+    assert.deepEqual(
+      results.map((result) => result?.state),
+      ['queued', 'dead'],
+    );
+  });
+  assert.deepEqual(await settled(retried.id), {
+    state: 'queued',
+    outcomes: ['failed'],
+    announced: 1,
+    letters: 0,
+  });
+  assert.deepEqual(await settled(buried.id), {
+    state: 'dead',
+    outcomes: ['failed'],
+    announced: 1,
+    letters: 1,
+  });
+});
+
+test('a hand-back on a connection gone silent is written on another before the claim expires', async () => {
+  const run = await claimed();
+  await onSilentConnections(1, async (pool, clock) => {
+    const releases = createReleaseBatcher(pool, NODE, TOPICS.runsTopic, clock);
+    const report: AttemptReport = { ...FAILURE, outcome: 'cancelled', statusCode: null, error: 'stopping' };
+    const message = await beforeTheClaims(
+      [run],
+      releases.add({ run, report }),
+      'the hand-back on a silent connection',
+    );
+    assert.equal(message?.attempt, 2, "the next attempt's announcement");
+  });
+  assert.deepEqual(await settled(run.id), {
+    state: 'queued',
+    outcomes: ['cancelled'],
+    announced: 1,
+    letters: 0,
+  });
+});
