@@ -1,5 +1,6 @@
 import assert from 'node:assert/strict';
 import { after, before, test } from 'node:test';
+import { setTimeout as sleep } from 'node:timers/promises';
 import { pino } from 'pino';
 import {
   createCompletionBatcher,
@@ -50,8 +51,8 @@ after(async () => {
   await db.drop();
 });
 
-/** A run due now, claimed by NODE: its claim lasts its timeout + grace (2 s). */
-async function claimed(maxAttempts = 3): Promise<ClaimedRun> {
+/** A run due now, claimed by NODE: its claim lasts its timeout (1 s) + grace. */
+async function claimed(maxAttempts = 3, graceMs = 1000): Promise<ClaimedRun> {
   const { rows } = await db.pool.query<{ id: string }>(
     `WITH job AS (
        INSERT INTO jobs (name, schedule, target, timeout_ms, max_attempts, next_run_at)
@@ -66,7 +67,7 @@ async function claimed(maxAttempts = 3): Promise<ClaimedRun> {
   );
   const [run] = await claimRuns(db.pool, [{ runId: rows[0]!.id, expectedAttempt: null }], {
     nodeId: NODE,
-    graceMs: 1000,
+    graceMs,
     skewToleranceMs: 10,
   });
   assert.ok(run && !run.startPending, 'claimed, due');
@@ -188,6 +189,54 @@ test('a hand-back on a connection gone silent is written on another before the c
     );
     assert.equal(message?.attempt, 2, "the next attempt's announcement");
   });
+  assert.deepEqual(await settled(run.id), {
+    state: 'queued',
+    outcomes: ['cancelled'],
+    announced: 1,
+    letters: 0,
+  });
+});
+
+test('a hand-back given up on while PostgreSQL still ran it commits once: its retry finds the claim settled, one announcement', async () => {
+  // The run's row locked meanwhile: the batch's statement waits on the server past its bound (half
+  // the 4 s claim), is given up on, and its retry on another connection waits behind it; both go
+  // on once the lock is gone, the first commits, and the retry finds nothing left to hand back.
+  const run = await claimed(3, 3000);
+  const blocker = await db.pool.connect();
+  const pool = createPool({
+    connectionString: db.url,
+    max: 4,
+    logger: pino({ level: 'silent' }),
+    applicationName: NODE,
+  });
+  try {
+    await blocker.query('BEGIN');
+    await blocker.query('SELECT 1 FROM runs WHERE id = $1 FOR UPDATE', [run.id]);
+    const clock = new DbClock();
+    await clock.sync(db.pool);
+    const releases = createReleaseBatcher(pool, NODE, TOPICS.runsTopic, clock);
+    const report: AttemptReport = { ...FAILURE, outcome: 'cancelled', statusCode: null, error: 'stopping' };
+    const answer = releases.add({ run, report });
+    for (let waiting = 0; waiting < 2; await sleep(50)) {
+      const { rows } = await db.pool.query<{ n: number }>(
+        `SELECT count(*)::int AS n FROM pg_stat_activity WHERE application_name = $1 AND wait_event_type = 'Lock'`,
+        [NODE],
+      );
+      waiting = rows[0]!.n;
+      assert.ok((await dbNow(db.pool)) < run.claimExpiresAt.getTime() - 500, 'the batch was given up on');
+    }
+    await blocker.query('COMMIT');
+    assert.equal(await answer, null, 'the retry found the claim handed back already');
+  } finally {
+    await blocker.query('ROLLBACK').catch(() => undefined);
+    blocker.release();
+    await pool.end();
+  }
+  const { rows } = await db.pool.query<{ maxAttempts: number }>(
+    'SELECT max_attempts AS "maxAttempts" FROM runs WHERE id = $1',
+    [run.id],
+  );
+  assert.deepEqual(rows, [{ maxAttempts: 4 }], 'handed back once (no attempt used up)');
   assert.deepEqual(await settled(run.id), {
     state: 'queued',
     outcomes: ['cancelled'],
