@@ -7,12 +7,18 @@ import {
   createFailureBatcher,
   createReleaseBatcher,
 } from '../../src/execution/batching.js';
+import { runAttempt } from '../../src/execution/attempt.js';
 import { DbClock } from '../../src/execution/db-clock.js';
-import type { AttemptReport } from '../../src/store/attempts.js';
-import { createPool } from '../../src/store/db.js';
+import type { HttpExecutor } from '../../src/execution/http-executor.js';
+import { FORGIVEN_EXPIRIES } from '../../src/execution/reaper.js';
+import { silentLogger } from '../../src/observability/logger.js';
+import { createMetrics } from '../../src/observability/metrics.js';
+import { selectExpiredRuns, type AttemptReport } from '../../src/store/attempts.js';
+import { createPool, inTransaction } from '../../src/store/db.js';
+import { forgiveExpiredClaims } from '../../src/store/releases.js';
 import { claimRuns, type ClaimedRun } from '../../src/store/runs.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
-import { dbNow, within } from '../support/db-time.js';
+import { dbNow, untilDbTime, within } from '../support/db-time.js';
 import { FaultProxy } from '../support/fault-proxy.js';
 
 // A settle write (a completion, a failure's retry or dead letter, a hand-back) sent on a pooled
@@ -138,6 +144,56 @@ test('a completion on a connection gone silent is written on another before the 
     );
     assert.equal(done, true, 'completed, on another connection');
   });
+  assert.deepEqual(await settled(run.id), {
+    state: 'succeeded',
+    outcomes: ['succeeded'],
+    announced: 0,
+    letters: 0,
+  });
+});
+
+test('a call that succeeded, its completion sent on a connection gone silent: the reaper finds nothing to take back once the claim ends, and the run is not called again', async () => {
+  const run = await claimed();
+  const calls: string[] = [];
+  const executor = {
+    execute: async (called: typeof run): Promise<AttemptReport> => {
+      calls.push(`${called.id}/${called.attempt}`);
+      return SUCCESS;
+    },
+  } as unknown as HttpExecutor;
+  await onSilentConnections(1, async (pool, clock) => {
+    const completions = createCompletionBatcher(pool, NODE, undefined, clock);
+    const attempt = runAttempt(
+      {
+        pool,
+        nodeId: NODE,
+        executor,
+        topics: TOPICS,
+        clock,
+        start: async () => true,
+        complete: (claimed, report) => completions.add({ run: claimed, report }),
+        logger: silentLogger,
+        metrics: createMetrics('test'),
+      },
+      run,
+      new AbortController().signal,
+    );
+    // The reaper, once the claim has expired: it re-queues a run whose claim is still there.
+    await untilDbTime(db.pool, run.claimExpiresAt.getTime() + 50);
+    const taken = await inTransaction(db.pool, async (client) => {
+      const expired = (await selectExpiredRuns(client, 100)).filter((e) => e.id === run.id);
+      const error = 'claim expired';
+      return forgiveExpiredClaims(
+        client,
+        expired.map((e) => ({ run: e, error })),
+        FORGIVEN_EXPIRIES,
+        'runs',
+      );
+    });
+    assert.deepEqual(taken, [], 'the reaper took the claim back: the run would be called again');
+    await within(attempt, 1000, 'the attempt');
+  });
+  assert.deepEqual(calls, [`${run.id}/1`]);
   assert.deepEqual(await settled(run.id), {
     state: 'succeeded',
     outcomes: ['succeeded'],
