@@ -42,6 +42,43 @@ export const MAX_IN_FLIGHT = 2;
 const OUTAGE_AFTER = 2;
 
 /**
+ * A settle write's item (a completion, a failure, a hand-back): its run's claim deadline, which a
+ * worker's item carries (a ClaimedRun), bounds how long the write waits for its answer
+ * (settleReadTimeoutMs). Without it, the pool's read timeout.
+ */
+export interface ClaimBound {
+  readonly run: { readonly claimExpiresAt?: Date };
+}
+
+/** The least a settle statement waits for its answer (see settleReadTimeoutMs). */
+const SETTLE_READ_TIMEOUT_MIN_MS = 250;
+
+/**
+ * How long a batch of settle writes waits for each statement's answer: half of what is left of the
+ * latest of its claims (`claimExpiresAt`, by the later estimate of the database clock), at least
+ * SETTLE_READ_TIMEOUT_MIN_MS, at most the pool's read timeout; undefined (the pool's) without a
+ * clock or a deadline. A settle write sent on a connection gone silent (a NAT or firewall that lost
+ * its state) waited the pool's 35 s, past the claim: the reaper re-queued the run, and a run whose
+ * call had succeeded was called again; meanwhile the batcher's two batches in flight held every
+ * settle write of the worker behind them. Past the bound the statement fails, the connection is
+ * discarded, and the write is tried again on another (the batch item by item, then attempt.ts
+ * whileClaimed) with the other half of the claim left for it. Every settle write is conditional on
+ * the claim, so one whose answer was not waited for but that committed leaves the retry nothing to
+ * write (it reports the claim settled, which attempt.ts staleOrRecorded tells from a claim lost).
+ * A transaction's COMMIT still waits as the pool says (inTransaction).
+ */
+export function settleReadTimeoutMs(
+  items: readonly ClaimBound[],
+  clock: Pick<DbClock, 'latestNow'> | undefined,
+): number | undefined {
+  if (!clock) return undefined;
+  const expiresAt = Math.max(...items.map((item) => item.run.claimExpiresAt?.getTime() ?? Infinity));
+  if (!Number.isFinite(expiresAt)) return undefined;
+  const halfLeftMs = Math.ceil((expiresAt - clock.latestNow()) / 2);
+  return Math.min(QUERY_READ_TIMEOUT_MS, Math.max(SETTLE_READ_TIMEOUT_MIN_MS, halfLeftMs));
+}
+
+/**
  * Runs a failed batch's items one statement each, so each gets its own answer: one item the
  * database refuses (a constraint, a trigger, a value it cannot store) no longer fails the others.
  * When the first items all fail because the database is away (no connection, the pool is
@@ -160,13 +197,16 @@ export function createCompletionBatcher(
   pool: Connections,
   nodeId: string,
   hold?: { holdMs: number; callsUnderway: () => boolean; writesHeldGrew: () => void },
-): MicroBatcher<Success, boolean> {
+  clock?: Pick<DbClock, 'latestNow'>,
+): MicroBatcher<Success & ClaimBound, boolean> {
+  const complete = async (items: readonly (Success & ClaimBound)[]) =>
+    completeSucceededMany(pool, nodeId, items, settleReadTimeoutMs(items, clock));
   return new MicroBatcher(
     async (items) => {
       try {
-        return await completeSucceededMany(pool, nodeId, items);
+        return await complete(items);
       } catch {
-        return oneByOne(items, async (item) => (await completeSucceededMany(pool, nodeId, [item]))[0]!);
+        return oneByOne(items, async (item) => (await complete([item]))[0]!);
       }
     },
     MAX_BATCH,
@@ -184,10 +224,21 @@ export function createCompletionBatcher(
 const buries = (failure: Failure) =>
   failure.report.retryable === false || failure.run.attempt >= failure.run.maxAttempts;
 
-/** Settles one failure in its own transaction, as before batches (failAttempt). */
-const failAlone = (pool: Connections, nodeId: string, item: Failure, topics: Topics) =>
-  inTransaction(pool, (client) =>
-    failAttempt(client, item.run, { nodeId }, item.report, item.retryDelayMs, topics),
+/**
+ * Settles one failure in its own transaction, as before batches (failAttempt); its statements but
+ * COMMIT wait `readTimeoutMs` at most for their answers (settleReadTimeoutMs).
+ */
+const failAlone = (
+  pool: Connections,
+  nodeId: string,
+  item: Failure,
+  topics: Topics,
+  readTimeoutMs: number | undefined,
+) =>
+  inTransaction(
+    pool,
+    (client) => failAttempt(client, item.run, { nodeId }, item.report, item.retryDelayMs, topics),
+    { readTimeoutMs },
   );
 
 /**
@@ -203,8 +254,9 @@ const failAlone = (pool: Connections, nodeId: string, item: Failure, topics: Top
 async function settleFailures(
   pool: Connections,
   nodeId: string,
-  items: readonly Failure[],
+  items: readonly (Failure & ClaimBound)[],
   topics: Topics,
+  clock: Pick<DbClock, 'latestNow'> | undefined,
 ): Promise<(FailureResult | null | BatchItemError)[]> {
   const results: (FailureResult | null | BatchItemError | undefined)[] = items.map(() => undefined);
   const retries = items.flatMap((item, at) => (buries(item) ? [] : [at]));
@@ -212,36 +264,42 @@ async function settleFailures(
   // A part that fails leaves its items to be settled alone below: each part is all or nothing,
   // and a part already written must not be tried again (its runs would read as claims lost).
   if (retries.length > 0) {
-    const written = await failMany(
-      pool,
-      nodeId,
-      retries.map((at) => items[at]!),
-      topics,
-      { retriesOnly: true },
-    ).catch(() => []);
+    const part = retries.map((at) => items[at]!);
+    const readTimeoutMs = settleReadTimeoutMs(part, clock);
+    const written = await failMany(pool, nodeId, part, topics, { retriesOnly: true, readTimeoutMs }).catch(
+      () => [],
+    );
     retries.forEach((at, k) => {
       if (written[k]) results[at] = written[k];
     });
   }
   if (burials.length > 0) {
-    // The results count once the transaction has committed.
-    const committed = await inTransaction(pool, async (client) => {
-      const locked = await lockFreeJobs(client, [...new Set(burials.map((at) => items[at]!.run.jobId))]);
-      const mine = burials.filter((at) => locked.has(items[at]!.run.jobId));
-      const written = await failMany(
-        client,
-        nodeId,
-        mine.map((at) => items[at]!),
-        topics,
-      );
-      return mine.map((at, k) => [at, written[k] ?? null] as const);
-    }).catch(() => []);
+    // The results count once the transaction has committed (its COMMIT waits as the pool says).
+    const readTimeoutMs = settleReadTimeoutMs(
+      burials.map((at) => items[at]!),
+      clock,
+    );
+    const committed = await inTransaction(
+      pool,
+      async (client) => {
+        const locked = await lockFreeJobs(client, [...new Set(burials.map((at) => items[at]!.run.jobId))]);
+        const mine = burials.filter((at) => locked.has(items[at]!.run.jobId));
+        const written = await failMany(
+          client,
+          nodeId,
+          mine.map((at) => items[at]!),
+          topics,
+        );
+        return mine.map((at, k) => [at, written[k] ?? null] as const);
+      },
+      { readTimeoutMs },
+    ).catch(() => []);
     for (const [at, result] of committed) results[at] = result;
   }
   const left = results.flatMap((result, at) => (result === undefined ? [at] : []));
   const alone = await oneByOne(
     left.map((at) => items[at]!),
-    (item) => failAlone(pool, nodeId, item, topics),
+    (item) => failAlone(pool, nodeId, item, topics, settleReadTimeoutMs([item], clock)),
   );
   left.forEach((at, k) => (results[at] = alone[k]!));
   return results as (FailureResult | null | BatchItemError)[];
@@ -259,8 +317,13 @@ export function createFailureBatcher(
   pool: Connections,
   nodeId: string,
   topics: Topics,
-): MicroBatcher<Failure, FailureResult | null> {
-  return new MicroBatcher((items) => settleFailures(pool, nodeId, items, topics), MAX_BATCH, MAX_IN_FLIGHT);
+  clock?: Pick<DbClock, 'latestNow'>,
+): MicroBatcher<Failure & ClaimBound, FailureResult | null> {
+  return new MicroBatcher(
+    (items) => settleFailures(pool, nodeId, items, topics, clock),
+    MAX_BATCH,
+    MAX_IN_FLIGHT,
+  );
 }
 
 /** A run claimed ahead of its time whose call is about to begin. */
@@ -382,15 +445,18 @@ export function createReleaseBatcher(
   pool: Connections,
   nodeId: string,
   runsTopic: string,
-): MicroBatcher<Release, RunMessage | null> {
+  clock?: Pick<DbClock, 'latestNow'>,
+): MicroBatcher<Release & ClaimBound, RunMessage | null> {
   return new MicroBatcher(
     async (items) => {
       try {
-        return await releaseClaims(pool, nodeId, items, runsTopic);
+        return await releaseClaims(pool, nodeId, items, runsTopic, settleReadTimeoutMs(items, clock));
       } catch {
         return oneByOne(items, (item) =>
-          inTransaction(pool, (client) =>
-            releaseClaim(client, item.run, nodeId, item.report, runsTopic, item.expiryBound),
+          inTransaction(
+            pool,
+            (client) => releaseClaim(client, item.run, nodeId, item.report, runsTopic, item.expiryBound),
+            { readTimeoutMs: settleReadTimeoutMs([item], clock) },
           ),
         );
       }

@@ -107,11 +107,18 @@ export class Worker {
     });
     // Successes wait while calls are underway (see createCompletionBatcher).
     const holdMs = options.settings.completionHoldMs;
-    const completions = createCompletionBatcher(options.pool, options.nodeId, {
-      holdMs,
-      callsUnderway: () => this.queue.callsUnderway(),
-      writesHeldGrew: () => this.queue.writesHeldGrew(),
-    });
+    // Settle writes wait for their answers only while a retry could still follow within the
+    // claim (settleReadTimeoutMs), by this worker's clock estimate.
+    const completions = createCompletionBatcher(
+      options.pool,
+      options.nodeId,
+      {
+        holdMs,
+        callsUnderway: () => this.queue.callsUnderway(),
+        writesHeldGrew: () => this.queue.writesHeldGrew(),
+      },
+      this.clock,
+    );
     const writeMayWait = (run: ClaimedRun, report: AttemptReport) =>
       completionMayWait(run, report, this.clock, holdMs);
     const claims = createClaimBatcher(options.pool, this.claimOptions());
@@ -122,8 +129,8 @@ export class Worker {
       this.clock,
     );
     const topics = { runsTopic: options.runsTopic, deadLetterTopic: options.deadLetterTopic };
-    const failures = createFailureBatcher(options.pool, options.nodeId, topics);
-    const releases = createReleaseBatcher(options.pool, options.nodeId, topics.runsTopic);
+    const failures = createFailureBatcher(options.pool, options.nodeId, topics, this.clock);
+    const releases = createReleaseBatcher(options.pool, options.nodeId, topics.runsTopic, this.clock);
     const context: AttemptContext = {
       pool: options.pool,
       nodeId: options.nodeId,
