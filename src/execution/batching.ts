@@ -55,7 +55,7 @@ const SETTLE_READ_TIMEOUT_MIN_MS = 250;
 
 /**
  * How long a batch of settle writes waits for each statement's answer: half of what is left of the
- * latest of its claims (`claimExpiresAt`, by the later estimate of the database clock), at least
+ * earliest of its claims (`claimExpiresAt`, by the later estimate of the database clock), at least
  * SETTLE_READ_TIMEOUT_MIN_MS, at most the pool's read timeout; undefined (the pool's) without a
  * clock or a deadline. A settle write sent on a connection gone silent (a NAT or firewall that lost
  * its state) waited the pool's 35 s, past the claim: the reaper re-queued the run, and a run whose
@@ -65,14 +65,17 @@ const SETTLE_READ_TIMEOUT_MIN_MS = 250;
  * whileClaimed) with the other half of the claim left for it. Every settle write is conditional on
  * the claim, so one whose answer was not waited for but that committed leaves the retry nothing to
  * write (it reports the claim settled, which attempt.ts staleOrRecorded tells from a claim lost).
- * A transaction's COMMIT still waits as the pool says (inTransaction).
+ * A transaction's COMMIT still waits as the pool says (inTransaction). The earliest claim, not the
+ * latest: a batch of a run whose claim ends in 3 s and one whose claim ends in a minute waited 30 s,
+ * and the first run's claim expired meanwhile. A batch given up on early costs its runs one statement
+ * each on another connection; a settle statement takes milliseconds, and the bound is ≥ 250 ms.
  */
 export function settleReadTimeoutMs(
   items: readonly ClaimBound[],
   clock: Pick<DbClock, 'latestNow'> | undefined,
 ): number | undefined {
   if (!clock) return undefined;
-  const expiresAt = Math.max(...items.map((item) => item.run.claimExpiresAt?.getTime() ?? Infinity));
+  const expiresAt = Math.min(...items.map((item) => item.run.claimExpiresAt?.getTime() ?? Infinity));
   if (!Number.isFinite(expiresAt)) return undefined;
   const halfLeftMs = Math.ceil((expiresAt - clock.latestNow()) / 2);
   return Math.min(QUERY_READ_TIMEOUT_MS, Math.max(SETTLE_READ_TIMEOUT_MIN_MS, halfLeftMs));

@@ -152,6 +152,23 @@ test('a completion on a connection gone silent is written on another before the 
   });
 });
 
+test('a batch of completions on a connection gone silent, one of its claims short and another long, is answered before the short one expires', async () => {
+  // The batch's statement waited half of the latest claim (the long one's: 30 s), past the
+  // short claim: the reaper would re-queue a run whose call had succeeded.
+  const short = await claimed(3, 2000);
+  const long = await claimed(3, 60_000);
+  await onSilentConnections(1, async (pool, clock) => {
+    const completions = createCompletionBatcher(pool, NODE, undefined, clock);
+    const done = await beforeTheClaims(
+      [short],
+      Promise.all([short, long].map((run) => completions.add({ run, report: SUCCESS }))),
+      'the batch of a short claim and a long one on a silent connection',
+    );
+    assert.deepEqual(done, [true, true], 'completed, on another connection');
+  });
+  for (const run of [short, long]) assert.equal((await settled(run.id))?.state, 'succeeded');
+});
+
 test('a call that succeeded, its completion sent on a connection gone silent: the reaper finds nothing to take back once the claim ends, and the run is not called again', async () => {
   const run = await claimed();
   const calls: string[] = [];
