@@ -100,9 +100,9 @@ export async function runAttempt(
       job: run.jobId,
       attempt: run.attempt,
     })));
-  // The unbatched settle writes' statements (not COMMIT) wait for their answers as the batchers'
+  // The unbatched settle writes' statements and COMMIT wait for their answers as the batchers'
   // do: while a retry could still follow within the claim (settleReadTimeoutMs).
-  const bounded = () => ({ readTimeoutMs: settleReadTimeoutMs([{ run }], ctx.clock) });
+  const bounded = () => ({ readTimeoutMs: settleReadTimeoutMs([{ run }], ctx.clock), boundCommit: true });
   // Hands the claim back without using up an attempt, retried while it holds (whileClaimed).
   const release = (report: AttemptReport, expiryBound?: number) =>
     whileClaimed(ctx, run, log, () =>

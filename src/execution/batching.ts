@@ -65,7 +65,9 @@ const SETTLE_READ_TIMEOUT_MIN_MS = 250;
  * whileClaimed) with the other half of the claim left for it. Every settle write is conditional on
  * the claim, so one whose answer was not waited for but that committed leaves the retry nothing to
  * write (it reports the claim settled, which attempt.ts staleOrRecorded tells from a claim lost).
- * A transaction's COMMIT still waits as the pool says (inTransaction). The earliest claim, not the
+ * A transaction's COMMIT is bounded too (inTransaction's boundCommit): one that PostgreSQL never
+ * got waited 35 s; the server ends such a transaction 5 s on (idle_in_transaction_session_timeout),
+ * its locks with it, and the retry then writes. The earliest claim, not the
  * latest: a batch of a run whose claim ends in 3 s and one whose claim ends in a minute waited 30 s,
  * and the first run's claim expired meanwhile. A batch given up on early costs its runs one statement
  * each on another connection; a settle statement takes milliseconds, and the bound is ≥ 250 ms.
@@ -228,7 +230,7 @@ const buries = (failure: Failure) =>
   failure.report.retryable === false || failure.run.attempt >= failure.run.maxAttempts;
 
 /**
- * Settles one failure in its own transaction, as before batches (failAttempt); its statements but
+ * Settles one failure in its own transaction, as before batches (failAttempt); its statements and
  * COMMIT wait `readTimeoutMs` at most for their answers (settleReadTimeoutMs).
  */
 const failAlone = (
@@ -241,7 +243,7 @@ const failAlone = (
   inTransaction(
     pool,
     (client) => failAttempt(client, item.run, { nodeId }, item.report, item.retryDelayMs, topics),
-    { readTimeoutMs },
+    { readTimeoutMs, boundCommit: true },
   );
 
 /**
@@ -277,7 +279,7 @@ async function settleFailures(
     });
   }
   if (burials.length > 0) {
-    // The results count once the transaction has committed (its COMMIT waits as the pool says).
+    // The results count once the transaction has committed (its COMMIT bounded as its statements).
     const readTimeoutMs = settleReadTimeoutMs(
       burials.map((at) => items[at]!),
       clock,
@@ -295,7 +297,7 @@ async function settleFailures(
         );
         return mine.map((at, k) => [at, written[k] ?? null] as const);
       },
-      { readTimeoutMs },
+      { readTimeoutMs, boundCommit: true },
     ).catch(() => []);
     for (const [at, result] of committed) results[at] = result;
   }
@@ -459,7 +461,7 @@ export function createReleaseBatcher(
           inTransaction(
             pool,
             (client) => releaseClaim(client, item.run, nodeId, item.report, runsTopic, item.expiryBound),
-            { readTimeoutMs: settleReadTimeoutMs([item], clock) },
+            { readTimeoutMs: settleReadTimeoutMs([item], clock), boundCommit: true },
           ),
         );
       }

@@ -200,6 +200,13 @@ export interface CheckoutOptions {
    * it; the pool hands such a connection out as any other until a statement on it times out.
    */
   readonly readTimeoutMs?: number;
+  /**
+   * inTransaction's COMMIT too waits `readTimeoutMs` at most: for writes conditional on what they
+   * change (a settle write on its claim), whose retry writes nothing when a COMMIT not waited for
+   * committed after all. A burial whose connection went silent before its COMMIT waited the
+   * pool's 35 s, past the claim, for a COMMIT that PostgreSQL never got.
+   */
+  readonly boundCommit?: boolean;
 }
 
 /**
@@ -237,7 +244,8 @@ const COMMIT = { text: 'COMMIT', query_timeout: 0 };
 /**
  * Runs `work` in a transaction on one client (withClient); rolls back on any error and rethrows
  * it. A client whose session ended or whose read timed out is discarded, not rolled back. The
- * checkout's read timeout (`options`) bounds every statement but COMMIT (see COMMIT).
+ * checkout's read timeout (`options`) bounds every statement but COMMIT (see COMMIT), and COMMIT
+ * too with `boundCommit`.
  */
 export async function inTransaction<T>(
   pool: Connections,
@@ -251,7 +259,7 @@ export async function inTransaction<T>(
       const result = await work(client);
       const connectionError = lost();
       if (connectionError) throw connectionError;
-      await client.query(COMMIT);
+      await client.query(options.boundCommit ? 'COMMIT' : COMMIT);
       return result;
     },
     async (client, err) => {

@@ -15,6 +15,7 @@ import { silentLogger } from '../../src/observability/logger.js';
 import { createMetrics } from '../../src/observability/metrics.js';
 import { selectExpiredRuns, type AttemptReport } from '../../src/store/attempts.js';
 import { createPool, inTransaction } from '../../src/store/db.js';
+import type { Connections } from '../../src/store/pool-share.js';
 import { forgiveExpiredClaims } from '../../src/store/releases.js';
 import { claimRuns, type ClaimedRun } from '../../src/store/runs.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
@@ -248,6 +249,50 @@ test("failures on connections gone silent (the retries' statement, the burials' 
     announced: 1,
     letters: 1,
   });
+});
+
+test('a burial whose connection went silent before its COMMIT is settled on another before the claim expires, once', async () => {
+  // The transaction's COMMIT waited the pool's 35 s, past the claim; PostgreSQL, which never got
+  // it, ended the transaction (idle_in_transaction_session_timeout, 5 s) and the run's row with it.
+  const run = await claimed(1, 7000);
+  const pool = createPool({
+    connectionString: proxy.urlFor(db.url),
+    max: 4,
+    logger: pino({ level: 'silent' }),
+    applicationName: NODE,
+  });
+  let silenced = false;
+  const silencedAtCommit: Connections = {
+    query: pool.query.bind(pool),
+    connect: (async () => {
+      const client = await pool.connect();
+      const query = client.query.bind(client);
+      client.query = ((config: unknown, ...rest: unknown[]) => {
+        if (!silenced && (config as { text?: string } | null)?.text === 'COMMIT') {
+          silenced = true;
+          proxy.silenceExisting();
+        }
+        return (query as (...args: unknown[]) => unknown)(config, ...rest);
+      }) as typeof client.query;
+      return client;
+    }) as Connections['connect'],
+  };
+  try {
+    const clock = new DbClock();
+    await clock.sync(db.pool);
+    const failures = createFailureBatcher(silencedAtCommit, NODE, TOPICS, clock);
+    const result = await beforeTheClaims(
+      [run],
+      failures.add({ run, report: FAILURE, retryDelayMs: 60_000 }),
+      'the burial whose COMMIT went to a silent connection',
+    );
+    assert.ok(silenced, 'the COMMIT was sent on a connection gone silent');
+    assert.equal(result?.state, 'dead');
+  } finally {
+    proxy.heal({ closeExisting: true });
+    await pool.end();
+  }
+  assert.deepEqual(await settled(run.id), { state: 'dead', outcomes: ['failed'], announced: 1, letters: 1 });
 });
 
 test('a hand-back on a connection gone silent is written on another before the claim expires', async () => {
