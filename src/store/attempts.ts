@@ -1,6 +1,6 @@
 import type pg from 'pg';
 import type { RunMessage } from '../model.js';
-import { withReadTimeout, type Queryable } from './db.js';
+import type { Queryable } from './db.js';
 import { buryRun } from './dead-letters.js';
 import {
   enqueueAttempt,
@@ -119,20 +119,18 @@ export interface Success {
 
 /**
  * Completes successful attempts of node `nodeId` in one statement; returns, per item, false when
- * the claim had been lost (the completion is stale and was discarded). `readTimeoutMs`: how long
- * its answer is waited for (withReadTimeout; default the pool's).
+ * the claim had been lost (the completion is stale and was discarded).
  */
 export async function completeSucceededMany(
   db: Queryable,
   nodeId: string,
   items: readonly Success[],
-  readTimeoutMs?: number,
 ): Promise<boolean[]> {
   if (items.length === 0) return [];
   const sorted = inLockOrder(items, (i) => i.run.id);
   // Named: parsed and planned once per connection (see claimRuns).
   const { rows } = await db.query<{ id: string; attempt: number }>(
-    withReadTimeout({ name: 'helios-complete-succeeded', text: SUCCEED }, readTimeoutMs),
+    { name: 'helios-complete-succeeded', text: SUCCEED },
     [
       sorted.map((i) => i.run.id),
       sorted.map((i) => i.run.attempt),
@@ -369,15 +367,14 @@ export interface Failure {
  * Settles failed attempts of node `nodeId` in one statement, as failAttempt settles one: per item,
  * what became of it, or null when the claim had been lost (nothing written for it). Everything
  * or nothing is written. With `retriesOnly`, null also for a run the failure would bury (see
- * FAIL_MANY): the caller settles those otherwise. `readTimeoutMs`: how long its answer is waited
- * for (withReadTimeout; default the pool's).
+ * FAIL_MANY): the caller settles those otherwise.
  */
 export async function failMany(
   db: Queryable,
   nodeId: string,
   items: readonly Failure[],
   topics: Topics,
-  options: { retriesOnly?: boolean; readTimeoutMs?: number } = {},
+  options: { retriesOnly?: boolean } = {},
 ): Promise<(FailureResult | null)[]> {
   if (items.length === 0) return [];
   const sorted = inLockOrder(items, (i) => i.run.id);
@@ -387,7 +384,7 @@ export async function failMany(
     state: 'queued' | 'dead';
     notBefore: Date;
     deadLetterId: string | null;
-  }>(withReadTimeout({ name: 'helios-fail-many', text: FAIL_MANY }, options.readTimeoutMs), [
+  }>({ name: 'helios-fail-many', text: FAIL_MANY }, [
     sorted.map((i) => i.run.id),
     nodeId,
     sorted.map((i) => i.run.attempt),

@@ -70,7 +70,7 @@ export function isDatabaseOutage(err: unknown): boolean {
 }
 
 /** How long a pooled client waits for a statement's answer; 5 s past the server's statement_timeout. */
-export const QUERY_READ_TIMEOUT_MS = 35_000;
+const QUERY_READ_TIMEOUT_MS = 35_000;
 
 /**
  * True for node-postgres's own "Query read timeout" (query_timeout). The statement may still be
@@ -79,16 +79,6 @@ export const QUERY_READ_TIMEOUT_MS = 35_000;
  */
 export function isReadTimeout(err: unknown): boolean {
   return err instanceof Error && err.message === 'Query read timeout';
-}
-
-/**
- * `config` waiting `readTimeoutMs` at most for its answer (node-postgres's per-statement
- * query_timeout, which its types leave out); undefined: the pool's read timeout.
- */
-export function withReadTimeout(config: pg.QueryConfig, readTimeoutMs: number | undefined): pg.QueryConfig {
-  if (readTimeoutMs === undefined) return config;
-  const timed: pg.QueryConfig & { query_timeout: number } = { ...config, query_timeout: readTimeoutMs };
-  return timed;
 }
 
 /** Names the session (the pool's applicationName). $1 = the name. */
@@ -193,20 +183,14 @@ export interface CheckoutOptions {
   /**
    * Each statement's answer is waited for this long at most, not the pool's query_timeout (35 s),
    * but for a statement given its own query_timeout (inTransaction's COMMIT):
-   * for work whose answer is worth nothing later (a poll whose claims would come back too late to
-   * call, a clock sample). Past it the statement fails with a read timeout and the connection is
+   * for work whose answer is worth nothing later (a clock sample), and that holds no lock a
+   * statement given up on would keep waiting for in PostgreSQL: its session stays at work there
+   * until the statement ends, while the caller's retry takes another. Past it the statement fails with a read timeout and the connection is
    * discarded (isReadTimeout). Such a wait is what a connection that went silent (a NAT or firewall
    * that lost its state, a database moved behind the same address) gives every statement sent on
    * it; the pool hands such a connection out as any other until a statement on it times out.
    */
   readonly readTimeoutMs?: number;
-  /**
-   * inTransaction's COMMIT too waits `readTimeoutMs` at most: for writes conditional on what they
-   * change (a settle write on its claim), whose retry writes nothing when a COMMIT not waited for
-   * committed after all. A burial whose connection went silent before its COMMIT waited the
-   * pool's 35 s, past the claim, for a COMMIT that PostgreSQL never got.
-   */
-  readonly boundCommit?: boolean;
 }
 
 /**
@@ -244,8 +228,7 @@ const COMMIT = { text: 'COMMIT', query_timeout: 0 };
 /**
  * Runs `work` in a transaction on one client (withClient); rolls back on any error and rethrows
  * it. A client whose session ended or whose read timed out is discarded, not rolled back. The
- * checkout's read timeout (`options`) bounds every statement but COMMIT (see COMMIT), and COMMIT
- * too with `boundCommit`.
+ * checkout's read timeout (`options`) bounds every statement but COMMIT (see COMMIT).
  */
 export async function inTransaction<T>(
   pool: Connections,
@@ -259,7 +242,7 @@ export async function inTransaction<T>(
       const result = await work(client);
       const connectionError = lost();
       if (connectionError) throw connectionError;
-      await client.query(options.boundCommit ? 'COMMIT' : COMMIT);
+      await client.query(COMMIT);
       return result;
     },
     async (client, err) => {

@@ -118,14 +118,15 @@ export async function claimOverdueRuns(
 
 /**
  * The polling fallback's transaction (claimOverdueRuns) on a client of `pool`, each of its
- * statements waiting `readTimeoutMs` at most for its answer (see CheckoutOptions).
+ * statements waiting `readTimeoutMs` at most for its answer (see CheckoutOptions; default the
+ * pool's read timeout, which the worker keeps: worker.ts).
  */
 export async function pollOverdueRuns(
   pool: Connections,
   overdueMs: number,
   limit: number,
   options: ClaimOptions,
-  poll: { readonly readTimeoutMs: number },
+  poll: { readonly readTimeoutMs?: number } = {},
 ): Promise<{ claimed: ClaimedRun[]; skipped: number; misfired: number }> {
   return inTransaction(pool, (client) => claimOverdueRuns(client, overdueMs, limit, options), {
     readTimeoutMs: poll.readTimeoutMs,
