@@ -2,7 +2,9 @@ import assert from 'node:assert/strict';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { DbClock } from '../../src/execution/db-clock.js';
 import { MicroBatcher, type BatchFunction } from '../../src/execution/micro-batcher.js';
+import { pollOverdue } from '../../src/execution/poller.js';
 import { RunQueue, type RunQueueOptions } from '../../src/execution/run-queue.js';
+import type { ClaimedRun } from '../../src/store/runs.js';
 import { silentLogger } from '../../src/observability/logger.js';
 import { createMetrics } from '../../src/observability/metrics.js';
 import type { RunMessage } from '../../src/model.js';
@@ -290,4 +292,34 @@ export function attemptPlayingQueue(options: {
 export function startPassCounts(queue: RunQueue): { held: number; waiting: number } {
   const q = queue as unknown as { startPassesHeld: number; startPassWaiters: { length: number } };
   return { held: q.startPassesHeld, waiting: q.startPassWaiters.length };
+}
+
+/**
+ * A polling fallback (pollOverdue) on `queue` whose first poll answers with `runs` only when
+ * `answer()` is called (a statement left waiting); its reservation lapses after `reservationMaxMs`.
+ */
+export function stalledPoll(queue: RunQueue, runs: ClaimedRun[], reservationMaxMs = 50) {
+  let answer!: () => void;
+  const answered = new Promise<void>((resolve) => (answer = resolve));
+  const abort = new AbortController();
+  let polls = 0;
+  const done = pollOverdue({
+    claimOverdue: async (_overdueMs, limit) => {
+      polls += 1;
+      if (polls > 1) return { claimed: [], skipped: 0, misfired: 0 };
+      await answered;
+      return { claimed: runs.slice(0, limit), skipped: 0, misfired: 0 };
+    },
+    syncClock: async () => undefined,
+    intervalMs: 10_000,
+    overdueMs: 2000,
+    capacity: () => queue.freeSlots(),
+    reserve: (n) => queue.reserve(n),
+    execute: (claimed, inReservedSlots) => claimed.forEach((run) => queue.execute(run, inReservedSlots)),
+    reservationMaxMs,
+    logger: silentLogger,
+    metrics: createMetrics('test'),
+    signal: abort.signal,
+  });
+  return { answer, stop: () => abort.abort(), done };
 }

@@ -1,41 +1,10 @@
 import assert from 'node:assert/strict';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { test } from 'node:test';
-import { pollOverdue } from '../../src/execution/poller.js';
-import { silentLogger } from '../../src/observability/logger.js';
-import { createMetrics } from '../../src/observability/metrics.js';
-import type { ClaimedRun } from '../../src/store/runs.js';
 import { fakeClaimedRun } from '../support/claimed-run.js';
-import { dueAnnouncement, testRunQueue } from '../support/run-queue.js';
+import { dueAnnouncement, stalledPoll, testRunQueue } from '../support/run-queue.js';
 
 const id = (n: number) => `00000000-0000-4000-8000-${String(n).padStart(12, '0')}`;
-
-/** A poller whose first poll answers with `runs` only when `answer()` is called. */
-function stalledPoll(queue: ReturnType<typeof testRunQueue>, runs: ClaimedRun[], reservationMaxMs = 50) {
-  let answer!: () => void;
-  const answered = new Promise<void>((resolve) => (answer = resolve));
-  const abort = new AbortController();
-  let polls = 0;
-  const done = pollOverdue({
-    claimOverdue: async (_overdueMs, limit) => {
-      polls += 1;
-      if (polls > 1) return { claimed: [], skipped: 0, misfired: 0 };
-      await answered;
-      return { claimed: runs.slice(0, limit), skipped: 0, misfired: 0 };
-    },
-    syncClock: async () => undefined,
-    intervalMs: 10_000,
-    overdueMs: 2000,
-    capacity: () => queue.freeSlots(),
-    reserve: (n) => queue.reserve(n),
-    execute: (claimed, inReservedSlots) => claimed.forEach((run) => queue.execute(run, inReservedSlots)),
-    reservationMaxMs,
-    logger: silentLogger,
-    metrics: createMetrics('test'),
-    signal: abort.signal,
-  });
-  return { answer, stop: () => abort.abort(), done };
-}
 
 test('a drain that begins while a lapsed poll is out: its claims, arriving after the drain ended, are handed back with the stop reason, never called', async () => {
   const calls: { runId: string; aborted: unknown }[] = [];

@@ -9,6 +9,7 @@ import { silentLogger } from '../../src/observability/logger.js';
 import { createMetrics } from '../../src/observability/metrics.js';
 import type { ClaimedRun } from '../../src/store/runs.js';
 import { fakeClaimedRun } from '../support/claimed-run.js';
+import { dueAnnouncement, stalledPoll, testRunQueue } from '../support/run-queue.js';
 
 // The polling fallback and the run queue share the worker's execution slots. Pure logic: the
 // claims are fakes (the SQL is tested in test/integration/execution-claims.test.ts).
@@ -93,72 +94,43 @@ test('a poll that does not answer holds the slots no longer than its reservation
   const calledAt = new Map<string, number>();
   let finish!: () => void;
   const finished = new Promise<void>((resolve) => (finish = resolve));
-  const clock = new DbClock();
-  const metrics = createMetrics('test');
-  const queue = new RunQueue({
-    claim: async (message) => ({ kind: 'claimed', run: claimed(message.runId) }),
-    claimLeadMs: 0,
-    claimGraceMs: 0,
+  const queue = testRunQueue({
     concurrency: CONCURRENCY,
-    prefetch: 100,
-    clock,
-    run: async (run, _signal, _drainLeft, callEnded, untilSlot) => {
-      await untilSlot();
+    run: async (run, _signal, _drainLeft, callEnded) => {
       calledAt.set(run.id, performance.now());
       running += 1;
       most = Math.max(most, running);
       await finished;
       running -= 1;
-      callEnded?.(true);
+      callEnded(true);
     },
-    onBackpressure: () => undefined,
-    logger: silentLogger,
-    metrics,
   });
-  const abort = new AbortController();
   // The first poll's statement waits on a connection gone silent; it answers only when told.
-  let answer!: () => void;
-  const answered = new Promise<void>((resolve) => (answer = resolve));
-  let polls = 0;
   const began = performance.now();
-  const poller = pollOverdue({
-    claimOverdue: async (_overdueMs, limit) => {
-      polls += 1;
-      if (polls > 1) return { claimed: [], skipped: 0, misfired: 0 };
-      await answered;
-      return { claimed: [3, 4].slice(0, limit).map((n) => claimed(id(n))), skipped: 0, misfired: 0 };
-    },
-    syncClock: async () => undefined,
-    intervalMs: 10_000,
-    overdueMs: 2000,
-    capacity: () => queue.freeSlots(),
-    reserve: (n) => queue.reserve(n),
-    execute: (runs, inReservedSlots) => runs.forEach((run) => queue.execute(run, inReservedSlots)),
-    reservationMaxMs: 100,
-    logger: silentLogger,
-    metrics,
-    signal: abort.signal,
-  });
+  const poll = stalledPoll(
+    queue,
+    [3, 4].map((n) => claimed(id(n))),
+    100,
+  );
   try {
     await sleep(20);
     // An announced run falls due while the poll waits: it is called once the reservation lapses.
-    const now = new Date();
-    queue.hold({ runId: id(1), jobId: id(1), attempt: 1, scheduledFor: now, notBefore: now });
+    queue.hold(dueAnnouncement(id(1)));
     await sleep(400);
     const called = calledAt.get(id(1));
     assert.ok(called !== undefined, 'the announced run was called while the poll was still waiting');
     assert.ok(called - began < 300, `called ${Math.round(called - began)} ms after the poll began`);
     // The poll answers at last: one of its runs takes the slot left, the other waits for one.
-    answer();
+    poll.answer();
     await sleep(100);
     assert.equal(running, CONCURRENCY);
     assert.equal(most, CONCURRENCY, `at most ${CONCURRENCY} runs execute at once`);
     assert.equal(calledAt.size, CONCURRENCY, 'the second of the poll’s runs waits for a slot');
   } finally {
     finish();
-    abort.abort();
-    answer();
-    await poller;
+    poll.stop();
+    poll.answer();
+    await poll.done;
     await queue.drain(1000, new Error('test over'));
   }
 });
