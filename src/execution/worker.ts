@@ -7,7 +7,8 @@ import type { Metrics } from '../observability/metrics.js';
 import type { TargetPolicy } from '../security/target-policy.js';
 import type { WorkerConfig } from '../config/index.js';
 import type { Notifications } from '../store/notifications.js';
-import { pollOverdueRuns } from '../store/overdue.js';
+import { inTransaction } from '../store/db.js';
+import { claimOverdueRuns } from '../store/overdue.js';
 import { HANDOFF_CHANNEL, handOffRuns, peersOrEveryone } from '../store/handoff.js';
 import type { RunMessage } from '../model.js';
 import type { ClaimedRun, EndedEpochsReading } from '../store/runs.js';
@@ -210,7 +211,9 @@ export class Worker {
         // worker's share (worker-share-blocked). A poll left waiting holds its slots no longer
         // than POLL_RESERVATION_MAX_MS.
         claimOverdue: (overdueMs, limit) =>
-          pollOverdueRuns(options.pool, overdueMs, limit, this.claimOptions()),
+          inTransaction(options.pool, (client) =>
+            claimOverdueRuns(client, overdueMs, limit, this.claimOptions()),
+          ),
         syncClock: (maxAgeMs) => this.clock.sync(options.pool, maxAgeMs),
         intervalMs: options.settings.pollIntervalMs,
         overdueMs: options.settings.pollOverdueMs,

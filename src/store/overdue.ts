@@ -1,6 +1,4 @@
 import type pg from 'pg';
-import { inTransaction } from './db.js';
-import type { Connections } from './pool-share.js';
 import {
   claimRun,
   claimRuns,
@@ -114,23 +112,6 @@ export async function claimOverdueRuns(
   }
   for (const row of heldBack) await settle(row, await claimOneInSavepoint(client, row.id, options));
   return { claimed, skipped, misfired };
-}
-
-/**
- * The polling fallback's transaction (claimOverdueRuns) on a client of `pool`, each of its
- * statements waiting `readTimeoutMs` at most for its answer (see CheckoutOptions; default the
- * pool's read timeout, which the worker keeps: worker.ts).
- */
-export async function pollOverdueRuns(
-  pool: Connections,
-  overdueMs: number,
-  limit: number,
-  options: ClaimOptions,
-  poll: { readonly readTimeoutMs?: number } = {},
-): Promise<{ claimed: ClaimedRun[]; skipped: number; misfired: number }> {
-  return inTransaction(pool, (client) => claimOverdueRuns(client, overdueMs, limit, options), {
-    readTimeoutMs: poll.readTimeoutMs,
-  });
 }
 
 interface OverdueRow {

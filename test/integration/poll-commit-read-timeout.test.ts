@@ -1,13 +1,13 @@
 import assert from 'node:assert/strict';
 import { after, before, test } from 'node:test';
 import { setTimeout as sleep } from 'node:timers/promises';
-import { isReadTimeout } from '../../src/store/db.js';
-import { pollOverdueRuns } from '../../src/store/overdue.js';
+import { inTransaction, isReadTimeout } from '../../src/store/db.js';
+import { claimOverdueRuns } from '../../src/store/overdue.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
 import { jobWithQueuedRuns } from '../support/execution.js';
 
-// The polling fallback's statements wait a bounded time for their answers (worker.ts, the claim
-// grace and 1 s at least). A COMMIT whose answer comes later than that (a slow fsync, a
+// A transaction whose statements wait a bounded time for their answers (inTransaction's
+// readTimeoutMs), here the polling fallback's. A COMMIT whose answer comes later than that (a slow fsync, a
 // synchronous standby away, a connection gone silent after the COMMIT reached the server) may
 // still commit: the poll had then claimed runs that no one would call. Left so, they waited for
 // their claims to expire (timeout + grace) and the reaper's re-queue counted a forgiven expiry
@@ -47,11 +47,9 @@ test("a poll whose COMMIT is answered after its statements' read timeout gets it
   const id = runs[0]!;
   await db.pool.query('INSERT INTO commit_stall VALUES ($1)', [COMMIT_TAKES_MS]);
   const began = Date.now();
-  const polled = await pollOverdueRuns(
+  const polled = await inTransaction(
     db.pool,
-    1000,
-    10,
-    { nodeId: NODE, graceMs: 200, skewToleranceMs: 10 },
+    (client) => claimOverdueRuns(client, 1000, 10, { nodeId: NODE, graceMs: 200, skewToleranceMs: 10 }),
     { readTimeoutMs: READ_TIMEOUT_MS },
   ).catch((err: unknown) => (isReadTimeout(err) ? 'read timeout' : Promise.reject(err)));
   // The COMMIT has ended on the server (it commits: nothing tells it that a client left).
