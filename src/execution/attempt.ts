@@ -15,6 +15,7 @@ import {
 } from '../store/attempts.js';
 import { replaceOlderRuns, type ClaimedRun, type StartAnswer } from '../store/runs.js';
 import { retryDelayMs } from './backoff.js';
+import { settleReadTimeoutMs } from './batching.js';
 import type { DbClock } from './db-clock.js';
 import type { HttpExecutor } from './http-executor.js';
 import { FORGIVEN_EXPIRIES } from './reaper.js';
@@ -99,13 +100,18 @@ export async function runAttempt(
       job: run.jobId,
       attempt: run.attempt,
     })));
+  // The unbatched settle writes' statements and COMMIT wait for their answers as the batchers'
+  // do: while a retry could still follow within the claim (settleReadTimeoutMs).
+  const bounded = () => ({ readTimeoutMs: settleReadTimeoutMs([{ run }], ctx.clock), boundCommit: true });
   // Hands the claim back without using up an attempt, retried while it holds (whileClaimed).
   const release = (report: AttemptReport, expiryBound?: number) =>
     whileClaimed(ctx, run, log, () =>
       ctx.release
         ? ctx.release(run, report, expiryBound)
-        : inTransaction(pool, (client) =>
-            releaseClaim(client, run, nodeId, report, ctx.topics.runsTopic, expiryBound),
+        : inTransaction(
+            pool,
+            (client) => releaseClaim(client, run, nodeId, report, ctx.topics.runsTopic, expiryBound),
+            bounded(),
           ),
     );
   // Settles a failed attempt (its retry or dead letter), retried while the claim holds.
@@ -113,7 +119,11 @@ export async function runAttempt(
     whileClaimed(ctx, run, log, () =>
       ctx.fail
         ? ctx.fail(run, report, delay)
-        : inTransaction(pool, (client) => failAttempt(client, run, { nodeId }, report, delay, ctx.topics)),
+        : inTransaction(
+            pool,
+            (client) => failAttempt(client, run, { nodeId }, report, delay, ctx.topics),
+            bounded(),
+          ),
     );
   try {
     // First, before anything acts for this run: a withdrawn run must not replace another (below).

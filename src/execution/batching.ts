@@ -1,6 +1,6 @@
 import type { Connections } from '../store/pool-share.js';
 import { toError } from '../errors.js';
-import { inTransaction, isDatabaseUnavailable } from '../store/db.js';
+import { inTransaction, isDatabaseUnavailable, QUERY_READ_TIMEOUT_MS } from '../store/db.js';
 import {
   completeSucceededMany,
   failAttempt,
@@ -40,6 +40,48 @@ export const MAX_BATCH = 256;
 export const MAX_IN_FLIGHT = 2;
 /** Items that fail one by one for want of the database, none succeeding, before the rest are failed without a try. */
 const OUTAGE_AFTER = 2;
+
+/**
+ * A settle write's item (a completion, a failure, a hand-back): its run's claim deadline, which a
+ * worker's item carries (a ClaimedRun), bounds how long the write waits for its answer
+ * (settleReadTimeoutMs). Without it, the pool's read timeout.
+ */
+export interface ClaimBound {
+  readonly run: { readonly claimExpiresAt?: Date };
+}
+
+/** The least a settle statement waits for its answer (see settleReadTimeoutMs). */
+const SETTLE_READ_TIMEOUT_MIN_MS = 250;
+
+/**
+ * How long a batch of settle writes waits for each statement's answer: half of what is left of the
+ * earliest of its claims (`claimExpiresAt`, by the later estimate of the database clock), at least
+ * SETTLE_READ_TIMEOUT_MIN_MS, at most the pool's read timeout; undefined (the pool's) without a
+ * clock or a deadline. A settle write sent on a connection gone silent (a NAT or firewall that lost
+ * its state) waited the pool's 35 s, past the claim: the reaper re-queued the run, and a run whose
+ * call had succeeded was called again; meanwhile the batcher's two batches in flight held every
+ * settle write of the worker behind them. Past the bound the statement fails, the connection is
+ * discarded, and the write is tried again on another (the batch item by item, then attempt.ts
+ * whileClaimed) with the other half of the claim left for it. Every settle write is conditional on
+ * the claim, so one whose answer was not waited for but that committed leaves the retry nothing to
+ * write (it reports the claim settled, which attempt.ts staleOrRecorded tells from a claim lost).
+ * A transaction's COMMIT is bounded too (inTransaction's boundCommit): one that PostgreSQL never
+ * got waited 35 s; the server ends such a transaction 5 s on (idle_in_transaction_session_timeout),
+ * its locks with it, and the retry then writes. The earliest claim, not the
+ * latest: a batch of a run whose claim ends in 3 s and one whose claim ends in a minute waited 30 s,
+ * and the first run's claim expired meanwhile. A batch given up on early costs its runs one statement
+ * each on another connection; a settle statement takes milliseconds, and the bound is ≥ 250 ms.
+ */
+export function settleReadTimeoutMs(
+  items: readonly ClaimBound[],
+  clock: Pick<DbClock, 'latestNow'> | undefined,
+): number | undefined {
+  if (!clock) return undefined;
+  const expiresAt = Math.min(...items.map((item) => item.run.claimExpiresAt?.getTime() ?? Infinity));
+  if (!Number.isFinite(expiresAt)) return undefined;
+  const halfLeftMs = Math.ceil((expiresAt - clock.latestNow()) / 2);
+  return Math.min(QUERY_READ_TIMEOUT_MS, Math.max(SETTLE_READ_TIMEOUT_MIN_MS, halfLeftMs));
+}
 
 /**
  * Runs a failed batch's items one statement each, so each gets its own answer: one item the
@@ -160,13 +202,16 @@ export function createCompletionBatcher(
   pool: Connections,
   nodeId: string,
   hold?: { holdMs: number; callsUnderway: () => boolean; writesHeldGrew: () => void },
-): MicroBatcher<Success, boolean> {
+  clock?: Pick<DbClock, 'latestNow'>,
+): MicroBatcher<Success & ClaimBound, boolean> {
+  const complete = async (items: readonly (Success & ClaimBound)[]) =>
+    completeSucceededMany(pool, nodeId, items, settleReadTimeoutMs(items, clock));
   return new MicroBatcher(
     async (items) => {
       try {
-        return await completeSucceededMany(pool, nodeId, items);
+        return await complete(items);
       } catch {
-        return oneByOne(items, async (item) => (await completeSucceededMany(pool, nodeId, [item]))[0]!);
+        return oneByOne(items, async (item) => (await complete([item]))[0]!);
       }
     },
     MAX_BATCH,
@@ -184,10 +229,21 @@ export function createCompletionBatcher(
 const buries = (failure: Failure) =>
   failure.report.retryable === false || failure.run.attempt >= failure.run.maxAttempts;
 
-/** Settles one failure in its own transaction, as before batches (failAttempt). */
-const failAlone = (pool: Connections, nodeId: string, item: Failure, topics: Topics) =>
-  inTransaction(pool, (client) =>
-    failAttempt(client, item.run, { nodeId }, item.report, item.retryDelayMs, topics),
+/**
+ * Settles one failure in its own transaction, as before batches (failAttempt); its statements and
+ * COMMIT wait `readTimeoutMs` at most for their answers (settleReadTimeoutMs).
+ */
+const failAlone = (
+  pool: Connections,
+  nodeId: string,
+  item: Failure,
+  topics: Topics,
+  readTimeoutMs: number | undefined,
+) =>
+  inTransaction(
+    pool,
+    (client) => failAttempt(client, item.run, { nodeId }, item.report, item.retryDelayMs, topics),
+    { readTimeoutMs, boundCommit: true },
   );
 
 /**
@@ -203,8 +259,9 @@ const failAlone = (pool: Connections, nodeId: string, item: Failure, topics: Top
 async function settleFailures(
   pool: Connections,
   nodeId: string,
-  items: readonly Failure[],
+  items: readonly (Failure & ClaimBound)[],
   topics: Topics,
+  clock: Pick<DbClock, 'latestNow'> | undefined,
 ): Promise<(FailureResult | null | BatchItemError)[]> {
   const results: (FailureResult | null | BatchItemError | undefined)[] = items.map(() => undefined);
   const retries = items.flatMap((item, at) => (buries(item) ? [] : [at]));
@@ -212,36 +269,42 @@ async function settleFailures(
   // A part that fails leaves its items to be settled alone below: each part is all or nothing,
   // and a part already written must not be tried again (its runs would read as claims lost).
   if (retries.length > 0) {
-    const written = await failMany(
-      pool,
-      nodeId,
-      retries.map((at) => items[at]!),
-      topics,
-      { retriesOnly: true },
-    ).catch(() => []);
+    const part = retries.map((at) => items[at]!);
+    const readTimeoutMs = settleReadTimeoutMs(part, clock);
+    const written = await failMany(pool, nodeId, part, topics, { retriesOnly: true, readTimeoutMs }).catch(
+      () => [],
+    );
     retries.forEach((at, k) => {
       if (written[k]) results[at] = written[k];
     });
   }
   if (burials.length > 0) {
-    // The results count once the transaction has committed.
-    const committed = await inTransaction(pool, async (client) => {
-      const locked = await lockFreeJobs(client, [...new Set(burials.map((at) => items[at]!.run.jobId))]);
-      const mine = burials.filter((at) => locked.has(items[at]!.run.jobId));
-      const written = await failMany(
-        client,
-        nodeId,
-        mine.map((at) => items[at]!),
-        topics,
-      );
-      return mine.map((at, k) => [at, written[k] ?? null] as const);
-    }).catch(() => []);
+    // The results count once the transaction has committed (its COMMIT bounded as its statements).
+    const readTimeoutMs = settleReadTimeoutMs(
+      burials.map((at) => items[at]!),
+      clock,
+    );
+    const committed = await inTransaction(
+      pool,
+      async (client) => {
+        const locked = await lockFreeJobs(client, [...new Set(burials.map((at) => items[at]!.run.jobId))]);
+        const mine = burials.filter((at) => locked.has(items[at]!.run.jobId));
+        const written = await failMany(
+          client,
+          nodeId,
+          mine.map((at) => items[at]!),
+          topics,
+        );
+        return mine.map((at, k) => [at, written[k] ?? null] as const);
+      },
+      { readTimeoutMs, boundCommit: true },
+    ).catch(() => []);
     for (const [at, result] of committed) results[at] = result;
   }
   const left = results.flatMap((result, at) => (result === undefined ? [at] : []));
   const alone = await oneByOne(
     left.map((at) => items[at]!),
-    (item) => failAlone(pool, nodeId, item, topics),
+    (item) => failAlone(pool, nodeId, item, topics, settleReadTimeoutMs([item], clock)),
   );
   left.forEach((at, k) => (results[at] = alone[k]!));
   return results as (FailureResult | null | BatchItemError)[];
@@ -259,33 +322,116 @@ export function createFailureBatcher(
   pool: Connections,
   nodeId: string,
   topics: Topics,
-): MicroBatcher<Failure, FailureResult | null> {
-  return new MicroBatcher((items) => settleFailures(pool, nodeId, items, topics), MAX_BATCH, MAX_IN_FLIGHT);
+  clock?: Pick<DbClock, 'latestNow'>,
+): MicroBatcher<Failure & ClaimBound, FailureResult | null> {
+  return new MicroBatcher(
+    (items) => settleFailures(pool, nodeId, items, topics, clock),
+    MAX_BATCH,
+    MAX_IN_FLIGHT,
+  );
 }
 
 /** A run claimed ahead of its time whose call is about to begin. */
 export interface StartRequest {
   readonly id: string;
   readonly attempt: number;
+  /**
+   * Database time (ms) after which a call begun could no longer end within the claim (its
+   * deadline less the run's timeout): a START answered later is worth nothing (see
+   * startReadTimeoutMs). Omitted: the pool's read timeout.
+   */
+  readonly answerBy?: number;
+}
+
+/** The least a START statement waits for its answer (see startReadTimeoutMs). */
+const START_READ_TIMEOUT_MIN_MS = 250;
+
+/**
+ * How long a batch of STARTs waits for its answer: until the last of its runs could no longer be
+ * called within its claim (`answerBy`, by the later estimate of the database clock), at least
+ * START_READ_TIMEOUT_MIN_MS, at most the pool's read timeout. A START sent on a connection gone
+ * silent (a NAT or firewall that lost its state) waited the pool's 35 s; two such batches (the
+ * batcher's MAX_IN_FLIGHT) held every START of the worker behind them, and its runs claimed
+ * ahead waited out claim after claim uncalled, each a forgiven expiry, until their attempts were
+ * charged and they died. Past the bound the statement fails and the connection is discarded.
+ */
+export function startReadTimeoutMs(
+  runs: readonly StartRequest[],
+  clock: Pick<DbClock, 'latestNow'>,
+): number | undefined {
+  const answerBy = Math.max(...runs.map((run) => run.answerBy ?? Infinity));
+  if (!Number.isFinite(answerBy)) return undefined;
+  const leftMs = Math.ceil(answerBy - clock.latestNow());
+  return Math.min(QUERY_READ_TIMEOUT_MS, Math.max(START_READ_TIMEOUT_MIN_MS, leftMs));
+}
+
+/**
+ * A START still unanswered halfway to its bound (startReadTimeoutMs: when its runs could no
+ * longer be called within their claims) is sent again on another connection (START is
+ * repeatable), and the first answer counts. Given up only
+ * at its bound (startReadTimeoutMs), a START on a silent connection was tried again once no call
+ * could end within the claim any more: the retry started the run, and the worker handed it back
+ * as claimed too late. The first statement is not given up at the half: one the database is
+ * slow to answer (a lock, a loaded server) still counts when it answers in time, as before, and
+ * the second then waits behind its row locks and changes nothing.
+ */
+export function hedged<T>(send: () => Promise<T>, resendAfterMs: number | undefined): Promise<T> {
+  if (resendAfterMs === undefined) return send();
+  return new Promise<T>((resolve, reject) => {
+    let inFlight = 0;
+    let firstErr: unknown;
+    const go = () => {
+      inFlight += 1;
+      send().then(
+        (value) => {
+          clearTimeout(timer);
+          resolve(value);
+        },
+        (err: unknown) => {
+          inFlight -= 1;
+          firstErr ??= err;
+          // A first statement refused before the half is not sent again here (the caller's
+          // fallback takes over, as before); after it, the other may still answer.
+          if (inFlight === 0) {
+            clearTimeout(timer);
+            reject(toError(firstErr));
+          }
+        },
+      );
+    };
+    const timer = setTimeout(go, resendAfterMs);
+    go();
+  });
 }
 
 /**
  * Starts claimed-ahead runs in batches (see MicroBatcher; a herd's runs all start at their
  * instant): see StartAnswer. A run is started only when due by the database clock within
- * `dueWithinMs` (the clock skew tolerance). A batch that fails is retried item by item, as
- * completions are.
+ * `dueWithinMs` (the clock skew tolerance). A batch unanswered halfway to its read timeout is
+ * sent again on another connection (hedged). A batch that fails is retried
+ * item by item, as completions are.
  */
 export function createStartBatcher(
   pool: Connections,
   nodeId: string,
   dueWithinMs: number,
+  clock?: Pick<DbClock, 'latestNow'>,
 ): MicroBatcher<StartRequest, StartAnswer> {
+  const readTimeout = (runs: readonly StartRequest[]) =>
+    clock ? startReadTimeoutMs(runs, clock) : undefined;
+  const start = (runs: readonly StartRequest[]) => {
+    const readTimeoutMs = readTimeout(runs);
+    return hedged(
+      () => startRuns(pool, nodeId, runs, dueWithinMs, readTimeout(runs)),
+      readTimeoutMs === undefined ? undefined : readTimeoutMs / 2,
+    );
+  };
   return new MicroBatcher(
     async (runs) => {
       try {
-        return await startRuns(pool, nodeId, runs, dueWithinMs);
+        return await start(runs);
       } catch {
-        return oneByOne(runs, async (run) => (await startRuns(pool, nodeId, [run], dueWithinMs))[0]!);
+        return oneByOne(runs, async (run) => (await start([run]))[0]!);
       }
     },
     MAX_BATCH,
@@ -304,15 +450,18 @@ export function createReleaseBatcher(
   pool: Connections,
   nodeId: string,
   runsTopic: string,
-): MicroBatcher<Release, RunMessage | null> {
+  clock?: Pick<DbClock, 'latestNow'>,
+): MicroBatcher<Release & ClaimBound, RunMessage | null> {
   return new MicroBatcher(
     async (items) => {
       try {
-        return await releaseClaims(pool, nodeId, items, runsTopic);
+        return await releaseClaims(pool, nodeId, items, runsTopic, settleReadTimeoutMs(items, clock));
       } catch {
         return oneByOne(items, (item) =>
-          inTransaction(pool, (client) =>
-            releaseClaim(client, item.run, nodeId, item.report, runsTopic, item.expiryBound),
+          inTransaction(
+            pool,
+            (client) => releaseClaim(client, item.run, nodeId, item.report, runsTopic, item.expiryBound),
+            { readTimeoutMs: settleReadTimeoutMs([item], clock), boundCommit: true },
           ),
         );
       }

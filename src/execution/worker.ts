@@ -71,6 +71,12 @@ type State = 'idle' | 'running' | 'stopping' | 'stopped';
 const HANDOFF_TIMEOUT_MS = 500;
 
 /**
+ * The least a poll's statements wait for their answers (see claimOverdue below), whatever the
+ * claim grace: a busy database answers a poll after an outage (hundreds of runs) in well under it.
+ */
+const POLL_READ_TIMEOUT_MIN_MS = 1000;
+
+/**
  * Executes runs on this node (contract items 5–8). Announcements arrive from Kafka and wait in a
  * {@link RunQueue} until due; each is then claimed in PostgreSQL (one conditional UPDATE) and
  * executed only if the claim succeeded. The polling fallback claims runs whose message is late,
@@ -102,25 +108,42 @@ export class Worker {
     });
     // Successes wait while calls are underway (see createCompletionBatcher).
     const holdMs = options.settings.completionHoldMs;
-    const completions = createCompletionBatcher(options.pool, options.nodeId, {
-      holdMs,
-      callsUnderway: () => this.queue.callsUnderway(),
-      writesHeldGrew: () => this.queue.writesHeldGrew(),
-    });
+    // Settle writes wait for their answers only while a retry could still follow within the
+    // claim (settleReadTimeoutMs), by this worker's clock estimate.
+    const completions = createCompletionBatcher(
+      options.pool,
+      options.nodeId,
+      {
+        holdMs,
+        callsUnderway: () => this.queue.callsUnderway(),
+        writesHeldGrew: () => this.queue.writesHeldGrew(),
+      },
+      this.clock,
+    );
     const writeMayWait = (run: ClaimedRun, report: AttemptReport) =>
       completionMayWait(run, report, this.clock, holdMs);
     const claims = createClaimBatcher(options.pool, this.claimOptions());
-    const starts = createStartBatcher(options.pool, options.nodeId, options.settings.skewToleranceMs);
+    const starts = createStartBatcher(
+      options.pool,
+      options.nodeId,
+      options.settings.skewToleranceMs,
+      this.clock,
+    );
     const topics = { runsTopic: options.runsTopic, deadLetterTopic: options.deadLetterTopic };
-    const failures = createFailureBatcher(options.pool, options.nodeId, topics);
-    const releases = createReleaseBatcher(options.pool, options.nodeId, topics.runsTopic);
+    const failures = createFailureBatcher(options.pool, options.nodeId, topics, this.clock);
+    const releases = createReleaseBatcher(options.pool, options.nodeId, topics.runsTopic, this.clock);
     const context: AttemptContext = {
       pool: options.pool,
       nodeId: options.nodeId,
       executor: this.executor,
       topics,
       clock: this.clock,
-      start: (run) => starts.add({ id: run.id, attempt: run.attempt }),
+      start: (run) =>
+        starts.add({
+          id: run.id,
+          attempt: run.attempt,
+          answerBy: run.claimExpiresAt.getTime() - run.timeoutMs,
+        }),
       complete: (run, report) => completions.add({ run, report }, writeMayWait(run, report)),
       fail: (run, report, retryDelayMs) => failures.add({ run, report, retryDelayMs }),
       release: (run, report, expiryBound) => releases.add({ run, report, expiryBound }),
@@ -206,13 +229,17 @@ export class Worker {
     this.intake.start();
     this.loops.push(
       pollOverdue({
-        // The pool's read timeout, not a shorter one: a statement given up on keeps its session
-        // at work in PostgreSQL (waiting for a lock, say) while the retry opens another, past the
-        // worker's share (worker-share-blocked). A poll left waiting holds its slots no longer
-        // than POLL_RESERVATION_MAX_MS.
+        // A poll answered later than the claim grace after its claim would have them handed back
+        // as too late: its statements wait no longer for an answer (a connection gone silent
+        // is discarded then, and the next poll takes another), but for its COMMIT, which may
+        // commit all the same (see db.ts COMMIT).
         claimOverdue: (overdueMs, limit) =>
-          inTransaction(options.pool, (client) =>
-            claimOverdueRuns(client, overdueMs, limit, this.claimOptions()),
+          inTransaction(
+            options.pool,
+            (client) => claimOverdueRuns(client, overdueMs, limit, this.claimOptions()),
+            {
+              readTimeoutMs: Math.max(options.settings.claimGraceMs, POLL_READ_TIMEOUT_MIN_MS),
+            },
           ),
         syncClock: (maxAgeMs) => this.clock.sync(options.pool, maxAgeMs),
         intervalMs: options.settings.pollIntervalMs,

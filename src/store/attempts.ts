@@ -1,6 +1,6 @@
 import type pg from 'pg';
 import type { RunMessage } from '../model.js';
-import type { Queryable } from './db.js';
+import { withReadTimeout, type Queryable } from './db.js';
 import { buryRun } from './dead-letters.js';
 import {
   enqueueAttempt,
@@ -119,18 +119,20 @@ export interface Success {
 
 /**
  * Completes successful attempts of node `nodeId` in one statement; returns, per item, false when
- * the claim had been lost (the completion is stale and was discarded).
+ * the claim had been lost (the completion is stale and was discarded). `readTimeoutMs`: how long
+ * its answer is waited for (withReadTimeout; default the pool's).
  */
 export async function completeSucceededMany(
   db: Queryable,
   nodeId: string,
   items: readonly Success[],
+  readTimeoutMs?: number,
 ): Promise<boolean[]> {
   if (items.length === 0) return [];
   const sorted = inLockOrder(items, (i) => i.run.id);
   // Named: parsed and planned once per connection (see claimRuns).
   const { rows } = await db.query<{ id: string; attempt: number }>(
-    { name: 'helios-complete-succeeded', text: SUCCEED },
+    withReadTimeout({ name: 'helios-complete-succeeded', text: SUCCEED }, readTimeoutMs),
     [
       sorted.map((i) => i.run.id),
       sorted.map((i) => i.run.attempt),
@@ -367,14 +369,15 @@ export interface Failure {
  * Settles failed attempts of node `nodeId` in one statement, as failAttempt settles one: per item,
  * what became of it, or null when the claim had been lost (nothing written for it). Everything
  * or nothing is written. With `retriesOnly`, null also for a run the failure would bury (see
- * FAIL_MANY): the caller settles those otherwise.
+ * FAIL_MANY): the caller settles those otherwise. `readTimeoutMs`: how long its answer is waited
+ * for (withReadTimeout; default the pool's).
  */
 export async function failMany(
   db: Queryable,
   nodeId: string,
   items: readonly Failure[],
   topics: Topics,
-  options: { retriesOnly?: boolean } = {},
+  options: { retriesOnly?: boolean; readTimeoutMs?: number } = {},
 ): Promise<(FailureResult | null)[]> {
   if (items.length === 0) return [];
   const sorted = inLockOrder(items, (i) => i.run.id);
@@ -384,7 +387,7 @@ export async function failMany(
     state: 'queued' | 'dead';
     notBefore: Date;
     deadLetterId: string | null;
-  }>({ name: 'helios-fail-many', text: FAIL_MANY }, [
+  }>(withReadTimeout({ name: 'helios-fail-many', text: FAIL_MANY }, options.readTimeoutMs), [
     sorted.map((i) => i.run.id),
     nodeId,
     sorted.map((i) => i.run.attempt),

@@ -1,3 +1,4 @@
+import { connect as connectSocket } from 'node:net';
 import pg from 'pg';
 import type { Logger } from '../observability/logger.js';
 import { toError } from '../errors.js';
@@ -70,7 +71,7 @@ export function isDatabaseOutage(err: unknown): boolean {
 }
 
 /** How long a pooled client waits for a statement's answer; 5 s past the server's statement_timeout. */
-const QUERY_READ_TIMEOUT_MS = 35_000;
+export const QUERY_READ_TIMEOUT_MS = 35_000;
 
 /**
  * True for node-postgres's own "Query read timeout" (query_timeout). The statement may still be
@@ -79,6 +80,16 @@ const QUERY_READ_TIMEOUT_MS = 35_000;
  */
 export function isReadTimeout(err: unknown): boolean {
   return err instanceof Error && err.message === 'Query read timeout';
+}
+
+/**
+ * `config` waiting `readTimeoutMs` at most for its answer (node-postgres's per-statement
+ * query_timeout, which its types leave out); undefined: the pool's read timeout.
+ */
+export function withReadTimeout(config: pg.QueryConfig, readTimeoutMs: number | undefined): pg.QueryConfig {
+  if (readTimeoutMs === undefined) return config;
+  const timed: pg.QueryConfig & { query_timeout: number } = { ...config, query_timeout: readTimeoutMs };
+  return timed;
 }
 
 /** Names the session (the pool's applicationName). $1 = the name. */
@@ -169,6 +180,8 @@ export async function withClient<T>(
     return await work(client, () => connectionError);
   } catch (err) {
     broken = connectionError !== undefined || !(await reusable(client, err));
+    // Before the client is discarded and the caller tries again on another (see cancelStatement).
+    if (isReadTimeout(err)) await cancelStatement(client);
     throw toError(err);
   } finally {
     unbound?.();
@@ -178,19 +191,75 @@ export async function withClient<T>(
   }
 }
 
+/** How long cancelStatement waits for PostgreSQL to take its cancel request. */
+const CANCEL_WAIT_MS = 1000;
+
+/** A pg client's session, as PostgreSQL named it when it connected (pg keeps it, untyped). */
+interface SessionKey {
+  readonly processID: number | null;
+  readonly secretKey: number | null;
+  readonly host: string;
+  readonly port: number;
+}
+
+/**
+ * Asks PostgreSQL to cancel the statement `client`'s session is running, whose answer was given
+ * up on (isReadTimeout), and waits until the server has taken the request, CANCEL_WAIT_MS at most;
+ * never throws. The request goes on a connection of its own (the protocol's CancelRequest: the
+ * session's own connection is the one not answering), which the server closes once it has
+ * signalled the session. Left alone, the statement goes on in PostgreSQL after its client is
+ * discarded (the server notices a client gone only when it next reads or writes): one waiting for
+ * a lock kept its session waiting there while the caller's retry opened another, past the worker's
+ * share (worker-share-blocked) and toward max_connections. A session that ended the statement
+ * meanwhile ignores the request; so does one that is idle in its transaction, which ends when the
+ * discarded connection closes, or by idle_in_transaction_session_timeout.
+ */
+export async function cancelStatement(client: pg.PoolClient): Promise<void> {
+  const { processID, secretKey, host, port } = client as unknown as SessionKey;
+  if (processID === null || secretKey === null) return;
+  await new Promise<void>((resolve) => {
+    const socket = host.startsWith('/')
+      ? connectSocket(`${host}/.s.PGSQL.${port}`)
+      : connectSocket({ host, port, noDelay: true });
+    const done = () => {
+      clearTimeout(timer);
+      socket.destroy();
+      resolve();
+    };
+    const timer = setTimeout(done, CANCEL_WAIT_MS);
+    socket.once('connect', () => {
+      // CancelRequest: length 16, the code 80877102, the session's process id and secret key.
+      const request = Buffer.alloc(16);
+      request.writeInt32BE(16, 0);
+      request.writeInt32BE(80877102, 4);
+      request.writeInt32BE(processID, 8);
+      request.writeInt32BE(secretKey, 12);
+      socket.end(request);
+    });
+    socket.once('close', done);
+    socket.once('error', done);
+  });
+}
+
 /** How a checkout's statements are sent (withClient, inTransaction). */
 export interface CheckoutOptions {
   /**
    * Each statement's answer is waited for this long at most, not the pool's query_timeout (35 s),
    * but for a statement given its own query_timeout (inTransaction's COMMIT):
-   * for work whose answer is worth nothing later (a clock sample), and that holds no lock a
-   * statement given up on would keep waiting for in PostgreSQL: its session stays at work there
-   * until the statement ends, while the caller's retry takes another. Past it the statement fails with a read timeout and the connection is
-   * discarded (isReadTimeout). Such a wait is what a connection that went silent (a NAT or firewall
+   * for work whose answer is worth nothing later (a poll whose claims would come back too late to
+   * call, a clock sample). Past it the statement fails with a read timeout, is cancelled in
+   * PostgreSQL (cancelStatement) and the connection is discarded (isReadTimeout). Such a wait is what a connection that went silent (a NAT or firewall
    * that lost its state, a database moved behind the same address) gives every statement sent on
    * it; the pool hands such a connection out as any other until a statement on it times out.
    */
   readonly readTimeoutMs?: number;
+  /**
+   * inTransaction's COMMIT too waits `readTimeoutMs` at most: for writes conditional on what they
+   * change (a settle write on its claim), whose retry writes nothing when a COMMIT not waited for
+   * committed after all. A burial whose connection went silent before its COMMIT waited the
+   * pool's 35 s, past the claim, for a COMMIT that PostgreSQL never got.
+   */
+  readonly boundCommit?: boolean;
 }
 
 /**
@@ -228,7 +297,8 @@ const COMMIT = { text: 'COMMIT', query_timeout: 0 };
 /**
  * Runs `work` in a transaction on one client (withClient); rolls back on any error and rethrows
  * it. A client whose session ended or whose read timed out is discarded, not rolled back. The
- * checkout's read timeout (`options`) bounds every statement but COMMIT (see COMMIT).
+ * checkout's read timeout (`options`) bounds every statement but COMMIT (see COMMIT), and COMMIT
+ * too with `boundCommit`.
  */
 export async function inTransaction<T>(
   pool: Connections,
@@ -242,7 +312,7 @@ export async function inTransaction<T>(
       const result = await work(client);
       const connectionError = lost();
       if (connectionError) throw connectionError;
-      await client.query(COMMIT);
+      await client.query(options.boundCommit ? 'COMMIT' : COMMIT);
       return result;
     },
     async (client, err) => {

@@ -1,4 +1,5 @@
 import type pg from 'pg';
+import { withClient } from './db.js';
 
 /** What work on a pool needs: single queries and transactions (see inTransaction). */
 export type Connections = Pick<pg.Pool, 'query' | 'connect'>;
@@ -50,14 +51,12 @@ export class PoolShare implements Connections, PoolStats {
     return this.queue.length;
   }
 
-  readonly query = (async (...args: unknown[]) => {
-    const release = await this.acquire();
-    try {
-      return await (this.pool.query as (...a: unknown[]) => Promise<unknown>).apply(this.pool, args);
-    } finally {
-      release();
-    }
-  }) as pg.Pool['query'];
+  // On a client of the share's own (withClient), not the pool's query: a statement whose answer
+  // is given up on is then cancelled before its slot is freed (db.ts cancelStatement).
+  readonly query = (async (...args: unknown[]) =>
+    withClient(this, (client) =>
+      (client.query as (...a: unknown[]) => Promise<unknown>).apply(client, args),
+    )) as pg.Pool['query'];
 
   readonly connect = (async () => {
     const release = await this.acquire();

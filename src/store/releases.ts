@@ -7,7 +7,7 @@ import {
   type AttemptReport,
   type ExpiryOptions,
 } from './attempts.js';
-import type { Queryable } from './db.js';
+import { withReadTimeout, type Queryable } from './db.js';
 import { inLockOrder, nextAttemptMessage, type RequeuedRun } from './runs.js';
 
 /**
@@ -59,17 +59,20 @@ export interface Release {
 /**
  * Gives back claims of node `nodeId` in one statement, as releaseClaim gives back one: per item,
  * the next attempt's announcement, or null when the claim had been lost (nothing written for it).
- * Everything or nothing is written.
+ * Everything or nothing is written. `readTimeoutMs`: how long its answer is waited for
+ * (withReadTimeout; default the pool's).
  */
 export async function releaseClaims(
   db: Queryable,
   nodeId: string,
   items: readonly Release[],
   runsTopic: string,
+  readTimeoutMs?: number,
 ): Promise<(RunMessage | null)[]> {
   if (items.length === 0) return [];
   const sorted = inLockOrder(items, (i) => i.run.id);
-  const { rows } = await db.query<RequeuedRun>({ name: 'helios-release-many', text: RELEASE_MANY }, [
+  const release = withReadTimeout({ name: 'helios-release-many', text: RELEASE_MANY }, readTimeoutMs);
+  const { rows } = await db.query<RequeuedRun>(release, [
     sorted.map((i) => i.run.id),
     nodeId,
     sorted.map((i) => i.run.attempt),

@@ -1,5 +1,5 @@
 import type { ConcurrencyPolicy, RunMessage, RunTarget } from '../model.js';
-import type { Queryable } from './db.js';
+import { withReadTimeout, type Queryable } from './db.js';
 
 /** A run this node has claimed: everything needed to execute the attempt and settle it. */
 export interface ClaimedRun {
@@ -296,8 +296,9 @@ const START = `
   RETURNING r.id, r.attempt`;
 
 /**
- * Of runs START did not start, those node $3 may still start (its claim, running, not started):
- * START found them not yet due. How long until they are, by the database clock (≤ 0: due since).
+ * Of runs START did not start, those node $3 still holds (its claim, running): START found them
+ * not yet due, and how long until they are, by the database clock (≤ 0: due since); or another
+ * START of the same run (a resend, a try whose answer timed out) has started them since.
  */
 const NOT_YET_DUE = `
   WITH input AS MATERIALIZED (
@@ -305,9 +306,10 @@ const NOT_YET_DUE = `
     SELECT s.*, $3::text AS node, 'running'::text AS running
     FROM unnest($1::uuid[], $2::int[]) AS s (id, attempt)
   )
-  SELECT r.id, r.attempt, extract(epoch FROM r.not_before - clock_timestamp())::float8 * 1000 AS due_in_ms
+  SELECT r.id, r.attempt, extract(epoch FROM r.not_before - clock_timestamp())::float8 * 1000 AS due_in_ms,
+         r.started_at IS NOT NULL AS started
   FROM input s JOIN runs r ON r.id = s.id
-  WHERE r.attempt = s.attempt AND r.claimed_by = s.node AND r.state = s.running AND r.started_at IS NULL`;
+  WHERE r.attempt = s.attempt AND r.claimed_by = s.node AND r.state = s.running`;
 
 /**
  * What START answered for one run: true, started (it may be called); false, withdrawn (a pause, an
@@ -325,22 +327,31 @@ export async function startRuns(
   nodeId: string,
   runs: readonly { readonly id: string; readonly attempt: number }[],
   dueWithinMs?: number,
+  readTimeoutMs?: number,
 ): Promise<StartAnswer[]> {
   if (runs.length === 0) return [];
   const sorted = inLockOrder(runs, (r) => r.id);
   const { rows } = await db.query<{ id: string; attempt: number }>(
-    { name: 'helios-start-runs', text: START },
+    withReadTimeout({ name: 'helios-start-runs', text: START }, readTimeoutMs),
     [sorted.map((r) => r.id), sorted.map((r) => r.attempt), nodeId, dueWithinMs ?? null],
   );
   // By attempt: a stale attempt of a run in the same batch as its current one is not started.
   const answers = new Map<string, StartAnswer>(rows.map((r) => [`${r.id}/${r.attempt}`, true]));
   const missed = dueWithinMs === undefined ? [] : runs.filter((r) => !answers.has(`${r.id}/${r.attempt}`));
   if (missed.length > 0) {
-    const { rows: waiting } = await db.query<{ id: string; attempt: number; due_in_ms: number }>(
-      { name: 'helios-start-not-yet-due', text: NOT_YET_DUE },
-      [missed.map((r) => r.id), missed.map((r) => r.attempt), nodeId],
-    );
-    for (const r of waiting) answers.set(`${r.id}/${r.attempt}`, { dueInMs: r.due_in_ms });
+    const { rows: waiting } = await db.query<{
+      id: string;
+      attempt: number;
+      due_in_ms: number;
+      started: boolean;
+    }>(withReadTimeout({ name: 'helios-start-not-yet-due', text: NOT_YET_DUE }, readTimeoutMs), [
+      missed.map((r) => r.id),
+      missed.map((r) => r.attempt),
+      nodeId,
+    ]);
+    // Started since by another START of the same run (a resend, a try whose answer timed out):
+    // started, not withdrawn.
+    for (const r of waiting) answers.set(`${r.id}/${r.attempt}`, r.started ? true : { dueInMs: r.due_in_ms });
   }
   return runs.map((r) => answers.get(`${r.id}/${r.attempt}`) ?? false);
 }

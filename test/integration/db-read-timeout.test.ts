@@ -4,6 +4,7 @@ import { pino } from 'pino';
 import type pg from 'pg';
 import { createPool, inTransaction, isReadTimeout, withClient } from '../../src/store/db.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
+import { PoolShare } from '../../src/store/pool-share.js';
 import { TcpProxy } from '../support/tcp-proxy.js';
 
 // A statement whose answer cannot come (the server gone without a word, a proxy that stopped
@@ -131,6 +132,56 @@ test('a checkout given its own read timeout: its statements wait that long at mo
     assert.equal(pool.totalCount, 0, 'the silent connection left the pool');
   } finally {
     proxy.heal();
+    await pool.end();
+  }
+});
+
+test('a statement whose answer is given up on is cancelled in PostgreSQL before its caller goes on, through the worker share too', async () => {
+  // Given up on while it waits for a lock, the statement went on waiting in PostgreSQL after its
+  // connection was discarded, and the caller's retry took another session: past the worker's
+  // share (worker-share-blocked), toward max_connections.
+  const applicationName = 'read-timeout-cancel-test';
+  const pool = createPool({
+    connectionString: db.url,
+    max: 2,
+    logger: pino({ level: 'silent' }),
+    applicationName,
+    queryTimeoutMs: 30_000,
+  });
+  const share = new PoolShare(pool, 1);
+  const locker = await db.pool.connect();
+  const waitingForTheLock = async () =>
+    (
+      await db.pool.query<{ n: number }>(
+        `SELECT count(*)::int AS n FROM pg_stat_activity
+         WHERE datname = current_database() AND application_name = $1 AND wait_event_type = 'Lock'`,
+        [applicationName],
+      )
+    ).rows[0]!.n;
+  try {
+    await db.pool.query('CREATE TABLE read_timeout_locked (n int)');
+    await locker.query('BEGIN');
+    await locker.query('LOCK TABLE read_timeout_locked IN ACCESS EXCLUSIVE MODE');
+    await assert.rejects(
+      withClient(pool, (client) => client.query('SELECT n FROM read_timeout_locked'), undefined, {
+        readTimeoutMs: TIMEOUT_MS,
+      }),
+      (err) => isReadTimeout(err),
+    );
+    assert.equal(
+      await waitingForTheLock(),
+      0,
+      'the checkout statement given up on still waits in PostgreSQL',
+    );
+    const timed: pg.QueryConfig & { query_timeout: number } = {
+      text: 'SELECT n FROM read_timeout_locked',
+      query_timeout: TIMEOUT_MS,
+    };
+    await assert.rejects(share.query(timed), (err) => isReadTimeout(err));
+    assert.equal(await waitingForTheLock(), 0, "the share's statement given up on still waits in PostgreSQL");
+  } finally {
+    await locker.query('ROLLBACK').catch(() => undefined);
+    locker.release();
     await pool.end();
   }
 });

@@ -1,7 +1,12 @@
 import assert from 'node:assert/strict';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { test } from 'node:test';
-import { CLAIM_LEFT_AFTER_HOLD_MS, completionMayWait, oneByOne } from '../../src/execution/batching.js';
+import {
+  CLAIM_LEFT_AFTER_HOLD_MS,
+  completionMayWait,
+  oneByOne,
+  settleReadTimeoutMs,
+} from '../../src/execution/batching.js';
 import { DbClock } from '../../src/execution/db-clock.js';
 import { BatchItemError, MicroBatcher } from '../../src/execution/micro-batcher.js';
 import type { AttemptReport } from '../../src/store/attempts.js';
@@ -290,4 +295,17 @@ test('completionMayWait: only an allow run with a short excerpt and 4 s of its c
   assert.equal(mayWait(run('allow', hold + CLAIM_LEFT_AFTER_HOLD_MS + 100), report('ok')), true);
   const tight = run('allow', hold + CLAIM_LEFT_AFTER_HOLD_MS - 100);
   assert.equal(mayWait(tight, report('ok')), false, 'too little of the claim left');
+});
+
+test("settleReadTimeoutMs: half of what is left of the batch's earliest claim, at least 250 ms, at most the pool's 35 s", () => {
+  const clock = { latestNow: () => 1_000_000 };
+  const expiring = (leftMs: number) => ({ run: { claimExpiresAt: new Date(1_000_000 + leftMs) } });
+  assert.equal(settleReadTimeoutMs([expiring(4000)], clock), 2000);
+  assert.equal(settleReadTimeoutMs([expiring(1000), expiring(6000)], clock), 500, 'the earliest claim');
+  assert.equal(settleReadTimeoutMs([{ run: {} }, expiring(6000)], clock), 3000, 'of those with a deadline');
+  assert.equal(settleReadTimeoutMs([expiring(300)], clock), 250, 'at least 250 ms');
+  assert.equal(settleReadTimeoutMs([expiring(-500)], clock), 250, 'expired: 250 ms');
+  assert.equal(settleReadTimeoutMs([expiring(3_600_000)], clock), 35_000, "the pool's read timeout at most");
+  assert.equal(settleReadTimeoutMs([{ run: {} }], clock), undefined, "no deadline: the pool's");
+  assert.equal(settleReadTimeoutMs([expiring(4000)], undefined), undefined, "no clock: the pool's");
 });
