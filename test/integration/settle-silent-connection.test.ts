@@ -15,7 +15,7 @@ import { silentLogger } from '../../src/observability/logger.js';
 import { createMetrics } from '../../src/observability/metrics.js';
 import { selectExpiredRuns, type AttemptReport } from '../../src/store/attempts.js';
 import { createPool, inTransaction } from '../../src/store/db.js';
-import type { Connections } from '../../src/store/pool-share.js';
+import { PoolShare, type Connections } from '../../src/store/pool-share.js';
 import { forgiveExpiredClaims } from '../../src/store/releases.js';
 import { claimRuns, type ClaimedRun } from '../../src/store/runs.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
@@ -151,6 +151,30 @@ test('a completion on a connection gone silent is written on another before the 
     announced: 0,
     letters: 0,
   });
+});
+
+test("a completion through the worker's share on a connection gone silent, new connections slow to open: written on another before the claim expires", async () => {
+  // The statement given up on is cancelled in PostgreSQL (db.ts cancelStatement) on a connection
+  // of its own, which a database slow to take new sessions answers late: the caller waited for it
+  // (1 s at most) before its retry, which then opened its own connection, as slowly: the retry
+  // was answered after the claim had expired, and the reaper would re-queue a run whose call had
+  // succeeded.
+  const run = await claimed(3, 2000);
+  await onSilentConnections(1, async (pool, clock) => {
+    proxy.newConnectionDelayMs = 1000;
+    try {
+      const completions = createCompletionBatcher(new PoolShare(pool, 2), NODE, undefined, clock);
+      const done = await beforeTheClaims(
+        [run],
+        completions.add({ run, report: SUCCESS }),
+        'the completion on a silent connection, new connections slow',
+      );
+      assert.equal(done, true, 'completed, on another connection');
+    } finally {
+      proxy.newConnectionDelayMs = 0;
+    }
+  });
+  assert.equal((await settled(run.id))?.state, 'succeeded');
 });
 
 test('a batch of completions on a connection gone silent, one of its claims short and another long, is answered before the short one expires', async () => {

@@ -12,7 +12,9 @@ import type { AddressInfo } from 'node:net';
  *    never closed) while new connections are forwarded normally: a stateful firewall or NAT that
  *    lost its state, or a database that moved to another host behind the same address.
  *  - `newConnectionDelayMs`: each new connection is forwarded only after this long (a database
- *    or a connection pooler slow to take new sessions); existing ones are not slowed.
+ *    or a connection pooler slow to take new sessions); existing ones are not slowed. Such a
+ *    connection's half-close (a CancelRequest's) reaches the server once it is connected, and the
+ *    connection closes when the server closes it, not at once.
  * Each connection is labelled with the application_name of its startup packet.
  */
 interface Pair {
@@ -24,6 +26,8 @@ interface Pair {
   readonly toUp: Buffer[];
   readonly toClient: Buffer[];
   clientClosed: boolean;
+  /** The client half-closed a delayed connection (see newConnectionDelayMs). */
+  clientEnded: boolean;
   upClosed: boolean;
   startup: Buffer;
 }
@@ -105,6 +109,7 @@ export class FaultProxy {
       toUp: [],
       toClient: [],
       clientClosed: false,
+      clientEnded: false,
       upClosed: false,
       startup: Buffer.alloc(0),
     };
@@ -137,9 +142,18 @@ export class FaultProxy {
       };
       upstream.on('error', upGone).on('close', upGone);
       if (this.mode !== 'hold') this.flush(pair);
+      if (pair.clientEnded && !pair.silenced) upstream.end();
     };
-    if (this.newConnectionDelayMs > 0) setTimeout(open, this.newConnectionDelayMs);
-    else open();
+    if (this.newConnectionDelayMs > 0) {
+      // Node would end the client side at once on the client's half-close: a server not yet
+      // reached cannot have answered it.
+      client.allowHalfOpen = true;
+      client.on('end', () => {
+        pair.clientEnded = true;
+        if (pair.upstream && !pair.silenced && this.mode === 'forward') pair.upstream.end();
+      });
+      setTimeout(open, this.newConnectionDelayMs);
+    } else open();
   }
 
   /** Reads application_name from the startup packet (protocol 3.0, no SSL request). */
