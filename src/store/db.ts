@@ -176,18 +176,24 @@ export async function withClient<T>(
   client.on('error', onConnectionError);
   const unbound = options.readTimeoutMs === undefined ? undefined : boundReads(client, options.readTimeoutMs);
   let broken = false;
+  let cancelling: Promise<void> | undefined;
   try {
     return await work(client, () => connectionError);
   } catch (err) {
     broken = connectionError !== undefined || !(await reusable(client, err));
-    // Before the client is discarded and the caller tries again on another (see cancelStatement).
-    if (isReadTimeout(err)) await cancelStatement(client);
+    // Cancelled before the client is discarded and its slot (of the pool, of the share) freed; the
+    // caller goes on meanwhile, its retry on another slot (see cancelStatement).
+    if (isReadTimeout(err)) cancelling = cancelStatement(client);
     throw toError(err);
   } finally {
     unbound?.();
-    broken ||= connectionError !== undefined;
-    client.release(broken);
-    client.removeListener('error', onConnectionError);
+    const giveBack = () => {
+      broken ||= connectionError !== undefined;
+      client.release(broken);
+      client.removeListener('error', onConnectionError);
+    };
+    if (cancelling) void cancelling.then(giveBack);
+    else giveBack();
   }
 }
 
@@ -210,7 +216,10 @@ interface SessionKey {
  * signalled the session. Left alone, the statement goes on in PostgreSQL after its client is
  * discarded (the server notices a client gone only when it next reads or writes): one waiting for
  * a lock kept its session waiting there while the caller's retry opened another, past the worker's
- * share (worker-share-blocked) and toward max_connections. A session that ended the statement
+ * share (worker-share-blocked) and toward max_connections. withClient keeps the client, and so its
+ * slot of the pool and of the share, until this has ended, but not its caller: a caller that
+ * waited for it (1 s when new connections are slow to open, as this one's is) tried again that
+ * much later, past the claim of a settle write (settle-silent-connection). A session that ended the statement
  * meanwhile ignores the request; so does one that is idle in its transaction, which ends when the
  * discarded connection closes, or by idle_in_transaction_session_timeout.
  */

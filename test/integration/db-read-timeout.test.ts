@@ -1,5 +1,6 @@
 import assert from 'node:assert/strict';
 import { after, before, test } from 'node:test';
+import { setTimeout as sleep } from 'node:timers/promises';
 import { pino } from 'pino';
 import type pg from 'pg';
 import { createPool, inTransaction, isReadTimeout, withClient } from '../../src/store/db.js';
@@ -27,6 +28,15 @@ after(async () => {
   await proxy.close();
   await db.drop();
 });
+
+/**
+ * Resolves once `inUse` (checked-out clients, slots of a share) is 0, 2 s at most: a client whose
+ * read timed out is given back, discarded, once its statement is cancelled in PostgreSQL
+ * (cancelStatement, 1 s at most), while its caller goes on.
+ */
+async function givenBack(inUse: () => number): Promise<void> {
+  for (const began = Date.now(); inUse() > 0 && Date.now() - began < 2000;) await sleep(5);
+}
 
 function poolThroughProxy(): pg.Pool {
   const url = new URL(db.url);
@@ -71,6 +81,7 @@ test('inside a transaction: the read timeout fails it without a ROLLBACK that co
     });
     await assert.rejects(attempt, (err) => isReadTimeout(err));
     assert.deepEqual(sent, ['SELECT 1'], 'no ROLLBACK queued behind the statement that never answered');
+    await givenBack(() => pool.totalCount);
     assert.equal(pool.totalCount, 0, 'the silent connection left the pool');
     proxy.heal();
     assert.deepEqual((await pool.query<{ one: number }>('SELECT 1 AS one')).rows, [{ one: 1 }]);
@@ -109,6 +120,7 @@ test('a checkout given its own read timeout: its statements wait that long at mo
       (err) => isReadTimeout(err),
     );
     assert.deepEqual(sent, ['work']);
+    await givenBack(() => pool.totalCount);
     assert.equal(pool.totalCount, 0, 'the connection whose read timed out left the pool');
 
     // A bounded checkout that succeeds gives its client back unbounded: the next checkout of the
@@ -129,6 +141,7 @@ test('a checkout given its own read timeout: its statements wait that long at mo
     );
     const waited = Date.now() - began;
     assert.ok(waited < 5_000, `gave up after ${waited} ms, not the pool's 30 s`);
+    await givenBack(() => pool.totalCount);
     assert.equal(pool.totalCount, 0, 'the silent connection left the pool');
   } finally {
     proxy.heal();
@@ -136,7 +149,7 @@ test('a checkout given its own read timeout: its statements wait that long at mo
   }
 });
 
-test('a statement whose answer is given up on is cancelled in PostgreSQL before its caller goes on, through the worker share too', async () => {
+test('a statement whose answer is given up on is cancelled in PostgreSQL before its slot is freed, through the worker share too', async () => {
   // Given up on while it waits for a lock, the statement went on waiting in PostgreSQL after its
   // connection was discarded, and the caller's retry took another session: past the worker's
   // share (worker-share-blocked), toward max_connections.
@@ -168,6 +181,7 @@ test('a statement whose answer is given up on is cancelled in PostgreSQL before 
       }),
       (err) => isReadTimeout(err),
     );
+    await givenBack(() => pool.totalCount - pool.idleCount);
     assert.equal(
       await waitingForTheLock(),
       0,
@@ -178,6 +192,7 @@ test('a statement whose answer is given up on is cancelled in PostgreSQL before 
       query_timeout: TIMEOUT_MS,
     };
     await assert.rejects(share.query(timed), (err) => isReadTimeout(err));
+    await givenBack(() => share.inUse);
     assert.equal(await waitingForTheLock(), 0, "the share's statement given up on still waits in PostgreSQL");
   } finally {
     await locker.query('ROLLBACK').catch(() => undefined);
