@@ -92,6 +92,9 @@ export function withReadTimeout(config: pg.QueryConfig, readTimeoutMs: number | 
   return timed;
 }
 
+/** How long the pool waits for a new connection (and cancelStatement for its cancel's). */
+const CONNECT_TIMEOUT_MS = 5000;
+
 /** Names the session (the pool's applicationName). $1 = the name. */
 const SET_APPLICATION_NAME = `SELECT set_config('application_name', $1, false)`;
 
@@ -115,7 +118,7 @@ export function createPool(options: {
     connectionString: options.connectionString,
     max: options.max,
     application_name: options.applicationName,
-    connectionTimeoutMillis: 5000,
+    connectionTimeoutMillis: CONNECT_TIMEOUT_MS,
     idleTimeoutMillis: 30_000,
     // A statement that hangs (a lock we did not expect, a server in trouble) must not hang a loop forever.
     statement_timeout: 30_000,
@@ -197,8 +200,14 @@ export async function withClient<T>(
   }
 }
 
-/** How long cancelStatement waits for PostgreSQL to take its cancel request. */
-const CANCEL_WAIT_MS = 1000;
+/**
+ * How long cancelStatement waits for PostgreSQL to take its cancel request: as long as the pool
+ * waits for a new connection. No caller waits for it (withClient), only the slot of the client
+ * given up on; 1 s was shorter than a database slow to take new sessions (the very lock the
+ * statement waited for may be why) takes: the slot was freed while the statement still waited
+ * in PostgreSQL, and the caller's retry waited beside it, past the worker's share.
+ */
+const CANCEL_WAIT_MS = CONNECT_TIMEOUT_MS;
 
 /** A pg client's session, as PostgreSQL named it when it connected (pg keeps it, untyped). */
 interface SessionKey {
@@ -218,8 +227,8 @@ interface SessionKey {
  * a lock kept its session waiting there while the caller's retry opened another, past the worker's
  * share (worker-share-blocked) and toward max_connections. withClient keeps the client, and so its
  * slot of the pool and of the share, until this has ended, but not its caller: a caller that
- * waited for it (1 s when new connections are slow to open, as this one's is) tried again that
- * much later, past the claim of a settle write (settle-silent-connection). A session that ended the statement
+ * waited for it tried again as much later as this request's own new connection took,
+ * past the claim of a settle write (settle-silent-connection). A session that ended the statement
  * meanwhile ignores the request; so does one that is idle in its transaction, which ends when the
  * discarded connection closes, or by idle_in_transaction_session_timeout.
  */

@@ -6,6 +6,7 @@ import type pg from 'pg';
 import { createPool, inTransaction, isReadTimeout, withClient } from '../../src/store/db.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
 import { PoolShare } from '../../src/store/pool-share.js';
+import { FaultProxy } from '../support/fault-proxy.js';
 import { TcpProxy } from '../support/tcp-proxy.js';
 
 // A statement whose answer cannot come (the server gone without a word, a proxy that stopped
@@ -198,5 +199,54 @@ test('a statement whose answer is given up on is cancelled in PostgreSQL before 
     await locker.query('ROLLBACK').catch(() => undefined);
     locker.release();
     await pool.end();
+  }
+});
+
+test("a share's statement given up on while new connections are slow to open: its retry does not wait for the lock beside it", async () => {
+  // The cancel goes on a connection of its own, which a database slow to take new sessions (the
+  // very lock may be why) answers late: past the cancel's wait (1 s) the slot was freed, and the
+  // retry, on an idle connection of the pool, waited for the lock beside the statement still
+  // waiting there: two sessions of a share of one.
+  const applicationName = 'read-timeout-slow-cancel-test';
+  const [slow] = (await FaultProxy.inFrontOf(db.url, 1)) as [FaultProxy];
+  const pool = createPool({
+    connectionString: slow.urlFor(db.url),
+    max: 3,
+    logger: pino({ level: 'silent' }),
+    applicationName,
+    queryTimeoutMs: 30_000,
+  });
+  const share = new PoolShare(pool, 1);
+  const locker = await db.pool.connect();
+  const timed: pg.QueryConfig & { query_timeout: number } = {
+    text: 'SELECT n FROM read_timeout_slow_locked',
+    query_timeout: TIMEOUT_MS,
+  };
+  try {
+    // Idle connections of the pool, for the retry.
+    await Promise.all([pool.query('SELECT pg_sleep(0.05)'), pool.query('SELECT pg_sleep(0.05)')]);
+    await db.pool.query('CREATE TABLE read_timeout_slow_locked (n int)');
+    await locker.query('BEGIN');
+    await locker.query('LOCK TABLE read_timeout_slow_locked IN ACCESS EXCLUSIVE MODE');
+    slow.newConnectionDelayMs = 2000;
+    await assert.rejects(share.query(timed), (err) => isReadTimeout(err));
+    const retry = share.query(timed).catch((err: unknown) => err);
+    let most = 0;
+    for (let settled = false; !settled;) {
+      const { rows } = await db.pool.query<{ n: number }>(
+        `SELECT count(*)::int AS n FROM pg_stat_activity
+         WHERE datname = current_database() AND application_name = $1 AND wait_event_type = 'Lock'`,
+        [applicationName],
+      );
+      most = Math.max(most, rows[0]!.n);
+      settled = await Promise.race([retry.then(() => true), sleep(20).then(() => false)]);
+    }
+    assert.ok(isReadTimeout(await retry));
+    assert.equal(most, 1, `${most} sessions of a share of 1 waited for the lock at once`);
+  } finally {
+    await locker.query('ROLLBACK').catch(() => undefined);
+    locker.release();
+    await pool.end();
+    await slow.close();
   }
 });
