@@ -1,4 +1,5 @@
 import { connect as connectSocket } from 'node:net';
+import { setTimeout as sleep } from 'node:timers/promises';
 import pg from 'pg';
 import type { Logger } from '../observability/logger.js';
 import { toError } from '../errors.js';
@@ -219,8 +220,8 @@ interface SessionKey {
 
 /**
  * Asks PostgreSQL to cancel the statement `client`'s session is running, whose answer was given
- * up on (isReadTimeout), and waits until the server has taken the request, CANCEL_WAIT_MS at most;
- * never throws. The request goes on a connection of its own (the protocol's CancelRequest: the
+ * up on (isReadTimeout), and waits until the server has taken the request, CANCEL_WAIT_MS at most,
+ * asking again while it is refused (requestCancel); never throws. The request goes on a connection of its own (the protocol's CancelRequest: the
  * session's own connection is the one not answering), which the server closes once it has
  * signalled the session. Left alone, the statement goes on in PostgreSQL after its client is
  * discarded (the server notices a client gone only when it next reads or writes): one waiting for
@@ -235,18 +236,42 @@ interface SessionKey {
 export async function cancelStatement(client: pg.PoolClient): Promise<void> {
   const { processID, secretKey, host, port } = client as unknown as SessionKey;
   if (processID === null || secretKey === null) return;
-  await new Promise<void>((resolve) => {
+  const giveUpAt = performance.now() + CANCEL_WAIT_MS;
+  while ((await requestCancel(host, port, processID, secretKey, giveUpAt)) === 'refused') {
+    if (giveUpAt - performance.now() <= CANCEL_RETRY_MS) return;
+    await sleep(CANCEL_RETRY_MS);
+  }
+}
+
+/** How long cancelStatement waits before it asks again after a refusal. */
+const CANCEL_RETRY_MS = 100;
+
+/**
+ * One CancelRequest (length 16, the code 80877102, the session's process id and secret key), on a
+ * connection of its own: `taken` once the server has closed it without a word, as PostgreSQL does
+ * once it has signalled the session; `refused` when an answer came instead (a connection refused
+ * after it was opened: a pooler at its client limit, a server out of slots); `failed` when the
+ * connection failed or did not close by `giveUpAt` (performance.now()).
+ */
+function requestCancel(
+  host: string,
+  port: number,
+  processID: number,
+  secretKey: number,
+  giveUpAt: number,
+): Promise<'taken' | 'refused' | 'failed'> {
+  return new Promise((resolve) => {
     const socket = host.startsWith('/')
       ? connectSocket(`${host}/.s.PGSQL.${port}`)
       : connectSocket({ host, port, noDelay: true });
-    const done = () => {
+    let answered = false;
+    const done = (how: 'taken' | 'failed') => {
       clearTimeout(timer);
       socket.destroy();
-      resolve();
+      resolve(answered ? 'refused' : how);
     };
-    const timer = setTimeout(done, CANCEL_WAIT_MS);
+    const timer = setTimeout(() => done('failed'), Math.max(0, giveUpAt - performance.now()));
     socket.once('connect', () => {
-      // CancelRequest: length 16, the code 80877102, the session's process id and secret key.
       const request = Buffer.alloc(16);
       request.writeInt32BE(16, 0);
       request.writeInt32BE(80877102, 4);
@@ -254,8 +279,9 @@ export async function cancelStatement(client: pg.PoolClient): Promise<void> {
       request.writeInt32BE(secretKey, 12);
       socket.end(request);
     });
-    socket.once('close', done);
-    socket.once('error', done);
+    socket.on('data', () => (answered = true));
+    socket.once('close', () => done('taken'));
+    socket.once('error', () => done('failed'));
   });
 }
 

@@ -202,15 +202,17 @@ test('a statement whose answer is given up on is cancelled in PostgreSQL before 
   }
 });
 
-test("a share's statement given up on while new connections are slow to open: its retry does not wait for the lock beside it", async () => {
-  // The cancel goes on a connection of its own, which a database slow to take new sessions (the
-  // very lock may be why) answers late: past the cancel's wait (1 s) the slot was freed, and the
-  // retry, on an idle connection of the pool, waited for the lock beside the statement still
-  // waiting there: two sessions of a share of one.
-  const applicationName = 'read-timeout-slow-cancel-test';
-  const [slow] = (await FaultProxy.inFrontOf(db.url, 1)) as [FaultProxy];
+/**
+ * Most sessions of a share of one waiting for a lock at once, while a statement of the share
+ * waiting for it is given up on and tried again, new connections to the database meeting
+ * `fault` (set on a proxy in front of it) from the first try on.
+ */
+async function sessionsBesideTheRetry(name: string, fault: (proxy: FaultProxy) => void): Promise<number> {
+  const applicationName = `read-timeout-${name}`;
+  const table = `read_timeout_${name.replaceAll('-', '_')}`;
+  const [proxy] = (await FaultProxy.inFrontOf(db.url, 1)) as [FaultProxy];
   const pool = createPool({
-    connectionString: slow.urlFor(db.url),
+    connectionString: proxy.urlFor(db.url),
     max: 3,
     logger: pino({ level: 'silent' }),
     applicationName,
@@ -219,16 +221,16 @@ test("a share's statement given up on while new connections are slow to open: it
   const share = new PoolShare(pool, 1);
   const locker = await db.pool.connect();
   const timed: pg.QueryConfig & { query_timeout: number } = {
-    text: 'SELECT n FROM read_timeout_slow_locked',
+    text: `SELECT n FROM ${table}`,
     query_timeout: TIMEOUT_MS,
   };
   try {
     // Idle connections of the pool, for the retry.
     await Promise.all([pool.query('SELECT pg_sleep(0.05)'), pool.query('SELECT pg_sleep(0.05)')]);
-    await db.pool.query('CREATE TABLE read_timeout_slow_locked (n int)');
+    await db.pool.query(`CREATE TABLE ${table} (n int)`);
     await locker.query('BEGIN');
-    await locker.query('LOCK TABLE read_timeout_slow_locked IN ACCESS EXCLUSIVE MODE');
-    slow.newConnectionDelayMs = 2000;
+    await locker.query(`LOCK TABLE ${table} IN ACCESS EXCLUSIVE MODE`);
+    fault(proxy);
     await assert.rejects(share.query(timed), (err) => isReadTimeout(err));
     const retry = share.query(timed).catch((err: unknown) => err);
     let most = 0;
@@ -242,11 +244,31 @@ test("a share's statement given up on while new connections are slow to open: it
       settled = await Promise.race([retry.then(() => true), sleep(20).then(() => false)]);
     }
     assert.ok(isReadTimeout(await retry));
-    assert.equal(most, 1, `${most} sessions of a share of 1 waited for the lock at once`);
+    return most;
   } finally {
     await locker.query('ROLLBACK').catch(() => undefined);
     locker.release();
+    proxy.refuseNew = undefined;
     await pool.end();
-    await slow.close();
+    await proxy.close();
   }
+}
+
+test("a share's statement given up on while new connections are slow to open: its retry does not wait for the lock beside it", async () => {
+  // The cancel goes on a connection of its own, which a database slow to take new sessions (the
+  // very lock may be why) answers late: past the cancel's wait (1 s) the slot was freed, and the
+  // retry, on an idle connection of the pool, waited for the lock beside the statement still
+  // waiting there: two sessions of a share of one.
+  const most = await sessionsBesideTheRetry('slow-cancel', (proxy) => (proxy.newConnectionDelayMs = 2000));
+  assert.equal(most, 1, `${most} sessions of a share of 1 waited for the lock at once`);
+});
+
+test("a share's statement given up on while new connections are refused for a moment: its retry does not wait for the lock beside it", async () => {
+  // A cancel refused (a pooler at its client limit answers every new connection so) counted as
+  // taken: the slot was freed, and the retry waited for the lock beside the statement.
+  const most = await sessionsBesideTheRetry('refused-cancel', (proxy) => {
+    proxy.refuseNew = { code: '53300', message: 'sorry, too many clients already' };
+    setTimeout(() => (proxy.refuseNew = undefined), TIMEOUT_MS + 1000);
+  });
+  assert.equal(most, 1, `${most} sessions of a share of 1 waited for the lock at once`);
 });
