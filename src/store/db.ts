@@ -187,7 +187,8 @@ export async function withClient<T>(
     broken = connectionError !== undefined || !(await reusable(client, err));
     // Cancelled before the client is discarded and its slot (of the pool, of the share) freed; the
     // caller goes on meanwhile, its retry on another slot (see cancelStatement).
-    if (isReadTimeout(err)) cancelling = cancelStatement(client);
+    if (isReadTimeout(err))
+      cancelling = cancelStatement(client).then(() => statementEnded(client, STATEMENT_END_WAIT_MS));
     throw toError(err);
   } finally {
     unbound?.();
@@ -209,6 +210,29 @@ export async function withClient<T>(
  * in PostgreSQL, and the caller's retry waited beside it, past the worker's share.
  */
 const CANCEL_WAIT_MS = CONNECT_TIMEOUT_MS;
+
+/** How long withClient waits, once a cancel is taken, for the session to end its statement. */
+const STATEMENT_END_WAIT_MS = 250;
+
+/**
+ * Resolves once `client`'s session has answered the statement given up on (its ReadyForQuery:
+ * ended, cancelled or not; pg then emits 'drain'), once its connection has ended, or after `ms`.
+ * PostgreSQL takes a cancel by signalling the session, which ends its statement only when next
+ * scheduled: on a loaded host, the slot freed when the cancel was taken let the retry wait for
+ * the lock beside the statement still waiting there. A connection gone silent never answers.
+ */
+function statementEnded(client: pg.PoolClient, ms: number): Promise<void> {
+  if ((client as unknown as { readyForQuery: boolean }).readyForQuery) return Promise.resolve();
+  return new Promise((resolve) => {
+    const done = () => {
+      clearTimeout(timer);
+      client.removeListener('drain', done).removeListener('end', done).removeListener('error', done);
+      resolve();
+    };
+    const timer = setTimeout(done, ms);
+    client.once('drain', done).once('end', done).once('error', done);
+  });
+}
 
 /** A pg client's session, as PostgreSQL named it when it connected (pg keeps it, untyped). */
 interface SessionKey {
