@@ -259,7 +259,7 @@ test("a share's statement given up on while new connections are slow to open: it
   // very lock may be why) answers late: past the cancel's wait (1 s) the slot was freed, and the
   // retry, on an idle connection of the pool, waited for the lock beside the statement still
   // waiting there: two sessions of a share of one.
-  const most = await sessionsBesideTheRetry('slow-cancel', (proxy) => (proxy.newConnectionDelayMs = 2000));
+  const most = await sessionsBesideTheRetry('slow-cancel', (proxy) => (proxy.newConnectionDelayMs = 1500));
   assert.equal(most, 1, `${most} sessions of a share of 1 waited for the lock at once`);
 });
 
