@@ -244,6 +244,74 @@ test('a call that succeeded, its completion sent on a connection gone silent: th
   });
 });
 
+test("a call that succeeded, its run's row locked until just past the claim: the completion lands when the lock goes, before the reaper", async () => {
+  // An operator's or a migration's transaction holds the run's row past its claim. The
+  // completion's statement, given up on client-side at its bound, used to go on waiting for the
+  // lock in PostgreSQL and committed the moment it was let go: the reaper found nothing to take
+  // back. Cancelled in PostgreSQL (db.ts cancelStatement), every try is gone by the time the
+  // lock is, the worker stops trying once the claim has expired, and the reaper re-queues a run
+  // whose call succeeded: it is called again.
+  const run = await claimed();
+  const pool = createPool({
+    connectionString: db.url,
+    max: 4,
+    logger: pino({ level: 'silent' }),
+    applicationName: NODE,
+  });
+  const share = new PoolShare(pool, 3);
+  const blocker = await db.pool.connect();
+  const calls: string[] = [];
+  const executor = {
+    execute: async (called: typeof run): Promise<AttemptReport> => {
+      calls.push(`${called.id}/${called.attempt}`);
+      return SUCCESS;
+    },
+  } as unknown as HttpExecutor;
+  try {
+    const clock = new DbClock();
+    await clock.sync(db.pool);
+    await blocker.query('BEGIN');
+    await blocker.query('SELECT 1 FROM runs WHERE id = $1 FOR UPDATE', [run.id]);
+    const completions = createCompletionBatcher(share, NODE, undefined, clock);
+    const attempt = runAttempt(
+      {
+        pool: share,
+        nodeId: NODE,
+        executor,
+        topics: TOPICS,
+        clock,
+        start: async () => true,
+        complete: (claimed, report) => completions.add({ run: claimed, report }),
+        logger: silentLogger,
+        metrics: createMetrics('test'),
+      },
+      run,
+      new AbortController().signal,
+    );
+    await untilDbTime(db.pool, run.claimExpiresAt.getTime() + 100);
+    await blocker.query('COMMIT');
+    await within(attempt, 3000, 'the attempt');
+    await sleep(200);
+    // The reaper's pass after the lock: it re-queues a run whose claim is still there.
+    const taken = await inTransaction(db.pool, async (client) => {
+      const expired = (await selectExpiredRuns(client, 100)).filter((e) => e.id === run.id);
+      return forgiveExpiredClaims(
+        client,
+        expired.map((e) => ({ run: e, error: 'claim expired' })),
+        FORGIVEN_EXPIRIES,
+        'runs',
+      );
+    });
+    assert.deepEqual(taken, [], 'the reaper took the claim back: the run would be called again');
+  } finally {
+    await blocker.query('ROLLBACK').catch(() => undefined);
+    blocker.release();
+    await pool.end();
+  }
+  assert.deepEqual(calls, [`${run.id}/1`]);
+  assert.equal((await settled(run.id))?.state, 'succeeded');
+});
+
 test("failures on connections gone silent (the retries' statement, the burials' transaction) are settled on others before the claims expire, once each", async () => {
   const retried = await claimed(3);
   const buried = await claimed(1);
