@@ -7,6 +7,7 @@ import { ClaimLostError, toError } from '../errors.js';
 import { inTransaction } from '../store/db.js';
 import {
   attemptOutcome,
+  completeSucceededMany,
   failAttempt,
   releaseClaim,
   type AttemptReport,
@@ -295,9 +296,10 @@ export async function runAttempt(
     const claimLost = cancel.aborted && cancel.reason instanceof ClaimLostError;
     metrics.runsExecuted.inc({ outcome: claimLost ? 'claim-lost' : report.outcome });
     if (report.outcome === 'succeeded') {
-      if (!(await whileClaimed(ctx, run, log, () => ctx.complete(run, report)))) {
-        await staleOrRecorded(ctx, run, log, report.outcome, cancel);
-      }
+      const completed = await whileClaimed(ctx, run, log, () => ctx.complete(run, report)).catch(
+        (err: unknown) => lastCompletion(ctx, run, report, err),
+      );
+      if (!completed) await staleOrRecorded(ctx, run, log, report.outcome, cancel);
       return;
     }
     const delay = retryDelayMs(run.failuresBefore + 1, run);
@@ -501,6 +503,30 @@ async function whileClaimed<T>(
         );
       await sleep(Math.min(pauseMs, leftMs));
     }
+  }
+}
+
+/**
+ * A success whose completion failed until its claim expired (whileClaimed threw `err`) is written
+ * once more, waiting for its answer as long as the pool does: while the reaper has not taken the
+ * run back, the write (conditional on the claim, not on its deadline) still counts, and a run
+ * whose call succeeded is not called again. Each bounded try had been given up on and cancelled
+ * in PostgreSQL (db.ts cancelStatement): with the run's row locked until just past the claim (an
+ * operator's or a migration's transaction), none was left waiting for the lock, which a statement
+ * given up on only client-side had been, committing the moment the lock went, before the reaper;
+ * this one waits there. Rethrows `err` when this write fails too.
+ */
+async function lastCompletion(
+  ctx: AttemptContext,
+  run: ClaimedRun,
+  report: AttemptReport,
+  err: unknown,
+): Promise<boolean> {
+  try {
+    const [completed] = await completeSucceededMany(ctx.pool, ctx.nodeId, [{ run, report }]);
+    return completed ?? false;
+  } catch {
+    throw toError(err);
   }
 }
 
