@@ -247,10 +247,11 @@ interface SessionKey {
  * up on (isReadTimeout), and waits until the server has taken the request, CANCEL_WAIT_MS at most,
  * asking again while it is refused (requestCancel); never throws. The request goes on a
  * connection of its own (the protocol's CancelRequest: the session's own connection is the one
- * not answering), which the server closes once it has signalled the session. Left alone, the statement goes on in PostgreSQL after its client is
- * discarded (the server notices a client gone only when it next reads or writes): one waiting for
- * a lock kept its session waiting there while the caller's retry opened another, past the worker's
- * share (worker-share-blocked) and toward max_connections. withClient keeps the client, and so its
+ * not answering), which the server closes once it has signalled the session. Left alone, the
+ * statement goes on in PostgreSQL after its client is discarded (the server notices a client gone
+ * only when it next reads or writes): one waiting for a lock kept its session waiting there while
+ * the caller's retry opened another, past the worker's share (worker-share-blocked) and toward
+ * max_connections. withClient keeps the client, and so its
  * slot of the pool and of the share, until this has ended, but not its caller: a caller that
  * waited for it tried again as much later as this request's own new connection took, past the
  * claim of a settle write (settle-silent-connection). A session that ended the statement
