@@ -562,11 +562,18 @@ export async function replaceOlderRuns(db: Queryable, jobId: string): Promise<Re
 /**
  * Of the claims this node believes it holds, the ones it no longer holds (replaced, expired and
  * taken over, or deleted). $1 = run ids, $2 = attempts (parallel), $3 = node id.
+ *
+ * One primary-key lookup per claim: OFFSET 0 keeps the planner from flattening the lookup into a
+ * join, which for the few hundred claims a worker holds in a herd (its slots and start passes) it
+ * ran as a hash join over a scan of the whole table: 10 ms a check with 20,000 runs, against
+ * ≈1.5 ms for 576 lookups, once a second per worker while its calls are in flight.
  */
 const LOST_CLAIMS = `
   SELECT c.id, r.state, r.reason
   FROM unnest($1::uuid[], $2::int[]) AS c (id, attempt)
-  LEFT JOIN runs r ON r.id = c.id
+  LEFT JOIN LATERAL (
+    SELECT id, state, reason, claimed_by, attempt FROM runs WHERE id = c.id OFFSET 0
+  ) r ON true
   WHERE r.id IS NULL OR r.state <> 'running' OR r.claimed_by IS DISTINCT FROM $3
      OR r.attempt <> c.attempt`;
 
@@ -582,7 +589,8 @@ export async function findLostClaims(
   nodeId: string,
 ): Promise<LostClaim[]> {
   if (claims.length === 0) return [];
-  const { rows } = await db.query<LostClaim>(LOST_CLAIMS, [
+  // Named: parsed and planned once per connection (see claimRuns).
+  const { rows } = await db.query<LostClaim>({ name: 'helios-lost-claims', text: LOST_CLAIMS }, [
     claims.map((c) => c.runId),
     claims.map((c) => c.attempt),
     nodeId,

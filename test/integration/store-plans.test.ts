@@ -3,7 +3,7 @@ import { after, before, test } from 'node:test';
 import type pg from 'pg';
 import { completeSucceededMany, failMany } from '../../src/store/attempts.js';
 import { releaseClaims } from '../../src/store/releases.js';
-import { claimRuns } from '../../src/store/runs.js';
+import { claimRuns, findLostClaims } from '../../src/store/runs.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
 
 // The claim and completion statements touch a batch of runs by id. Their plans must stay primary-
@@ -175,6 +175,24 @@ test('a completion batch looks its runs up by primary key, even with thousands r
   assert.deepEqual(new Set(done), new Set([true]));
   const next = running.slice(16, 32);
   const found = await runsScans('helios-complete-succeeded', completionParams(next));
+  assert.ok(found.length > 0, 'the plan has scans on runs');
+  assert.deepEqual(
+    found.filter((s) => !s.endsWith('runs_pkey')),
+    [],
+    `scans: ${found.join('; ')}`,
+  );
+});
+
+test('the claim watch looks each claim up by primary key, not by scanning every run', async () => {
+  // A worker in a herd watches a few hundred claims (its slots and start passes) once a second;
+  // as a join, the planner ran that check as a hash join over a scan of the whole table.
+  const { rows } = await client.query<{ id: string }>('SELECT id FROM runs ORDER BY id LIMIT 576');
+  const watched = rows.map((r) => ({ runId: r.id, attempt: 1 }));
+  await findLostClaims(client, watched, 'plan-node'); // prepares the named statement
+  const found = await runsScans(
+    'helios-lost-claims',
+    `${literal(watched.map((w) => w.runId))}, ${literal(watched.map(() => 1))}, 'plan-node'`,
+  );
   assert.ok(found.length > 0, 'the plan has scans on runs');
   assert.deepEqual(
     found.filter((s) => !s.endsWith('runs_pkey')),
