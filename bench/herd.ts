@@ -13,7 +13,7 @@
  * pg_stat_activity.
  *
  *   npm run build && npx tsx bench/herd.ts [--jobs 10000] [--runs 3] [--nodes 3] [--profile DIR] [--env HELIOS_X=Y]…
- *     [--node-arg --single-threaded-gc]…   (arguments for node itself: V8 flags NODE_OPTIONS refuses)
+ *     [--node-arg=--single-threaded-gc]…   (arguments for node itself: V8 flags NODE_OPTIONS refuses)
  */
 import { cpus } from 'node:os';
 import { setTimeout as sleep } from 'node:timers/promises';

@@ -4,6 +4,7 @@
  * all fired at least once.
  *
  *   npm run build && npx tsx bench/memory.ts [--jobs 10000] [--seconds 65] [--env K=V]…
+ *     [--node-arg=--single-threaded-gc]…   (arguments for node itself: V8 flags NODE_OPTIONS refuses)
  */
 import { readFileSync } from 'node:fs';
 import { setTimeout as sleep } from 'node:timers/promises';
@@ -15,9 +16,16 @@ import { envArgs } from './lib/args.js';
 
 export interface MemoryResult {
   readonly jobs: number;
-  /** Per node: peak and current resident set, MB. */
-  readonly nodes: { name: string; peakMb: number; rssMb: number }[];
+  /** Per node: peak and current resident set, MB, and CPU used since it started (user + system), s. */
+  readonly nodes: { name: string; peakMb: number; rssMb: number; cpuS: number }[];
   readonly calls: number;
+}
+
+/** CPU seconds (user + system) a process used, from /proc/<pid>/stat (USER_HZ = 100). */
+function cpuSeconds(pid: number): number {
+  const stat = readFileSync(`/proc/${pid}/stat`, 'utf8');
+  const fields = stat.slice(stat.lastIndexOf(')') + 2).split(' ');
+  return (Number(fields[11]) + Number(fields[12])) / 100;
 }
 
 /** A field of /proc/<pid>/status in MB (the kernel reports kB). */
@@ -30,8 +38,9 @@ export async function memory(
   jobs: number,
   seconds: number,
   env: Record<string, string> = {},
+  nodeArgs: string[] = [],
 ): Promise<MemoryResult> {
-  const cluster = await BenchCluster.start({ env });
+  const cluster = await BenchCluster.start({ env, nodeArgs });
   try {
     const start = await cluster.nextWholeSecond(2000);
     // Job n fires at second n mod 60 of every minute: the 10,000 jobs are spread evenly.
@@ -47,6 +56,7 @@ export async function memory(
       name: node.name,
       peakMb: statusMb(node.pid, 'VmHWM'),
       rssMb: statusMb(node.pid, 'VmRSS'),
+      cpuS: cpuSeconds(node.pid),
     }));
     return { jobs, nodes, calls: cluster.target.count };
   } finally {
@@ -60,13 +70,18 @@ async function main(): Promise<void> {
       jobs: { type: 'string', default: '10000' },
       seconds: { type: 'string', default: '65' },
       env: { type: 'string', multiple: true },
+      'node-arg': { type: 'string', multiple: true },
     },
   });
   const env = envArgs(values.env);
-  const result = await memory(Number(values.jobs), Number(values.seconds), env);
+  const result = await memory(Number(values.jobs), Number(values.seconds), env, values['node-arg']);
   console.log(`memory with ${result.jobs} jobs defined (${result.calls} calls made), ${machine()}`);
+  // The CPU is the nodes' whole life (start, the jobs' insert, every run), for comparing node
+  // flags that trade memory for CPU on the same workload.
   for (const n of result.nodes)
-    console.log(`  ${n.name}: peak RSS ${n.peakMb.toFixed(0)} MB, now ${n.rssMb.toFixed(0)} MB`);
+    console.log(
+      `  ${n.name}: peak RSS ${n.peakMb.toFixed(0)} MB, now ${n.rssMb.toFixed(0)} MB, CPU ${n.cpuS.toFixed(1)} s`,
+    );
 }
 
 if (import.meta.url === pathToFileURL(process.argv[1] ?? '').href) {
