@@ -116,8 +116,28 @@ function compile(expression: string): Cron {
   if (first === null || first.getTime() - NEVER_FIRES_FROM.getTime() > GREGORIAN_CYCLE_MS) {
     throw bad('it never fires');
   }
+  shareYearTable(cron);
   return cron;
 }
+
+/**
+ * croner gives every pattern its own 10,000-entry year table (≈78 KB), all ones when the pattern
+ * has no year field, which ours never has (5 or 6 fields). A leader keeps up to
+ * MAX_CACHED_SCHEDULES parsed schedules, so their tables were up to 20 MB of its heap (≈4.7 MB
+ * with the memory benchmark's 60 schedules). croner only reads the table after parsing (and not
+ * at all for a year of `*`): one shared table answers the same. Left alone should a croner
+ * upgrade move or change it.
+ */
+function shareYearTable(cron: Cron): void {
+  const pattern = (cron as unknown as { _states?: { pattern?: { starYear?: unknown; year?: unknown } } })
+    ._states?.pattern;
+  if (pattern?.starYear === true && Array.isArray(pattern.year) && pattern.year.length === ALL_YEARS.length) {
+    pattern.year = ALL_YEARS;
+  }
+}
+
+/** croner's year table for a pattern without a year field (years 0–9999 all match). */
+const ALL_YEARS: readonly number[] = Array<number>(10_000).fill(1);
 
 /** Where the "does it ever fire" search starts; any instant would do (see GREGORIAN_CYCLE_MS). */
 const NEVER_FIRES_FROM = new Date(Date.UTC(2000, 0, 1));

@@ -228,10 +228,11 @@ export class Dispatcher {
 
   /**
    * Parsed schedules are cached per (expression, zone), a job edit changing the key; the least
-   * recently used goes first once MAX_CACHED_SCHEDULES are kept. A parsed schedule holds croner's
-   * 10,000-entry year table (≈83 KB), and a leader leading for months meets every schedule its
-   * users ever gave a job: kept until 50,000 of them, that was up to 4 GB. Parsing one again costs
-   * ≈30 µs, and the jobs of a herd share one parse per pass (see the plans above).
+   * recently used goes first once MAX_CACHED_SCHEDULES are kept. A parsed schedule held croner's
+   * 10,000-entry year table (≈83 KB; now one table shared by all, see cron.ts), and a leader
+   * leading for months meets every schedule its users ever gave a job: kept until 50,000 of them,
+   * that was up to 4 GB. Parsing one again costs ≈30 µs, and the jobs of a herd share one parse
+   * per pass (see the plans above).
    */
   private schedule(job: { schedule: string; timezone: string }): CronSchedule {
     const key = `${job.timezone}\u0000${job.schedule}`;

@@ -1,5 +1,7 @@
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
+import { setFlagsFromString } from 'node:v8';
+import { runInNewContext } from 'node:vm';
 import { Cron } from 'croner';
 
 import { InvalidCronError, isValidTimezone, parseCron } from '../../src/scheduling/cron.js';
@@ -417,4 +419,23 @@ test('day-of-month steps fire on 1 March in every zone, in leap and common years
       }
     }
   }
+});
+
+test('a parsed schedule keeps no year table of its own: 300 of them hold well under 300 × 78 KB', () => {
+  // croner fills a 10,000-entry year table for every pattern (≈78 KB), although without a year
+  // field it is all ones and never read; the leader caches up to 256 parsed schedules.
+  setFlagsFromString('--expose-gc');
+  const gc = runInNewContext('gc') as () => void;
+  gc();
+  const before = process.memoryUsage().heapUsed;
+  const kept = Array.from({ length: 300 }, (_, n) => parseCron(`${n % 60} ${Math.floor(n / 60)} * * * *`));
+  gc();
+  const grownMb = (process.memoryUsage().heapUsed - before) / 1024 / 1024;
+  assert.equal(kept.length, 300);
+  assert.ok(grownMb < 5, `300 parsed schedules hold ${grownMb.toFixed(1)} MB`);
+  // The shared table still answers as croner's own did.
+  assert.deepEqual(iso(kept[61]!.nextN(new Date('2026-01-01T00:00:00Z'), 2)), [
+    '2026-01-01T00:01:01.000Z',
+    '2026-01-01T01:01:01.000Z',
+  ]);
 });
