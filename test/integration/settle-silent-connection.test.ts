@@ -194,44 +194,61 @@ test('a batch of completions on a connection gone silent, one of its claims shor
   for (const run of [short, long]) assert.equal((await settled(run.id))?.state, 'succeeded');
 });
 
-test('a call that succeeded, its completion sent on a connection gone silent: the reaper finds nothing to take back once the claim ends, and the run is not called again', async () => {
-  const run = await claimed();
-  const calls: string[] = [];
+/**
+ * `run`'s attempt whose call succeeds, its completion written through a completion batcher on
+ * `pool` with `clock`; `calls` records each call made.
+ */
+function succeedingAttempt(
+  run: ClaimedRun,
+  pool: Connections,
+  clock: DbClock,
+  calls: string[],
+): Promise<void> {
   const executor = {
-    execute: async (called: typeof run): Promise<AttemptReport> => {
+    execute: async (called: ClaimedRun): Promise<AttemptReport> => {
       calls.push(`${called.id}/${called.attempt}`);
       return SUCCESS;
     },
   } as unknown as HttpExecutor;
-  await onSilentConnections(1, async (pool, clock) => {
-    const completions = createCompletionBatcher(pool, NODE, undefined, clock);
-    const attempt = runAttempt(
-      {
-        pool,
-        nodeId: NODE,
-        executor,
-        topics: TOPICS,
-        clock,
-        start: async () => true,
-        complete: (claimed, report) => completions.add({ run: claimed, report }),
-        logger: silentLogger,
-        metrics: createMetrics('test'),
-      },
-      run,
-      new AbortController().signal,
+  const completions = createCompletionBatcher(pool, NODE, undefined, clock);
+  return runAttempt(
+    {
+      pool,
+      nodeId: NODE,
+      executor,
+      topics: TOPICS,
+      clock,
+      start: async () => true,
+      complete: (claimed, report) => completions.add({ run: claimed, report }),
+      logger: silentLogger,
+      metrics: createMetrics('test'),
+    },
+    run,
+    new AbortController().signal,
+  );
+}
+
+/** The reaper's pass over `runId` alone: the runs it re-queued (a claim still there, expired). */
+function reaperPass(runId: string) {
+  return inTransaction(db.pool, async (client) => {
+    const expired = (await selectExpiredRuns(client, 100)).filter((e) => e.id === runId);
+    return forgiveExpiredClaims(
+      client,
+      expired.map((e) => ({ run: e, error: 'claim expired' })),
+      FORGIVEN_EXPIRIES,
+      'runs',
     );
+  });
+}
+
+test('a call that succeeded, its completion sent on a connection gone silent: the reaper finds nothing to take back once the claim ends, and the run is not called again', async () => {
+  const run = await claimed();
+  const calls: string[] = [];
+  await onSilentConnections(1, async (pool, clock) => {
+    const attempt = succeedingAttempt(run, pool, clock, calls);
     // The reaper, once the claim has expired: it re-queues a run whose claim is still there.
     await untilDbTime(db.pool, run.claimExpiresAt.getTime() + 50);
-    const taken = await inTransaction(db.pool, async (client) => {
-      const expired = (await selectExpiredRuns(client, 100)).filter((e) => e.id === run.id);
-      const error = 'claim expired';
-      return forgiveExpiredClaims(
-        client,
-        expired.map((e) => ({ run: e, error })),
-        FORGIVEN_EXPIRIES,
-        'runs',
-      );
-    });
+    const taken = await reaperPass(run.id);
     assert.deepEqual(taken, [], 'the reaper took the claim back: the run would be called again');
     await within(attempt, 1000, 'the attempt');
   });
@@ -261,47 +278,18 @@ test("a call that succeeded, its run's row locked until just past the claim: the
   const share = new PoolShare(pool, 3);
   const blocker = await db.pool.connect();
   const calls: string[] = [];
-  const executor = {
-    execute: async (called: typeof run): Promise<AttemptReport> => {
-      calls.push(`${called.id}/${called.attempt}`);
-      return SUCCESS;
-    },
-  } as unknown as HttpExecutor;
   try {
     const clock = new DbClock();
     await clock.sync(db.pool);
     await blocker.query('BEGIN');
     await blocker.query('SELECT 1 FROM runs WHERE id = $1 FOR UPDATE', [run.id]);
-    const completions = createCompletionBatcher(share, NODE, undefined, clock);
-    const attempt = runAttempt(
-      {
-        pool: share,
-        nodeId: NODE,
-        executor,
-        topics: TOPICS,
-        clock,
-        start: async () => true,
-        complete: (claimed, report) => completions.add({ run: claimed, report }),
-        logger: silentLogger,
-        metrics: createMetrics('test'),
-      },
-      run,
-      new AbortController().signal,
-    );
+    const attempt = succeedingAttempt(run, share, clock, calls);
     await untilDbTime(db.pool, run.claimExpiresAt.getTime() + 100);
     await blocker.query('COMMIT');
     await within(attempt, 3000, 'the attempt');
     await sleep(200);
     // The reaper's pass after the lock: it re-queues a run whose claim is still there.
-    const taken = await inTransaction(db.pool, async (client) => {
-      const expired = (await selectExpiredRuns(client, 100)).filter((e) => e.id === run.id);
-      return forgiveExpiredClaims(
-        client,
-        expired.map((e) => ({ run: e, error: 'claim expired' })),
-        FORGIVEN_EXPIRIES,
-        'runs',
-      );
-    });
+    const taken = await reaperPass(run.id);
     assert.deepEqual(taken, [], 'the reaper took the claim back: the run would be called again');
   } finally {
     await blocker.query('ROLLBACK').catch(() => undefined);
