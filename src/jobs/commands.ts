@@ -193,7 +193,10 @@ export async function deleteJob(db: Database, ref: JobRef): Promise<boolean> {
 export type TriggerResult =
   | { readonly outcome: 'created'; readonly runId: string }
   | { readonly outcome: 'no-job' }
-  /** The job was deleted meanwhile, or a run exists for this exact microsecond: nothing written. */
+  /**
+   * The job was deleted meanwhile (or, rarer, other triggers of it kept taking the instant this one
+   * stepped to: createManualRun): nothing written.
+   */
   | { readonly outcome: 'conflict' };
 
 /**

@@ -1,7 +1,7 @@
 import assert from 'node:assert/strict';
 import { after, before, test } from 'node:test';
 import { parseCron } from '../../src/scheduling/cron.js';
-import { manualRunInstant } from '../../src/store/manual-run.js';
+import { createManualRun, manualRunInstant } from '../../src/store/manual-run.js';
 import { jobBody, startTestApi, type TestApi } from '../support/api.js';
 
 let api: TestApi;
@@ -392,4 +392,50 @@ test("a manual run never takes an occurrence's instant (a whole second) nor its 
   );
   assert.equal(rows.length, 1);
   assert.ok(Number(rows[0]!.ms) >= 1, `scheduled ${rows[0]!.ms} ms into its second`);
+});
+
+test('triggers at the same instant are each a run with its dispatch message', async () => {
+  // Triggers whose clocks meet (the same microsecond, or one in a second's first millisecond and
+  // one a millisecond later: manualRunInstant maps both to one instant) once made the later a no-op,
+  // answered 409. Here another session's trigger has committed a run at this transaction's instant,
+  // and two more triggers follow in the transaction, whose now() stays the same.
+  const job = (await api.call('POST', '/api/v1/jobs', { body: jobBody('same-instant') })).body as JobResponse;
+  const client = await api.db.pool.connect();
+  const ids: (string | null)[] = [];
+  try {
+    await client.query('BEGIN');
+    const asked = await client.query<{ at: string }>(`SELECT ${manualRunInstant('now()')}::text AS at`);
+    const other = await api.db.pool.query<{ id: string }>(
+      `INSERT INTO runs (job_id, scheduled_for, trigger, state, max_attempts, target, timeout_ms, backoff_ms,
+                         backoff_multiplier, concurrency, not_before)
+       SELECT id, $2, 'manual', 'queued', max_attempts, target, timeout_ms, backoff_ms, backoff_multiplier,
+              concurrency, $2
+       FROM jobs WHERE id = $1 RETURNING id`,
+      [job.id, asked.rows[0]!.at],
+    );
+    for (let i = 0; i < 2; i += 1) ids.push(await createManualRun(client, job.id, api.runsTopic));
+    await client.query('COMMIT');
+    assert.ok(
+      ids.every((id) => id !== null && id !== other.rows[0]!.id),
+      `run ids: ${JSON.stringify(ids)}`,
+    );
+  } finally {
+    client.release();
+  }
+  const { rows } = await api.db.pool.query<{ id: string; ms: string; announced: boolean }>(
+    `SELECT r.id, (extract(microseconds FROM r.scheduled_for)::bigint % 1000000) / 1000.0 AS ms,
+            EXISTS (SELECT 1 FROM outbox o WHERE o.topic = $2 AND o.payload->>'runId' = r.id::text) AS announced
+     FROM runs r WHERE r.id = ANY($1::uuid[])`,
+    [ids, api.runsTopic],
+  );
+  assert.equal(rows.length, 2);
+  for (const row of rows) {
+    assert.ok(row.announced, `run ${row.id} has no outbox row`);
+    assert.ok(Number(row.ms) >= 1, `scheduled ${row.ms} ms into its second`);
+  }
+  // A job that does not exist still gets none (the API's 404, or 409 for one deleted meanwhile).
+  assert.equal(
+    await createManualRun(api.db.pool, '00000000-0000-4000-8000-000000000000', api.runsTopic),
+    null,
+  );
 });
