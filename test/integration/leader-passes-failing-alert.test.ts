@@ -8,7 +8,7 @@ import { integrationFixture, type IntegrationFixture } from '../support/fixture.
 import { scrapeMetrics } from '../support/metrics.js';
 import { startTogether } from '../support/start-together.js';
 
-// HeliosLeaderPassesFailing (deploy/prometheus/alerts.yml; "with loop=dispatcher no runs are
+// HeliosLeaderPassesFailing (deploy/prometheus/alerts.yml; "with loop=dispatch no runs are
 // created ... PostgreSQL unreachable or refusing") on real nodes: PostgreSQL becomes unreachable
 // from every node (its packets dropped, as when its host or the network to it is gone), and the
 // leader's dispatch passes cannot complete. What helios_leader_pass_failures_total and the other

@@ -588,7 +588,7 @@ const CASES: Case[] = [
     series: {
       'helios_leader_pass_failures_total{node="a",loop="reaper"}':
         '0 1 1 2 3 3 4 5 5 6 7 7 8 9 9 10 11 11 12 13 13',
-      'helios_leader_pass_failures_total{node="a",loop="dispatcher"}': '0x20',
+      'helios_leader_pass_failures_total{node="a",loop="dispatch"}': '0x20',
     },
     at: '20m',
     alert: 'HeliosLeaderPassesFailing',
@@ -598,7 +598,7 @@ const CASES: Case[] = [
     name: 'a 10 s PostgreSQL restart fails a burst of dispatch passes, then none',
     interval: '1m',
     series: {
-      'helios_leader_pass_failures_total{node="a",loop="dispatcher"}': '0 0 9 9 9 9 9 9 9 9 9 9 9 9 9 9',
+      'helios_leader_pass_failures_total{node="a",loop="dispatch"}': '0 0 9 9 9 9 9 9 9 9 9 9 9 9 9 9',
     },
     at: '15m',
     alert: 'HeliosLeaderPassesFailing',
