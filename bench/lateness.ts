@@ -4,7 +4,7 @@
  * in four steps a second apart (a cluster at a steady load is warm: a cold start at full load is a
  * herd, measured by herd.ts) and the first 10 s (connections opening, the JIT warming) are left out.
  *
- *   npm run build && npx tsx bench/lateness.ts [--rate 500] [--seconds 30] [--runs 3] [--env HELIOS_X=Y]… [--profile DIR]
+ *   npm run build && npx tsx bench/lateness.ts [--rate 500] [--seconds 30] [--runs 3] [--env HELIOS_X=Y]… [--profile DIR] [--node-arg=FLAG]…
  */
 import { setTimeout as sleep } from 'node:timers/promises';
 import { pathToFileURL } from 'node:url';
@@ -59,9 +59,14 @@ export async function latenessOnce(
   seconds: number,
   env: Record<string, string> = {},
   profileDir?: string,
+  nodeArgs: string[] = [],
 ): Promise<LatenessRun> {
   const base = profileDir ? profiled(profileDir) : {};
-  const cluster = await BenchCluster.start({ ...base, env: { ...base.env, ...env } });
+  const cluster = await BenchCluster.start({
+    ...base,
+    env: { ...base.env, ...env },
+    nodeArgs: [...(base.nodeArgs ?? []), ...nodeArgs],
+  });
   const sampler = new ActivitySampler(cluster.db.pool, cluster.db.name);
   try {
     const start = await cluster.nextWholeSecond(2000);
@@ -162,12 +167,14 @@ export async function lateness(
     runs: number;
     env?: Record<string, string>;
     profileDir?: string;
+    /** Arguments for node itself (V8 flags NODE_OPTIONS does not allow). */
+    nodeArgs?: string[];
     log?: (line: string) => void;
   },
 ): Promise<LatenessResult> {
   const runs: LatenessRun[] = [];
   for (let i = 0; i < options.runs; i++) {
-    const run = await latenessOnce(rate, options.seconds, options.env, options.profileDir);
+    const run = await latenessOnce(rate, options.seconds, options.env, options.profileDir, options.nodeArgs);
     runs.push(run);
     options.log?.(
       `${rate} runs/s run ${i + 1}: p50 ${ms(run.p50)}  p99 ${ms(run.p99)}  max ${ms(run.max)}  ` +
@@ -194,6 +201,7 @@ async function main(): Promise<void> {
       runs: { type: 'string', default: '3' },
       env: { type: 'string', multiple: true },
       profile: { type: 'string' },
+      'node-arg': { type: 'string', multiple: true },
     },
   });
   const env = envArgs(values.env);
@@ -204,6 +212,7 @@ async function main(): Promise<void> {
       runs: Number(values.runs),
       env,
       profileDir: values.profile,
+      nodeArgs: values['node-arg'],
       log: (line) => console.log(`  ${line}`),
     });
     console.log(

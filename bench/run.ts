@@ -23,6 +23,7 @@ import { failover, type FailoverResult } from './failover.js';
 import { herd, type HerdResult } from './herd.js';
 import { httpFloor, type FloorResult } from './http-floor.js';
 import { lateness, type LatenessResult } from './lateness.js';
+import { BENCH_NODES as HELIOS_NODES } from './lib/cluster.js';
 import { CPU_CATEGORIES, type CpuCategory } from './lib/profile.js';
 import { machine, max, median, ms, table } from './lib/stats.js';
 import { memory, type MemoryResult } from './memory.js';
@@ -111,7 +112,7 @@ function summary(r: Results): string {
       '',
     ]);
   }
-  for (const peer of (r.peers ?? []).filter((p) => p.http)) {
+  for (const peer of (r.peers ?? []).filter((p) => p.http && p.procs === BEST[p.peer].procs)) {
     const ratio =
       r.herd && Number.isFinite(peer.medianMs)
         ? `; ${peer.peer}/Helios = ${(peer.medianMs / r.herd.medianMs).toFixed(2)} (warm)`
@@ -126,6 +127,18 @@ function summary(r: Results): string {
       '',
     ]);
     rows.push([`    CPU per run, ${peer.peer} with HTTP, warm herd`, cpuCell(peer.cpuPerRun), '']);
+  }
+  // Helios runs 3 nodes on the 2 cores; a peer's best is one process. The same herd with as many
+  // processes as Helios has nodes shows what the third process costs each of them.
+  for (const peer of (r.peers ?? []).filter((p) => p.http && p.procs === HELIOS_NODES)) {
+    const ratio = r.herd
+      ? `; ${peer.peer}/Helios = ${(peer.medianMs / r.herd.medianMs).toFixed(2)} (warm)`
+      : '';
+    rows.push([
+      `  same herd, ${peer.peer} on ${HELIOS_NODES} processes (as Helios's nodes), same HTTP call → last call`,
+      `${warmCold(peer.medianMs, peer.coldMedianMs, peer.runs.length)}${ratio}; CPU per run ${cpuCell(peer.cpuPerRun)}`,
+      '',
+    ]);
   }
   for (const peer of (r.peers ?? []).filter(
     (p) => !p.http && !r.peers?.some((q) => q.http && q.peer === p.peer),
@@ -242,13 +255,20 @@ async function main(): Promise<void> {
         '(a cold herd, then the measured warm herd, on the same worker processes)',
     );
     results.peers = [];
-    for (const http of [true, false]) {
+    // Each peer at its best settings with and without the call, then with the call on as many
+    // processes as Helios has nodes.
+    const variants = [
+      { http: true, procs: undefined },
+      { http: false, procs: undefined },
+      { http: true, procs: HELIOS_NODES },
+    ];
+    for (const { http, procs } of variants) {
       for (const peer of Object.keys(BEST) as PeerName[]) {
         const result = await herdPeer(peer, {
           items: 10_000,
           runs: herdRuns,
           http,
-          settings: BEST[peer],
+          settings: { ...BEST[peer], procs: procs ?? BEST[peer].procs },
           log,
         });
         log(`${peer} settings: ${result.settings}`);

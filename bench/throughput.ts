@@ -10,7 +10,7 @@
  * backlog growing anywhere, a worker's queue included). Then the highest sustained rate is held
  * for 60 s.
  *
- *   npm run build && npx tsx bench/throughput.ts [--steps 1000,1500,2000,…] [--step-seconds 20] [--hold 60] [--env HELIOS_X=Y]…
+ *   npm run build && npx tsx bench/throughput.ts [--steps 1000,1500,2000,…] [--step-seconds 20] [--hold 60] [--env HELIOS_X=Y]… [--node-arg=--max-opt=2]…
  */
 import { setTimeout as sleep } from 'node:timers/promises';
 import { pathToFileURL } from 'node:url';
@@ -103,6 +103,8 @@ export async function throughput(options: {
   holdSeconds: number;
   /** Extra environment of every node (HELIOS_…). */
   env?: Record<string, string>;
+  /** Arguments for node itself (V8 flags NODE_OPTIONS does not allow). */
+  nodeArgs?: string[];
   log?: (line: string) => void;
 }): Promise<ThroughputResult> {
   const describe = (s: ThroughputStep) =>
@@ -111,7 +113,7 @@ export async function throughput(options: {
     `→ ${s.sustained ? 'sustained' : 'NOT sustained'}`;
   const steps: ThroughputStep[] = [];
   let best: number | null = null;
-  const cluster = await BenchCluster.start({ env: options.env });
+  const cluster = await BenchCluster.start({ env: options.env, nodeArgs: options.nodeArgs });
   try {
     let added = 0;
     for (const offered of options.steps) {
@@ -127,7 +129,7 @@ export async function throughput(options: {
   }
   if (best === null || options.holdSeconds <= 0) return { steps, hold: null };
   // The hold on a fresh cluster, so the backlog of a failed step does not count against it.
-  const fresh = await BenchCluster.start({ env: options.env });
+  const fresh = await BenchCluster.start({ env: options.env, nodeArgs: options.nodeArgs });
   try {
     const hold = await step(fresh, best, options.holdSeconds, 0);
     options.log?.(`hold: ${describe(hold)}`);
@@ -144,6 +146,7 @@ async function main(): Promise<void> {
       'step-seconds': { type: 'string', default: '20' },
       hold: { type: 'string', default: '60' },
       env: { type: 'string', multiple: true },
+      'node-arg': { type: 'string', multiple: true },
     },
   });
   console.log(`sustained throughput on 3 nodes, ${machine()}`);
@@ -152,6 +155,7 @@ async function main(): Promise<void> {
     stepSeconds: Number(values['step-seconds']),
     holdSeconds: Number(values.hold),
     env: envArgs(values.env),
+    nodeArgs: values['node-arg'],
     log: (line) => console.log(`  ${line}`),
   });
   const best = result.hold ?? result.steps.filter((s) => s.sustained).at(-1);

@@ -30,6 +30,9 @@ export interface ClusterOptions {
   readonly waitForWorkers?: boolean;
 }
 
+/** Nodes a bench cluster starts unless told otherwise (the issue's herd: 3 nodes on 2 cores). */
+export const BENCH_NODES = 3;
+
 /**
  * Helios nodes on the real local servers, isolated like a test: their own database (cloned from
  * the migrated template), etcd prefix and Kafka topics, plus a recording HTTP target. `stop()`
@@ -74,7 +77,7 @@ export class BenchCluster {
     const cluster = new BenchCluster(await createTestDatabase(), options);
     try {
       await cluster.target.start();
-      for (let i = 0; i < (options.nodes ?? 3); i++) cluster.spawn();
+      for (let i = 0; i < (options.nodes ?? BENCH_NODES); i++) cluster.spawn();
       await cluster.ready(options.waitForWorkers ?? true);
       return cluster;
     } catch (err) {

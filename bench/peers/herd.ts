@@ -89,6 +89,8 @@ export interface HerdResult {
   readonly coldMedianMs: number;
   /** Whether each handler made the HTTP call. */
   readonly http: boolean;
+  /** Worker processes the peer ran on. */
+  readonly procs: number;
   /** Median over runs, per category (warm herd). */
   readonly cpuPerRun: Record<CpuCategory | 'total', number>;
   /** The same for the cold herd. */
@@ -316,6 +318,7 @@ export async function herdPeer(peer: PeerName, options: Options): Promise<HerdRe
     medianMs: median(runs.map((r) => r.lastMs)),
     coldMedianMs: median(runs.map((r) => r.cold.lastMs)),
     http,
+    procs,
     cpuPerRun: medianCpuPerRun(runs.map((r) => r.cpuPerRun)),
     coldCpuPerRun: medianCpuPerRun(runs.map((r) => r.cold.cpuPerRun)),
   };
