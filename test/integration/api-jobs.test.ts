@@ -1,5 +1,6 @@
 import assert from 'node:assert/strict';
 import { after, before, test } from 'node:test';
+import pg from 'pg';
 import { parseCron } from '../../src/scheduling/cron.js';
 import { createManualRun, manualRunInstant } from '../../src/store/manual-run.js';
 import { jobBody, startTestApi, type TestApi } from '../support/api.js';
@@ -437,5 +438,85 @@ test('triggers at the same instant are each a run with its dispatch message', as
   assert.equal(
     await createManualRun(api.db.pool, '00000000-0000-4000-8000-000000000000', api.runsTopic),
     null,
+  );
+});
+
+let fakeClock: Promise<unknown> | undefined;
+
+/** A session whose now() is `clock` (a function earlier on its search_path than pg_catalog's). */
+async function sessionAt(clock: string): Promise<pg.Client> {
+  fakeClock ??= api.db.pool.query(`CREATE SCHEMA fake_clock;
+    CREATE FUNCTION fake_clock.now() RETURNS timestamptz LANGUAGE sql
+    AS $$ SELECT current_setting('helios_test.now')::timestamptz $$`);
+  await fakeClock;
+  const client = new pg.Client({
+    connectionString: api.db.url,
+    options: `-c TimeZone=UTC -c search_path=fake_clock,pg_catalog,public -c helios_test.now=${clock}`,
+  });
+  await client.connect();
+  return client;
+}
+
+/** Resolves once all the sessions wait for a lock. */
+async function allWaitForLocks(sessions: pg.Client[]): Promise<void> {
+  const pids = sessions.map((s) => (s as unknown as { processID: number }).processID);
+  for (;;) {
+    const { rows } = await api.db.pool.query<{ n: number }>(
+      `SELECT count(*)::int AS n FROM pg_stat_activity
+       WHERE pid = ANY($1) AND wait_event_type = 'Lock'`,
+      [pids],
+    );
+    if (rows[0]!.n === pids.length) return;
+    await new Promise((resolve) => setTimeout(resolve, 10));
+  }
+}
+
+test('triggers from separate sessions whose clocks meet, queued behind a run at their instant, are each a run', async () => {
+  // Four autocommit triggers whose now() is two microseconds before a whole second wait on another
+  // session's trigger at that instant, in a transaction; then it commits. Each steps past the
+  // others (into the next second, off its first millisecond, clear of the occurrence there): five
+  // runs in all, as many as createManualRun's tries, each with its dispatch message.
+  const job = (await api.call('POST', '/api/v1/jobs', { body: jobBody('clocks-meet') })).body as JobResponse;
+  const clock = '2026-12-06T10:00:00.999998Z';
+  await api.db.pool.query(
+    `INSERT INTO runs (job_id, scheduled_for, trigger, state, max_attempts, target, timeout_ms, backoff_ms,
+                       backoff_multiplier, concurrency, not_before)
+     SELECT id, $2, 'schedule', 'queued', max_attempts, target, timeout_ms, backoff_ms, backoff_multiplier,
+            concurrency, $2
+     FROM jobs WHERE id = $1`,
+    [job.id, '2026-12-06T10:00:01Z'],
+  );
+  const sessions = await Promise.all([0, 1, 2, 3].map(() => sessionAt(clock)));
+  const holder = await sessionAt(clock);
+  try {
+    await holder.query('BEGIN');
+    assert.ok(await createManualRun(holder, job.id, api.runsTopic));
+    const triggers = sessions.map((s) => createManualRun(s, job.id, api.runsTopic));
+    await allWaitForLocks(sessions);
+    await holder.query('COMMIT');
+    const ids = await Promise.all(triggers);
+    assert.ok(
+      ids.every((id) => id !== null),
+      `run ids: ${JSON.stringify(ids)}`,
+    );
+  } finally {
+    await Promise.all([holder, ...sessions].map((s) => s.end()));
+  }
+  const { rows } = await api.db.pool.query<{ at: string; trigger: string; announced: boolean }>(
+    `SELECT to_char(r.scheduled_for AT TIME ZONE 'UTC', 'SS.US') AS at, r.trigger,
+            EXISTS (SELECT 1 FROM outbox o WHERE o.topic = $2 AND o.payload->>'runId' = r.id::text) AS announced
+     FROM runs r WHERE r.job_id = $1 ORDER BY r.scheduled_for`,
+    [job.id, api.runsTopic],
+  );
+  assert.deepEqual(
+    rows.map((r) => `${r.at} ${r.trigger}${r.trigger === 'manual' && !r.announced ? ' unannounced' : ''}`),
+    [
+      '00.999998 manual',
+      '00.999999 manual',
+      '01.000000 schedule',
+      '01.001000 manual',
+      '01.001001 manual',
+      '01.001002 manual',
+    ],
   );
 });
