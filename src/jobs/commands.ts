@@ -200,9 +200,10 @@ export type TriggerResult =
   | { readonly outcome: 'conflict' };
 
 /**
- * Creates a run of the job for now (`trigger = 'manual'`) and its dispatch message, in one
+ * Creates a run of the job for now (`trigger = 'manual'`) and its dispatch message, together in one
  * statement (its own transaction: the statement's answer to a job deleted meanwhile is a foreign
- * key error, which would abort an enclosing transaction). Paused jobs can be triggered.
+ * key error, which would abort an enclosing transaction); a second statement, rarely a few, only
+ * when another trigger took its instant (createManualRun). Paused jobs can be triggered.
  */
 export async function triggerJob(
   db: Database,

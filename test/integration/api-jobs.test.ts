@@ -457,10 +457,11 @@ async function sessionAt(clock: string): Promise<pg.Client> {
   return client;
 }
 
-/** Resolves once all the sessions wait for a lock. */
+/** Resolves once all the sessions wait for a lock; fails after 10 s. */
 async function allWaitForLocks(sessions: pg.Client[]): Promise<void> {
   const pids = sessions.map((s) => (s as unknown as { processID: number }).processID);
-  for (;;) {
+  for (const deadline = Date.now() + 10_000; ;) {
+    assert.ok(Date.now() < deadline, 'the triggers did not all wait for the run at their instant');
     const { rows } = await api.db.pool.query<{ n: number }>(
       `SELECT count(*)::int AS n FROM pg_stat_activity
        WHERE pid = ANY($1) AND wait_event_type = 'Lock'`,
