@@ -4,6 +4,7 @@ import pg from 'pg';
 import { parseCron } from '../../src/scheduling/cron.js';
 import { createManualRun, manualRunInstant } from '../../src/store/manual-run.js';
 import { jobBody, startTestApi, type TestApi } from '../support/api.js';
+import { queuedRuns } from '../support/execution.js';
 
 let api: TestApi;
 before(async () => {
@@ -406,18 +407,11 @@ test('triggers at the same instant are each a run with its dispatch message', as
   try {
     await client.query('BEGIN');
     const asked = await client.query<{ at: string }>(`SELECT ${manualRunInstant('now()')}::text AS at`);
-    const other = await api.db.pool.query<{ id: string }>(
-      `INSERT INTO runs (job_id, scheduled_for, trigger, state, max_attempts, target, timeout_ms, backoff_ms,
-                         backoff_multiplier, concurrency, not_before)
-       SELECT id, $2, 'manual', 'queued', max_attempts, target, timeout_ms, backoff_ms, backoff_multiplier,
-              concurrency, $2
-       FROM jobs WHERE id = $1 RETURNING id`,
-      [job.id, asked.rows[0]!.at],
-    );
+    const [other] = await queuedRuns(api.db.pool, job.id, [`'${asked.rows[0]!.at}'`], 'manual');
     for (let i = 0; i < 2; i += 1) ids.push(await createManualRun(client, job.id, api.runsTopic));
     await client.query('COMMIT');
     assert.ok(
-      ids.every((id) => id !== null && id !== other.rows[0]!.id),
+      ids.every((id) => id !== null && id !== other),
       `run ids: ${JSON.stringify(ids)}`,
     );
   } finally {
@@ -479,14 +473,7 @@ test('triggers from separate sessions whose clocks meet, queued behind a run at 
   // runs in all, as many as createManualRun's tries, each with its dispatch message.
   const job = (await api.call('POST', '/api/v1/jobs', { body: jobBody('clocks-meet') })).body as JobResponse;
   const clock = '2026-12-06T10:00:00.999998Z';
-  await api.db.pool.query(
-    `INSERT INTO runs (job_id, scheduled_for, trigger, state, max_attempts, target, timeout_ms, backoff_ms,
-                       backoff_multiplier, concurrency, not_before)
-     SELECT id, $2, 'schedule', 'queued', max_attempts, target, timeout_ms, backoff_ms, backoff_multiplier,
-            concurrency, $2
-     FROM jobs WHERE id = $1`,
-    [job.id, '2026-12-06T10:00:01Z'],
-  );
+  await queuedRuns(api.db.pool, job.id, [`'2026-12-06T10:00:01Z'`]);
   const sessions = await Promise.all([0, 1, 2, 3].map(() => sessionAt(clock)));
   const holder = await sessionAt(clock);
   try {

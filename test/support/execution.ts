@@ -168,16 +168,21 @@ export async function insertJob(db: pg.Pool, spec: JobSpec): Promise<string> {
 /**
  * Queued runs of job `jobId` due at each of `dueAt` (SQL timestamp expressions, oldest first),
  * copying the job's target, timeout and concurrency, with three attempts and no back-off, made
- * directly in the table; their ids in that order.
+ * directly in the table (as occurrences, or as manual runs); their ids in that order.
  */
-export async function queuedRuns(db: pg.Pool, jobId: string, dueAt: string[]): Promise<string[]> {
+export async function queuedRuns(
+  db: pg.Pool,
+  jobId: string,
+  dueAt: string[],
+  trigger: 'schedule' | 'manual' = 'schedule',
+): Promise<string[]> {
   const { rows } = await db.query<{ id: string }>(
-    `INSERT INTO runs (job_id, scheduled_for, state, max_attempts, target, timeout_ms, backoff_ms,
+    `INSERT INTO runs (job_id, scheduled_for, trigger, state, max_attempts, target, timeout_ms, backoff_ms,
                        backoff_multiplier, concurrency, not_before)
-     SELECT j.id, o.t, 'queued', 3, j.target, j.timeout_ms, 0, 2, j.concurrency, o.t
+     SELECT j.id, o.t, $2, 'queued', 3, j.target, j.timeout_ms, 0, 2, j.concurrency, o.t
      FROM jobs j, (VALUES ${dueAt.map((at) => `((${at})::timestamptz)`).join(', ')}) o (t)
      WHERE j.id = $1 ORDER BY o.t RETURNING id`,
-    [jobId],
+    [jobId, trigger],
   );
   return rows.map((r) => r.id);
 }
