@@ -112,11 +112,15 @@ function summary(r: Results): string {
       '',
     ]);
   }
+  /** "; pg-boss/Helios = 0.91 (warm)", or '' when either warm herd has no figure. */
+  const toHelios = (peer: PeerHerdResult) =>
+    r.herd && Number.isFinite(peer.medianMs)
+      ? `; ${peer.peer}/Helios = ${(peer.medianMs / r.herd.medianMs).toFixed(2)} (warm)`
+      : '';
   for (const peer of (r.peers ?? []).filter((p) => p.http && p.procs === BEST[p.peer].procs)) {
     const ratio =
-      r.herd && Number.isFinite(peer.medianMs)
-        ? `; ${peer.peer}/Helios = ${(peer.medianMs / r.herd.medianMs).toFixed(2)} (warm)`
-        : `; arrived within 60 s (warm): ${peer.runs.map((run) => run.started).join(', ')} of 10,000`;
+      toHelios(peer) ||
+      `; arrived within 60 s (warm): ${peer.runs.map((run) => run.started).join(', ')} of 10,000`;
     const bare = r.peers?.find((p) => p.peer === peer.peer && !p.http);
     rows.push([
       `  same herd, ${peer.peer}, same HTTP call → last call`,
@@ -131,12 +135,9 @@ function summary(r: Results): string {
   // Helios runs 3 nodes on the 2 cores; a peer's best is one process. The same herd with as many
   // processes as Helios has nodes shows what the third process costs each of them.
   for (const peer of (r.peers ?? []).filter((p) => p.http && p.procs === HELIOS_NODES)) {
-    const ratio = r.herd
-      ? `; ${peer.peer}/Helios = ${(peer.medianMs / r.herd.medianMs).toFixed(2)} (warm)`
-      : '';
     rows.push([
       `  same herd, ${peer.peer} on ${HELIOS_NODES} processes (as Helios's nodes), same HTTP call → last call`,
-      `${warmCold(peer.medianMs, peer.coldMedianMs, peer.runs.length)}${ratio}; CPU per run ${cpuCell(peer.cpuPerRun)}`,
+      `${warmCold(peer.medianMs, peer.coldMedianMs, peer.runs.length)}${toHelios(peer)}; CPU per run ${cpuCell(peer.cpuPerRun)}`,
       '',
     ]);
   }
