@@ -118,11 +118,11 @@ test('claims acknowledged too late are handed back uncharged, however many: the 
 
 test('a worker whose estimate of the database clock runs ahead by more than the grace re-samples it after a claim handed back too late: its next claim is called', async () => {
   const id = await dueRun('ahead');
-  // A sample whose round trip was lengthened before the database read its clock (2 s here): its
-  // midpoint puts the estimate ≈1 s ahead, more than the grace.
+  // A sample whose round trip was lengthened before the database read its clock (2.5 s here): its
+  // midpoint puts the estimate ≈1.25 s ahead, more than the grace (≈1 s at 2 s came out 998 ms once).
   const delayed = {
     query: async (text: string) => {
-      await sleep(2000);
+      await sleep(2500);
       return db.pool.query(text);
     },
   } as unknown as Queryable;
