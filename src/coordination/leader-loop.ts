@@ -1,6 +1,7 @@
 import { NotLeaderError, StaleFencingTokenError, toError } from '../errors.js';
 import { loopBackoffMs } from '../loop-backoff.js';
 import type { Logger } from '../observability/logger.js';
+import type { LeaderLoopName } from '../observability/metric-labels.js';
 import type { Metrics } from '../observability/metrics.js';
 import type { Leadership } from './election.js';
 
@@ -8,8 +9,11 @@ import type { Leadership } from './election.js';
 export interface LeaderLoopOptions {
   /** The epoch the loop belongs to: it ends when the epoch's signal aborts. */
   readonly leadership: Leadership;
-  /** Names the loop in its log lines (`<name> rejected by the fence`, `<name> pass failed`). */
-  readonly name: string;
+  /**
+   * Names the loop in its log lines (`<name> rejected by the fence`, `<name> pass failed`) and in
+   * helios_leader_pass_failures_total{loop}.
+   */
+  readonly name: LeaderLoopName;
   /**
    * One pass and the wait after it (on the epoch's signal). A pass throws NotLeaderError when the
    * epoch ended before it could write, StaleFencingTokenError when the fence rejected its write.

@@ -1,5 +1,7 @@
 import { performance } from 'node:perf_hooks';
 import { Counter, Gauge, Histogram, Registry, collectDefaultMetrics } from 'prom-client';
+import { METRIC_LABEL_VALUES } from './metric-labels.js';
+import type { LabelledMetric, LabelsOf, PoolName } from './metric-labels.js';
 
 /** What a pool gauge reads: a pg pool's counts, or a share's (see store/pool-share.ts). */
 export interface PoolGaugeSource {
@@ -73,13 +75,31 @@ export interface WorkerQueueReading {
   readonly claimedAhead: number;
 }
 
+/** A counter whose labels, and their values, are those METRIC_LABEL_VALUES lists for it. */
+type LabelledCounter<M extends LabelledMetric> = Omit<Counter, 'inc'> & {
+  inc(labels: LabelsOf<M>, value?: number): void;
+};
+
+function labelledCounter<M extends LabelledMetric>(
+  name: M,
+  help: string,
+  registry: Registry,
+): LabelledCounter<M> {
+  return new Counter({
+    name,
+    help,
+    labelNames: Object.keys(METRIC_LABEL_VALUES[name]),
+    registers: [registry],
+  });
+}
+
 /** Every metric of one node, on its own registry (several nodes may share a process in tests). */
 export function createMetrics(nodeId: string) {
   const registry = new Registry();
   registry.setDefaultLabels({ node: nodeId });
   collectDefaultMetrics({ register: registry });
   const cluster = createClusterGauges();
-  const pools = new Map<string, PoolGaugeSource>();
+  const pools = new Map<PoolName, PoolGaugeSource>();
   const poolGauge = (name: string, help: string, read: (pool: PoolGaugeSource) => number) =>
     new Gauge({
       name,
@@ -91,12 +111,11 @@ export function createMetrics(nodeId: string) {
         for (const [pool, source] of pools) this.set({ pool }, read(source));
       },
     });
-  const poolSaturated = new Counter({
-    name: 'helios_db_pool_saturated_seconds_total',
-    help: `Time during which callers waited for a connection of the pool (its waiting count sampled every ${POOL_SAMPLE_MS} ms): its rate is the fraction of the time the pool was exhausted`,
-    labelNames: ['pool'],
-    registers: [registry],
-  });
+  const poolSaturated = labelledCounter(
+    'helios_db_pool_saturated_seconds_total',
+    `Time during which callers waited for a connection of the pool (its waiting count sampled every ${POOL_SAMPLE_MS} ms): its rate is the fraction of the time the pool was exhausted`,
+    registry,
+  );
   let sampler: NodeJS.Timeout | undefined;
   let sampledAt = 0;
   const samplePools = () => {
@@ -139,7 +158,7 @@ export function createMetrics(nodeId: string) {
      * Counts `source` under `helios_db_pool_*{pool=name}` from now on, and samples its waiting
      * count every POOL_SAMPLE_MS until {@link stopPoolSampling}.
      */
-    trackPool(name: string, source: PoolGaugeSource): void {
+    trackPool(name: PoolName, source: PoolGaugeSource): void {
       pools.set(name, source);
       poolSaturated.inc({ pool: name }, 0);
       if (sampler === undefined) {
@@ -169,12 +188,11 @@ export function createMetrics(nodeId: string) {
       'Most connections the pool (or share) may use at once',
       (p) => p.size,
     ),
-    misfires: new Counter({
-      name: 'helios_misfires_total',
-      help: "Misfires: jobs the dispatcher found with occurrences later than HELIOS_MISFIRE_THRESHOLD_MS (once per job and catch-up), by the job's misfire policy",
-      labelNames: ['policy'],
-      registers: [registry],
-    }),
+    misfires: labelledCounter(
+      'helios_misfires_total',
+      "Misfires: jobs the dispatcher found with occurrences later than HELIOS_MISFIRE_THRESHOLD_MS (once per job and catch-up), by the job's misfire policy",
+      registry,
+    ),
     isLeader: new Gauge({ name: 'helios_is_leader', help: '1 while this node leads', registers: [registry] }),
     leaderElections: new Counter({
       name: 'helios_leader_elections_total',
@@ -186,18 +204,16 @@ export function createMetrics(nodeId: string) {
       help: 'Leader writes rejected because a newer fencing token had written',
       registers: [registry],
     }),
-    leaderPassFailures: new Counter({
-      name: 'helios_leader_pass_failures_total',
-      help: 'Passes of a leader loop (dispatcher, reaper) that failed and are tried again after a back-off',
-      labelNames: ['loop'] as const,
-      registers: [registry],
-    }),
-    runsCreated: new Counter({
-      name: 'helios_runs_created_total',
-      help: 'Runs created by the dispatcher, by resulting state',
-      labelNames: ['state'],
-      registers: [registry],
-    }),
+    leaderPassFailures: labelledCounter(
+      'helios_leader_pass_failures_total',
+      'Passes of a leader loop (dispatch, reaper) that failed and are tried again after a back-off',
+      registry,
+    ),
+    runsCreated: labelledCounter(
+      'helios_runs_created_total',
+      'Runs created by the dispatcher, by resulting state',
+      registry,
+    ),
     dispatchDuration: new Histogram({
       name: 'helios_dispatch_batch_seconds',
       help: 'Time of one dispatch transaction',
@@ -219,12 +235,11 @@ export function createMetrics(nodeId: string) {
       help: 'Failed publish attempts of outbox batches',
       registers: [registry],
     }),
-    runsExecuted: new Counter({
-      name: 'helios_runs_executed_total',
-      help: 'Attempts executed by this worker, by outcome',
-      labelNames: ['outcome'],
-      registers: [registry],
-    }),
+    runsExecuted: labelledCounter(
+      'helios_runs_executed_total',
+      'Attempts executed by this worker, by outcome',
+      registry,
+    ),
     staleCompletions: new Counter({
       name: 'helios_stale_completions_total',
       help: 'Completions discarded because the claim had been lost',
@@ -236,36 +251,31 @@ export function createMetrics(nodeId: string) {
       buckets: [0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10],
       registers: [registry],
     }),
-    runsReaped: new Counter({
-      name: 'helios_runs_reaped_total',
-      help: 'Runs whose claim expired: to queued-uncharged (no attempt used up), queued (charged as a failed attempt) or dead',
-      labelNames: ['to'],
-      registers: [registry],
-    }),
-    reaperPassesCut: new Counter({
-      name: 'helios_reaper_passes_cut_total',
-      help: 'Reaper passes cut short: reason statement_timeout (a statement cancelled, the pass rolled back) or budget (committed with expired runs left to the next pass)',
-      labelNames: ['reason'] as const,
-      registers: [registry],
-    }),
-    runClaims: new Counter({
-      name: 'helios_run_claims_total',
-      help: 'Claim attempts by this worker: source kafka|poll, result claimed|missed|skipped|early|waiting',
-      labelNames: ['source', 'result'],
-      registers: [registry],
-    }),
-    pruned: new Counter({
-      name: 'helios_pruned_rows_total',
-      help: 'Rows deleted by retention: table runs (with their attempts and dead letters) or outbox',
-      labelNames: ['table'],
-      registers: [registry],
-    }),
-    prunePasses: new Counter({
-      name: 'helios_prune_passes_total',
-      help: "Passes of the leader's pruner by table (outbox, runs) and result: succeeded, incomplete (a sweep of runs that left some jobs' runs unpruned) or failed (tried again after a back-off)",
-      labelNames: ['table', 'result'] as const,
-      registers: [registry],
-    }),
+    runsReaped: labelledCounter(
+      'helios_runs_reaped_total',
+      'Runs whose claim expired: to queued-uncharged (no attempt used up), queued (charged as a failed attempt) or dead',
+      registry,
+    ),
+    reaperPassesCut: labelledCounter(
+      'helios_reaper_passes_cut_total',
+      'Reaper passes cut short: reason statement_timeout (a statement cancelled, the pass rolled back) or budget (committed with expired runs left to the next pass)',
+      registry,
+    ),
+    runClaims: labelledCounter(
+      'helios_run_claims_total',
+      'Claim attempts by this worker: source kafka|poll, result claimed|missed|skipped|early|waiting',
+      registry,
+    ),
+    pruned: labelledCounter(
+      'helios_pruned_rows_total',
+      'Rows deleted by retention: table runs (with their attempts and dead letters) or outbox',
+      registry,
+    ),
+    prunePasses: labelledCounter(
+      'helios_prune_passes_total',
+      "Passes of the leader's pruner by table (outbox, runs) and result: succeeded, incomplete (a sweep of runs that left some jobs' runs unpruned) or failed (tried again after a back-off)",
+      registry,
+    ),
     jobsParked: new Counter({
       name: 'helios_jobs_parked_total',
       help: 'Jobs the dispatcher parked (no next run) because their schedule could not be evaluated',
@@ -281,12 +291,11 @@ export function createMetrics(nodeId: string) {
       help: 'Writes of an attempt outcome (completion, retry, dead letter) retried after a failure while the claim held',
       registers: [registry],
     }),
-    runsSkipped: new Counter({
-      name: 'helios_runs_skipped_total',
-      help: 'Runs skipped at claim time by their concurrency policy',
-      labelNames: ['reason'],
-      registers: [registry],
-    }),
+    runsSkipped: labelledCounter(
+      'helios_runs_skipped_total',
+      'Runs skipped at claim time by their concurrency policy',
+      registry,
+    ),
     runsHandedOff: new Counter({
       name: 'helios_runs_handed_off_total',
       help: 'Run announcements a stopping worker handed to the other workers instead of calling them',

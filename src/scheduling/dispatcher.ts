@@ -5,6 +5,7 @@ import type { Leadership } from '../coordination/election.js';
 import type { Logger } from '../observability/logger.js';
 import type { Metrics } from '../observability/metrics.js';
 import type { Notifications } from '../store/notifications.js';
+import type { MisfirePolicy } from '../model.js';
 import { NotLeaderError, toError, type StaleFencingTokenError } from '../errors.js';
 import { runLeaderLoop } from '../coordination/leader-loop.js';
 import { inFencedTransaction } from '../store/fence.js';
@@ -121,7 +122,13 @@ export class Dispatcher {
     const pass = inFencedTransaction(pool, leadership, async (client) => {
       const { now, jobs } = await selectDueJobs(client, lookaheadMs, batchSize, misfireThresholdMs);
       if (jobs.length === 0)
-        return { jobs: 0, created: 0, parked: 0, misfired: new Map<string, number>(), cutShort: false };
+        return {
+          jobs: 0,
+          created: 0,
+          parked: 0,
+          misfired: new Map<MisfirePolicy, number>(),
+          cutShort: false,
+        };
       const horizon = new Date(now.getTime() + lookaheadMs);
       const occurrences: { jobId: string; scheduledFor: Date }[] = [];
       const advances: { id: string; nextRunAt: Date | null }[] = [];
@@ -131,7 +138,7 @@ export class Dispatcher {
       const plans = new Map<string, OccurrencePlan>();
       // Jobs found late, by misfire policy; counted once the transaction commits (a pass that
       // fails is done again and counts then).
-      const misfired = new Map<string, number>();
+      const misfired = new Map<MisfirePolicy, number>();
       let cutShort = false;
       let passBytes = 0;
       let largestTarget = 0;

@@ -7,6 +7,7 @@ import { test } from 'node:test';
 import { parse, stringify } from 'yaml';
 import { CLUSTER_COUNT_CAP } from '../../src/observability/cluster-signals.js';
 import { createMetrics } from '../../src/observability/metrics.js';
+import { METRIC_LABEL_VALUES, type LabelledMetric } from '../../src/observability/metric-labels.js';
 import { REPO_ROOT } from '../support/env.js';
 
 // The alert rules and the dashboard (deploy/) must name only metrics Helios exports, and each
@@ -80,6 +81,167 @@ test('every metric the alert rules and the dashboard name is one a Helios node e
     'helios_is_leader',
   ])
     assert.ok(shown.has(name), `${name} is not on the dashboard`);
+});
+
+/** The labels of each series a node exports, each with the values it can take (undefined: any). */
+type LabelSpace = Map<string, readonly string[] | undefined>;
+
+/**
+ * Labels by series name: each metric's labelNames as registered (metrics.ts), with the values
+ * METRIC_LABEL_VALUES lists, which the compiler holds the code's call sites to; and `node`, the
+ * registry's default label. Prometheus adds `job` and `instance` to `up` (the job's name is the
+ * operator's: docs/operations.md asks for `helios`).
+ */
+function exportedLabels(): Map<string, LabelSpace> {
+  const metrics = createMetrics('labels');
+  metrics.exportClusterGauges(true);
+  const spaces = new Map<string, LabelSpace>([
+    [
+      'up',
+      new Map([
+        ['job', undefined],
+        ['instance', undefined],
+      ]),
+    ],
+  ]);
+  for (const metric of metrics.registry.getMetricsAsArray()) {
+    const { name, labelNames = [] } = metric as unknown as { name: string; labelNames?: string[] };
+    const listed: Record<string, readonly string[]> = METRIC_LABEL_VALUES[name as LabelledMetric] ?? {};
+    const space: LabelSpace = new Map([
+      ['node', undefined],
+      ...labelNames.map((l) => [l, listed[l]] as const),
+    ]);
+    spaces.set(name, space);
+    // Histograms' series; the buckets also carry `le`.
+    for (const suffix of ['_sum', '_count']) spaces.set(`${name}${suffix}`, space);
+    spaces.set(`${name}_bucket`, new Map([...space, ['le', undefined]]));
+  }
+  return spaces;
+}
+
+/** One label matcher of a selector: `helios_db_pool_waiting{pool="leader"}`; op and value absent in
+ * the runbooks' `helios_prune_passes_total{table,result="succeeded"}`, which only name labels. */
+interface Matcher {
+  readonly metric: string;
+  readonly label: string;
+  readonly op?: '=' | '!=' | '=~' | '!~';
+  readonly value?: string;
+}
+
+/**
+ * The label matchers of Helios's (and Prometheus's `up`) selectors in a PromQL expression or in
+ * prose: a metric name, then `{…}` holding comma-separated `label`, `label="v"`, `label=~"a|b"`, ….
+ * No PromQL parser is installed; the rules' matchers are this simple (no commas or braces inside
+ * values), and an item that does not read as a matcher is reported rather than skipped.
+ */
+function matchersIn(text: string): (Matcher | { readonly unparsed: string })[] {
+  const found: (Matcher | { readonly unparsed: string })[] = [];
+  for (const [, metric, body] of text.matchAll(/\b((?:helios|process|nodejs)_[a-z0-9_]+|up)\{([^}]*)\}/g))
+    for (const item of body!.split(',')) {
+      const m = /^\s*([a-zA-Z_]\w*)\s*(?:(=~|!~|!=|=)\s*"([^"]*)")?\s*$/.exec(item);
+      if (!m) found.push({ unparsed: `${metric}{${body}}` });
+      else found.push({ metric: metric!, label: m[1]!, op: m[2] as Matcher['op'], value: m[3] });
+    }
+  return found;
+}
+
+/**
+ * What is wrong with `label` (and its values) on one of `metrics`: a label none of them has, or a
+ * value none of them emits. Values are literals, or for =~ regular expressions, each alternative
+ * of which must match a value some metric emits (an alternative no series can match is a slip).
+ */
+function labelProblem(
+  spaces: Map<string, LabelSpace>,
+  metrics: readonly string[],
+  label: string,
+  values: readonly string[],
+  regex = false,
+): string | undefined {
+  const having = metrics.filter((m) => spaces.get(m)?.has(label));
+  if (having.length === 0) return `label ${label} is not one of ${metrics.join(', ')}`;
+  if (having.some((m) => spaces.get(m)!.get(label) === undefined)) return undefined; // any value
+  const emitted = new Set(having.flatMap((m) => spaces.get(m)!.get(label)!));
+  const unknown = values.filter((v) =>
+    regex ? ![...emitted].some((e) => new RegExp(`^(?:${v})$`).test(e)) : !emitted.has(v),
+  );
+  if (unknown.length > 0) return `${label}: ${unknown.join(', ')} not among ${[...emitted].join(', ')}`;
+  return undefined;
+}
+
+/** Problems with the label matchers of selectors in `text` (an expression, or prose quoting them). */
+function selectorProblems(spaces: Map<string, LabelSpace>, text: string): string[] {
+  return matchersIn(text).flatMap((m) => {
+    if ('unparsed' in m) return [`unparsed selector ${m.unparsed}`];
+    if (!spaces.has(m.metric)) return []; // an unknown metric: the test of names reports it
+    // A negative matcher on a value never emitted excludes nothing; only = and =~ are checked.
+    const values = m.op === '=' ? [m.value!] : m.op === '=~' ? m.value!.split('|') : [];
+    const problem = labelProblem(spaces, [m.metric], m.label, values, m.op === '=~');
+    return problem ? [`${m.metric}{${m.label}${m.op ?? ''}${m.value ?? ''}}: ${problem}`] : [];
+  });
+}
+
+/**
+ * Problems with the labels a rule's expression aggregates by, and the labels its text names
+ * without a selector: `loop=dispatch`, `pool=leader`, "(label loop - dispatch or reaper)",
+ * "(labels node, pool)". Each must be a label of a metric of the rule's expression, with a value
+ * it emits.
+ */
+function ruleTextProblems(spaces: Map<string, LabelSpace>, rule: Rule): string[] {
+  const metrics = [...new Set([...namesIn(rule.expr), ...(/\bup\{/.test(rule.expr) ? ['up'] : [])])];
+  const named: [label: string, values: string[]][] = [];
+  for (const [, labels] of rule.expr.matchAll(/\b(?:by|without)\s*\(([^)]*)\)/g))
+    for (const label of labels!.split(',')) named.push([label.trim(), []]);
+  for (const text of Object.values(rule.annotations)) {
+    // label=value outside a selector's braces (those are read by selectorProblems).
+    for (const [, label, value] of text.matchAll(/(?<![\w{,"=])([a-z_]+)=([a-z][\w-]*)/g))
+      named.push([label!, [value!]]);
+    for (const [, inside] of text.matchAll(/\(labels? ([^)]*)\)/g)) {
+      const [labels, values = ''] = inside!.split(' - ');
+      const listed = values.split(/, | or /).filter((v) => v !== '');
+      for (const label of labels!.split(', ')) named.push([label, listed]);
+    }
+  }
+  return named.flatMap(([label, values]) => {
+    const problem = labelProblem(spaces, metrics, label, values);
+    return problem ? [`${rule.alert}: ${problem}`] : [];
+  });
+}
+
+test('every label the alert rules, their text, the dashboard and the runbooks match is one the metric has, with a value Helios emits', () => {
+  const spaces = exportedLabels();
+  // The typed list covers every labelled Helios metric, with the labels it is registered with.
+  for (const [name, space] of spaces)
+    if (name.startsWith('helios_') && !/_(bucket|sum|count)$/.test(name) && space.size > 1)
+      assert.deepEqual(
+        Object.keys(METRIC_LABEL_VALUES[name as LabelledMetric] ?? {}).sort(),
+        [...space.keys()].filter((l) => l !== 'node').sort(),
+        `METRIC_LABEL_VALUES lists ${name}'s labels`,
+      );
+  for (const name of Object.keys(METRIC_LABEL_VALUES)) assert.ok(spaces.has(name), `${name} is exported`);
+
+  const runbooks = ['README.md', 'docs/operations.md'].map((f) => readFileSync(join(REPO_ROOT, f), 'utf8'));
+  const texts = [
+    ...rules.flatMap((r) => [r.expr, ...Object.values(r.annotations)]),
+    ...dashboardExprs(),
+    ...runbooks,
+  ];
+  // The runbooks' `loop=dispatch` and the like: a label of some Helios metric, with a value of it.
+  const labelled = [...spaces.keys()].filter((m) => m.startsWith('helios_'));
+  const runbookPairs = runbooks.flatMap((text) =>
+    [...text.matchAll(/`([a-z_]+)=([a-z][\w-]*)`/g)].flatMap(([, label, value]) => {
+      const metrics = labelled.filter((m) => spaces.get(m)!.has(label!));
+      const problem = metrics.length > 0 ? labelProblem(spaces, metrics, label!, [value!]) : undefined;
+      return problem ? [`runbook \`${label}=${value}\`: ${problem}`] : [];
+    }),
+  );
+  const problems = [
+    ...texts.flatMap((text) => selectorProblems(spaces, text)),
+    ...rules.flatMap((rule) => ruleTextProblems(spaces, rule)),
+    ...runbookPairs,
+  ];
+  assert.deepEqual(problems, [], 'label matchers that name a label or value no Helios series has');
+  // The matchers were read: the rules' own, and the bare ones of their text.
+  assert.ok(texts.flatMap(matchersIn).length > 20, 'label matchers found');
 });
 
 test('every alert says what happened and what to do, with a severity', () => {
