@@ -41,6 +41,17 @@ export interface LatenessRun {
   readonly polled: number;
   /** CPU ms per run by process category over the measured window (rate × seconds runs). */
   readonly cpuPerRun: Record<CpuCategory | 'total', number>;
+  /** Per node: its first attempts' call starts after scheduled_for (the database's record). */
+  readonly byNode: readonly NodeLateness[];
+}
+
+/** One node's share of a steady load: the first attempts it called, and how late their calls began. */
+export interface NodeLateness {
+  readonly node: string;
+  readonly leader: boolean;
+  readonly calls: number;
+  readonly p50: number;
+  readonly p99: number;
 }
 
 export interface LatenessResult {
@@ -97,6 +108,7 @@ export async function latenessOnce(
     await cluster.db.pool.query('UPDATE jobs SET enabled = false');
     await sleep(3000); // the last second's calls arrive
     const lateness = cluster.target.lateness(from, to);
+    const { node: leader } = await cluster.leader();
     return {
       p50: percentile(lateness, 50),
       p99: percentile(lateness, 99),
@@ -106,12 +118,36 @@ export async function latenessOnce(
       duplicates: cluster.target.duplicates,
       ...cluster.deliveryEvents(from),
       cpuPerRun: cpuPerRun(cpuSample, rate * seconds),
+      byNode: await latenessByNode(cluster, from, to, leader.name),
     };
   } finally {
     sampler.stop();
     await cluster.stop();
     if (profileDir) console.log(summariseCpuProfiles(profileDir));
   }
+}
+
+/**
+ * How late each node began its calls of the first attempts due in [from, to) (run_attempts'
+ * started_at, when the call began, − scheduled_for): a node whose partitions wait on it (the
+ * leader also dispatches and relays, and gets an equal share of the partitions) shows here.
+ */
+async function latenessByNode(
+  cluster: BenchCluster,
+  from: number,
+  to: number,
+  leader: string,
+): Promise<NodeLateness[]> {
+  const { rows } = await cluster.db.pool.query<{ node: string; calls: number; p50: number; p99: number }>(
+    `SELECT a.node_id AS node, count(*)::int AS calls,
+            percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM a.started_at - r.scheduled_for)) * 1000 AS p50,
+            percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM a.started_at - r.scheduled_for)) * 1000 AS p99
+     FROM runs r JOIN run_attempts a ON a.run_id = r.id AND a.attempt = 1
+     WHERE r.scheduled_for >= $1 AND r.scheduled_for < $2 AND a.started_at IS NOT NULL
+     GROUP BY a.node_id ORDER BY a.node_id`,
+    [new Date(from), new Date(to)],
+  );
+  return rows.map((r) => ({ ...r, leader: r.node === leader }));
 }
 
 /** Where the lateness comes from, per run, from the database: percentiles of each step − scheduled_for. */
@@ -182,6 +218,11 @@ export async function lateness(
         `${run.joins ? `, ${run.joins} consumer group joins` : ''}${run.polled ? `, ${run.polled} runs claimed by polling` : ''})`,
     );
     options.log?.(`  CPU per run: ${describeCpuPerRun(run.cpuPerRun)}`);
+    options.log?.(
+      `  calls begun after scheduled_for, by node (p50 / p99): ${run.byNode
+        .map((n) => `${n.node}${n.leader ? ' (leader)' : ''} ${n.calls} calls ${ms(n.p50)} / ${ms(n.p99)}`)
+        .join('; ')}`,
+    );
   }
   return {
     rate,
