@@ -8,7 +8,13 @@ import assert from 'node:assert/strict';
 import { test } from 'node:test';
 import { judge } from './checker.js';
 import type { JobHistory } from './model.js';
-import type { Delivery, Observations, RunRow, ProcessView } from './observations.js';
+import {
+  withRunsReadBeforeDeletes,
+  type Delivery,
+  type Observations,
+  type RunRow,
+  type ProcessView,
+} from './observations.js';
 
 const T0 = Date.UTC(2026, 11, 1, 12, 0, 0);
 const sec = (n: number) => T0 + n * 1000;
@@ -737,6 +743,67 @@ test('misfires a worker skipped at its claim: allowed late, near a fault, by ski
     }),
     reported,
   );
+});
+
+test("a deleted job's misfires skipped at a claim are judged from its runs read before the delete", () => {
+  // Chaos seed 83: a 30 s PostgreSQL outage; the workers then skipped the job's occurrences as
+  // misfires, and the job was deleted two minutes later, its runs with it. With no row the checker
+  // read the skipped occurrences as missing; the nemesis now reads a job's skipped runs first.
+  const deletedLater = (readBeforeDelete: boolean, change: (obs: Crafted) => void = () => undefined) =>
+    misfiresSkipped((obs, skipped) => {
+      const deleteAt = sec(200);
+      obs.jobs[0]!.versions.push({
+        ...obs.jobs[0]!.versions[0]!,
+        from0: deleteAt - 10_000,
+        from1: deleteAt + 30,
+        exists: false,
+        cause: 'delete',
+      });
+      obs.ops.push({
+        kind: 'delete',
+        jobId: 's1',
+        sentAt: deleteAt,
+        answeredAt: deleteAt + 30,
+        outcome: 'ok',
+      });
+      // Another job, not deleted: its runs show the leader's dispatch passes went on meanwhile.
+      const other = history().runs.map((r) => ({ ...r, id: r.id.replace('s1', 's2'), jobId: 's2' }));
+      obs.jobs.push(job('s2', 'steady'));
+      obs.deliveries.push(...other.map((r) => delivery(r)));
+      obs.attempts.push(
+        ...other.map((r) => ({
+          runId: r.id,
+          attempt: 1,
+          nodeId: 'chaos-a',
+          startedAt: r.scheduledFor,
+          finishedAt: r.scheduledFor + 100,
+          outcome: 'succeeded',
+        })),
+      );
+      // The delete took s1's runs; the nemesis read them just before it.
+      const deleted = obs.runs.filter((r) => r.jobId === 's1');
+      obs.runs.splice(0, obs.runs.length, ...obs.runs.filter((r) => r.jobId !== 's1'), ...other);
+      if (readBeforeDelete) Object.assign(obs, { runsOfDeletedJobs: deleted });
+      assert.equal(skipped.length, 3);
+      change(obs);
+    });
+  assert.match(
+    deletedLater(false),
+    /3 occurrences that must have run did not:\n.*s1 \(steady, fire-once\) at 2026-12-01T12:00:12\.000Z: no run, .*the job was deleted/,
+  );
+  assert.equal(deletedLater(true), '');
+  // Read before the delete, the skips are judged as any other: with no fault near, not allowed.
+  assert.match(
+    deletedLater(true, (obs) => obs.faults.splice(0)),
+    /3 misfire skips at a claim not allowed:\n.*s1 \(fire-once\): run s1-12 .* with no fault near/,
+  );
+  // A row still in the database wins over one read before a delete that was refused; of a run read
+  // before two deletes, the later read.
+  const [row, next] = history().runs;
+  assert.deepEqual(withRunsReadBeforeDeletes([row!], [{ ...row!, state: 'skipped' }]), [row]);
+  assert.deepEqual(withRunsReadBeforeDeletes([], [next!, { ...next!, state: 'skipped' }]), [
+    { ...next!, state: 'skipped' },
+  ]);
 });
 
 /**

@@ -4,6 +4,7 @@
  */
 import type pg from 'pg';
 import { setTimeout as sleep } from 'node:timers/promises';
+import { withReadTimeout } from '../../src/store/db.js';
 import { stopJobs, type TargetRequest } from '../support/execution.js';
 import { TopicRecorder } from '../support/kafka.js';
 import { checkAnnouncements, type Announcement, type OutboxRow } from './check-announcements.js';
@@ -39,10 +40,11 @@ export async function judgeRun(
   run: RunRecord,
 ): Promise<Findings & { database: Awaited<ReturnType<typeof loadDatabase>>; deliveries: Delivery[] }> {
   const { requests, ...seen } = run;
-  const database = await loadDatabase(
+  const loaded = await loadDatabase(
     pool,
     run.jobs.map((j) => j.id),
   );
+  const database = { ...loaded, runsOfDeletedJobs: run.runsOfDeletedJobs ?? [] };
   const deliveries = deliveriesOf(requests);
   const result = judge({ ...seen, ...database, deliveries });
   const topic = await checkRunTopic(pool, runsTopic, run.faults);
@@ -87,27 +89,63 @@ export async function settle(pool: pg.Pool, maxMs: number): Promise<void> {
 
 const ms = (d: Date | null) => (d === null ? null : d.getTime());
 
+/** A run as PostgreSQL returns RUN_COLUMNS. */
+interface RunColumns {
+  id: string;
+  job_id: string;
+  scheduled_for: Date;
+  trigger: 'schedule' | 'manual';
+  state: string;
+  attempt: number;
+  max_attempts: number;
+  reason: string | null;
+  concurrency: string;
+  created_epoch: string | null;
+  created_at: Date;
+  started_at: Date | null;
+  finished_at: Date | null;
+  timeout_ms: number;
+}
+
+const RUN_COLUMNS = `id, job_id, scheduled_for, trigger, state, attempt, max_attempts, reason, concurrency,
+  created_epoch, created_at, started_at, finished_at, timeout_ms`;
+
+function runRow(r: RunColumns): RunRow {
+  return {
+    id: r.id,
+    jobId: r.job_id,
+    scheduledFor: r.scheduled_for.getTime(),
+    trigger: r.trigger,
+    state: r.state,
+    attempt: r.attempt,
+    maxAttempts: r.max_attempts,
+    reason: r.reason,
+    concurrency: r.concurrency,
+    createdEpoch: r.created_epoch === null ? null : BigInt(r.created_epoch),
+    createdAt: r.created_at.getTime(),
+    startedAt: ms(r.started_at),
+    finishedAt: ms(r.finished_at),
+    timeoutMs: r.timeout_ms,
+  };
+}
+
+/**
+ * The runs of job `jobId`, read by the nemesis just before it deletes the job: the delete takes the
+ * job's runs with it, and with them the only record of why an occurrence made no call
+ * (Observations.runsOfDeletedJobs). Bounded in time, as PostgreSQL may be down then; the caller
+ * records nothing when it fails (the checker then sees what it saw before: no row).
+ */
+export async function readRunsBeforeDelete(pool: pg.Pool, jobId: string): Promise<RunRow[]> {
+  const { rows } = await pool.query<RunColumns>(
+    withReadTimeout({ text: `SELECT ${RUN_COLUMNS} FROM runs WHERE job_id = $1`, values: [jobId] }, 2000),
+  );
+  return rows.map(runRow);
+}
+
 /** Runs, attempts and dead letters of every job the chaos run made (deleted jobs' rows are gone). */
 export async function loadDatabase(pool: pg.Pool, jobIds: string[]) {
-  const { rows: runs } = await pool.query<{
-    id: string;
-    job_id: string;
-    scheduled_for: Date;
-    trigger: 'schedule' | 'manual';
-    state: string;
-    attempt: number;
-    max_attempts: number;
-    reason: string | null;
-    concurrency: string;
-    created_epoch: string | null;
-    created_at: Date;
-    started_at: Date | null;
-    finished_at: Date | null;
-    timeout_ms: number;
-  }>(
-    `SELECT id, job_id, scheduled_for, trigger, state, attempt, max_attempts, reason, concurrency,
-            created_epoch, created_at, started_at, finished_at, timeout_ms
-     FROM runs WHERE job_id = ANY($1::uuid[])`,
+  const { rows: runs } = await pool.query<RunColumns>(
+    `SELECT ${RUN_COLUMNS} FROM runs WHERE job_id = ANY($1::uuid[])`,
     [jobIds],
   );
   const { rows: attempts } = await pool.query<{
@@ -132,22 +170,7 @@ export async function loadDatabase(pool: pg.Pool, jobIds: string[]) {
     jobIds,
   ]);
   return {
-    runs: runs.map((r): RunRow => ({
-      id: r.id,
-      jobId: r.job_id,
-      scheduledFor: r.scheduled_for.getTime(),
-      trigger: r.trigger,
-      state: r.state,
-      attempt: r.attempt,
-      maxAttempts: r.max_attempts,
-      reason: r.reason,
-      concurrency: r.concurrency,
-      createdEpoch: r.created_epoch === null ? null : BigInt(r.created_epoch),
-      createdAt: r.created_at.getTime(),
-      startedAt: ms(r.started_at),
-      finishedAt: ms(r.finished_at),
-      timeoutMs: r.timeout_ms,
-    })),
+    runs: runs.map(runRow),
     attempts: attempts.map((a): AttemptRow => ({
       runId: a.run_id,
       attempt: a.attempt,

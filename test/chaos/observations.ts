@@ -114,6 +114,12 @@ export interface Observations {
   readonly windowEnd: number;
   readonly jobs: readonly JobHistory[];
   readonly runs: readonly RunRow[];
+  /**
+   * The runs of each job the nemesis deleted, as they were just before the delete (which takes
+   * them with the job). Only the occurrence checks read them: they say why an occurrence of a job
+   * deleted later made no call (a misfire or a `forbid` skip, fire-once's fired run). Default none.
+   */
+  readonly runsOfDeletedJobs?: readonly RunRow[];
   readonly attempts: readonly AttemptRow[];
   readonly deadLetters: readonly DeadLetterRow[];
   readonly deliveries: readonly Delivery[];
@@ -121,6 +127,20 @@ export interface Observations {
   readonly processes: readonly ProcessView[];
   readonly ops: readonly OpView[];
   readonly settings: Settings;
+}
+
+/**
+ * `runs` (the database at the end) and the rows of `readBeforeDeletes` that are not in it (their
+ * job was deleted): a row still in the database wins (a delete that was refused left the job and
+ * its runs), and of a run read twice the later read.
+ */
+export function withRunsReadBeforeDeletes(
+  runs: readonly RunRow[],
+  readBeforeDeletes: readonly RunRow[],
+): RunRow[] {
+  const present = new Set(runs.map((r) => r.id));
+  const gone = new Map(readBeforeDeletes.filter((r) => !present.has(r.id)).map((r) => [r.id, r]));
+  return [...runs, ...gone.values()];
 }
 
 /** What a check found: violations fail the run; lines are the report. */

@@ -56,6 +56,12 @@ export class Nemesis {
     private readonly targetUrl: string,
     /** Failing jobs whose target answers 200 from now on (the target reads it): healed before a replay. */
     private readonly healed: Set<string>,
+    /**
+     * Called with a job's id just before the nemesis deletes it (the chaos run reads its runs,
+     * which the delete takes with the job: checker.ts readRunsBeforeDelete). Its failure does not
+     * stop the delete.
+     */
+    private readonly beforeDelete?: (jobId: string) => Promise<void>,
   ) {}
 
   /** Creates a job through the API and starts its history; throws when the API refuses it. */
@@ -250,6 +256,7 @@ export class Nemesis {
       }
       case 'delete': {
         const job = this.pick(ops);
+        await this.beforeDelete?.(job.id).catch(() => undefined);
         const call = await this.api.call('DELETE', `/jobs/${job.id}`);
         // A retried delete whose first try took effect answers 404.
         const gone = call.answer?.status === 404 && call.lostTry;

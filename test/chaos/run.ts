@@ -24,8 +24,9 @@ import { TargetServer } from '../support/execution.js';
 import { infra } from '../support/processes.js';
 import { ChaosApi } from './api-client.js';
 import { ChaosCluster } from './cluster.js';
-import { closeWindow, judgeRun, settle } from './checker.js';
+import { closeWindow, judgeRun, readRunsBeforeDelete, settle } from './checker.js';
 import { injectFault, planFaults, type FaultRecord } from './faults.js';
+import type { RunRow } from './observations.js';
 import { Nemesis, OP_KINDS } from './operations.js';
 import { seededRandom } from './random.js';
 import { CLAIM_GRACE_MS, CLAIM_LEAD_MS, TTL_MS, chaosSettings } from './settings.js';
@@ -92,11 +93,14 @@ try {
   const targetUrl = await target.start(cluster.targetHost);
   await cluster.start();
   log(`nodes up; leader ${(await cluster.leader()).name}`);
+  // A delete takes the job's runs with it: they are read first, for the checker.
+  const runsOfDeletedJobs: RunRow[] = [];
   const nemesis = new Nemesis(
     new ChaosApi(apiUrls, opsRandom, cluster.apiToken),
     opsRandom,
     targetUrl,
     healed,
+    async (jobId) => void runsOfDeletedJobs.push(...(await readRunsBeforeDelete(db.pool, jobId))),
   );
   for (const plan of initialJobs(Number(values.steady), Number(values.ops))) await nemesis.create(plan);
   const windowStart = Math.ceil(Date.now() / 1000) * 1000 + 2000;
@@ -134,6 +138,7 @@ try {
     processes: cluster.history,
     ops: nemesis.ops,
     settings: SETTINGS,
+    runsOfDeletedJobs,
   });
   const violations = [...findings.violations];
   for (const kind of OP_KINDS)
