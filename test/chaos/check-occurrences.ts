@@ -141,11 +141,14 @@ function describeJobAround(
 }
 
 export function checkOccurrences(observed: Observations): Findings {
-  // With the runs of jobs deleted later, as read before each delete: why their occurrences made no call.
+  // With the runs of jobs deleted later, as read before each delete: why their occurrences made no
+  // call. Only their misfire skips excuse a missing occurrence, as checkMisfireSkips judges them
+  // below; check-policies.ts, which judges `forbid` and `replace`, sees the database's runs only.
   const obs: Observations = {
     ...observed,
     runs: withRunsReadBeforeDeletes(observed.runs, observed.runsOfDeletedJobs ?? []),
   };
+  const inDatabase = new Set(observed.runs.map((r) => r.id));
   const violations: string[] = [];
   const lines: string[] = [];
   const passes = [...new Set(obs.runs.filter((r) => r.createdEpoch !== null).map((r) => r.createdAt))].sort(
@@ -182,8 +185,10 @@ export function checkOccurrences(observed: Observations): Findings {
     // its call started (check-policies.ts judges whether that was allowed), and a worker skips a
     // misfire its job's policy drops (checkMisfireSkips, below).
     const skippedByPolicy = (at: number) => {
-      const reason = runs.get(at)?.reason;
-      return reason === 'concurrency-forbid' || reason === 'replaced' || reason === 'misfire';
+      const run = runs.get(at);
+      if (run?.reason === 'misfire') return true;
+      if (run && !inDatabase.has(run.id)) return false;
+      return run?.reason === 'concurrency-forbid' || run?.reason === 'replaced';
     };
     const label = (at: number) => `${job.name} (${job.role}, ${job.misfire}) at ${iso(at)}`;
     const excusedMisses: number[] = [];

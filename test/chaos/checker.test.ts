@@ -797,6 +797,18 @@ test("a deleted job's misfires skipped at a claim are judged from its runs read 
     deletedLater(true, (obs) => obs.faults.splice(0)),
     /3 misfire skips at a claim not allowed:\n.*s1 \(fire-once\): run s1-12 .* with no fault near/,
   );
+  // A forbid skip read before the delete excuses nothing: check-policies.ts, which judges those,
+  // sees the database's runs only.
+  assert.match(
+    deletedLater(true, (obs) =>
+      Object.assign(obs, {
+        runsOfDeletedJobs: obs.runsOfDeletedJobs!.map((r) =>
+          r.reason === 'misfire' ? { ...r, reason: 'concurrency-forbid' } : r,
+        ),
+      }),
+    ),
+    /3 occurrences that must have run did not:\n.*s1 \(steady, fire-once\) at 2026-12-01T12:00:12\.000Z: its run s1-12 is skipped \(concurrency-forbid\)/,
+  );
   // A row still in the database wins over one read before a delete that was refused; of a run read
   // before two deletes, the later read.
   const [row, next] = history().runs;
