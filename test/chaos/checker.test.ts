@@ -10,6 +10,7 @@ import { judge } from './checker.js';
 import type { JobHistory } from './model.js';
 import {
   withRunsReadBeforeDeletes,
+  type AttemptRow,
   type Delivery,
   type Observations,
   type RunRow,
@@ -61,6 +62,18 @@ function run(jobId: string, s: number, epoch: bigint, extra: Partial<RunRow> = {
   };
 }
 
+/** The attempt of run() on node a: its one call, on time, succeeded. */
+function succeededAttempt(r: RunRow): AttemptRow {
+  return {
+    runId: r.id,
+    attempt: 1,
+    nodeId: 'chaos-a',
+    startedAt: r.scheduledFor,
+    finishedAt: r.scheduledFor + 100,
+    outcome: 'succeeded',
+  };
+}
+
 function delivery(r: RunRow, attempt = 1, at = r.scheduledFor + 5): Delivery {
   return {
     runId: r.id,
@@ -97,14 +110,7 @@ function history(): Crafted {
     windowEnd: sec(20),
     jobs: [job('s1', 'steady')],
     runs,
-    attempts: runs.map((r) => ({
-      runId: r.id,
-      attempt: 1,
-      nodeId: 'chaos-a',
-      startedAt: r.scheduledFor,
-      finishedAt: r.scheduledFor + 100,
-      outcome: 'succeeded',
-    })),
+    attempts: runs.map(succeededAttempt),
     deadLetters: [],
     deliveries: runs.map((r) => delivery(r)),
     faults: [],
@@ -463,11 +469,8 @@ test('a run held up by one fault may wait for an outage that begins meanwhile, a
   );
 });
 
-test('an occurrence a fault held up may be deleted with its job; one that should have run long before may not', () => {
-  // Chaos seed 5: runs due in a 30 s PostgreSQL outage were still pending when their job was
-  // deleted right after it, and went with the job.
-  const obs = historyWithBound('postgres-down-30s', 45_000);
-  const deleteAt = sec(45);
+/** Job s1 deleted through the API at `deleteAt` (its model: gone from 10 s before, as the nemesis records). */
+function deleteS1(obs: Crafted, deleteAt: number): void {
   obs.jobs[0]!.versions.push({
     ...obs.jobs[0]!.versions[0]!,
     from0: deleteAt - 10_000,
@@ -476,6 +479,13 @@ test('an occurrence a fault held up may be deleted with its job; one that should
     cause: 'delete',
   });
   obs.ops.push({ kind: 'delete', jobId: 's1', sentAt: deleteAt, answeredAt: deleteAt + 30, outcome: 'ok' });
+}
+
+test('an occurrence a fault held up may be deleted with its job; one that should have run long before may not', () => {
+  // Chaos seed 5: runs due in a 30 s PostgreSQL outage were still pending when their job was
+  // deleted right after it, and went with the job.
+  const obs = historyWithBound('postgres-down-30s', 45_000);
+  deleteS1(obs, sec(45));
   // The runs of 14 and 15 s went with the job before they were called.
   obs.runs.splice(4, 2);
   obs.attempts.splice(4, 2);
@@ -748,38 +758,15 @@ test('misfires a worker skipped at its claim: allowed late, near a fault, by ski
 test("a deleted job's misfires skipped at a claim are judged from its runs read before the delete", () => {
   // Chaos seed 83: a 30 s PostgreSQL outage; the workers then skipped the job's occurrences as
   // misfires, and the job was deleted two minutes later, its runs with it. With no row the checker
-  // read the skipped occurrences as missing; the nemesis now reads a job's skipped runs first.
+  // read the skipped occurrences as missing; the nemesis now reads a job's runs first.
   const deletedLater = (readBeforeDelete: boolean, change: (obs: Crafted) => void = () => undefined) =>
     misfiresSkipped((obs, skipped) => {
-      const deleteAt = sec(200);
-      obs.jobs[0]!.versions.push({
-        ...obs.jobs[0]!.versions[0]!,
-        from0: deleteAt - 10_000,
-        from1: deleteAt + 30,
-        exists: false,
-        cause: 'delete',
-      });
-      obs.ops.push({
-        kind: 'delete',
-        jobId: 's1',
-        sentAt: deleteAt,
-        answeredAt: deleteAt + 30,
-        outcome: 'ok',
-      });
+      deleteS1(obs, sec(200));
       // Another job, not deleted: its runs show the leader's dispatch passes went on meanwhile.
       const other = history().runs.map((r) => ({ ...r, id: r.id.replace('s1', 's2'), jobId: 's2' }));
       obs.jobs.push(job('s2', 'steady'));
       obs.deliveries.push(...other.map((r) => delivery(r)));
-      obs.attempts.push(
-        ...other.map((r) => ({
-          runId: r.id,
-          attempt: 1,
-          nodeId: 'chaos-a',
-          startedAt: r.scheduledFor,
-          finishedAt: r.scheduledFor + 100,
-          outcome: 'succeeded',
-        })),
-      );
+      obs.attempts.push(...other.map(succeededAttempt));
       // The delete took s1's runs; the nemesis read them just before it.
       const deleted = obs.runs.filter((r) => r.jobId === 's1');
       obs.runs.splice(0, obs.runs.length, ...obs.runs.filter((r) => r.jobId !== 's1'), ...other);
