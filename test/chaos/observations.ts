@@ -117,7 +117,9 @@ export interface Observations {
   /**
    * The runs of each job the nemesis deleted, as they were just before the delete (which takes
    * them with the job). Only the occurrence checks read them: they say why an occurrence of a job
-   * deleted later made no call (a misfire or a `forbid` skip, fire-once's fired run). Default none.
+   * deleted later made no call (a misfire skipped at a claim, judged as any other; fire-once's fired
+   * run). A `forbid` or `replace` skip among them excuses nothing: check-policies.ts never judges
+   * it. Default none.
    */
   readonly runsOfDeletedJobs?: readonly RunRow[];
   readonly attempts: readonly AttemptRow[];
