@@ -29,21 +29,6 @@ const rules = (parse(readFileSync(RULES, 'utf8')) as { groups: { rules: Rule[] }
 );
 const promtool = spawnSync('promtool', ['--version']).status === 0;
 
-/** Every metric name a node exports, read from its registry with the leader's gauges on. */
-async function exportedNames(): Promise<Set<string>> {
-  const metrics = createMetrics('names');
-  metrics.exportClusterGauges(true);
-  metrics.trackPool('main', { inUse: 0, waiting: 0, size: 1 });
-  const names = new Set<string>();
-  for (const metric of await metrics.registry.getMetricsAsJSON()) {
-    names.add(metric.name);
-    // Histograms are queried through their series (and summaries' count and sum).
-    if (['histogram', 'summary'].includes(String(metric.type)))
-      for (const suffix of ['_bucket', '_sum', '_count']) names.add(`${metric.name}${suffix}`);
-  }
-  return names;
-}
-
 /** Metric names in a PromQL expression: Helios's own and the Node.js process metrics. */
 function namesIn(expr: string): string[] {
   return [...expr.matchAll(/\b(?:helios|process|nodejs)_[a-z0-9_]+/g)].map((m) => m[0]);
@@ -56,8 +41,8 @@ function dashboardExprs(): string[] {
   return dashboard.panels.flatMap((p) => (p.targets ?? []).map((t) => t.expr));
 }
 
-test('every metric the alert rules and the dashboard name is one a Helios node exports', async () => {
-  const exported = await exportedNames();
+test('every metric the alert rules and the dashboard name is one a Helios node exports', () => {
+  const exported = exportedSeries();
   const exprs = [...rules.map((r) => r.expr), ...dashboardExprs()];
   assert.ok(exprs.length > 20, 'the rules and the dashboard have expressions');
   const unknown = [...new Set(exprs.flatMap(namesIn))].filter((name) => !exported.has(name));
@@ -87,13 +72,15 @@ test('every metric the alert rules and the dashboard name is one a Helios node e
 type LabelSpace = Map<string, readonly string[] | undefined>;
 
 /**
- * Labels by series name: each metric's labelNames as registered (metrics.ts), with the values
- * METRIC_LABEL_VALUES lists, which the compiler holds the code's call sites to; and `node`, the
- * registry's default label. Prometheus adds `job` and `instance` to `up` (the job's name is the
- * operator's: docs/operations.md asks for `helios`).
+ * Every series a node exports, read from its registry with the leader's gauges on, with its labels:
+ * each metric's labelNames as registered (metrics.ts), with the values METRIC_LABEL_VALUES lists,
+ * which the compiler holds the code's call sites to; and `node`, the registry's default label.
+ * Histograms and summaries are queried through their series (`_bucket` with `le`, `_sum`,
+ * `_count`). Prometheus adds `job` and `instance` to `up` (the job's name is the operator's:
+ * docs/operations.md asks for `helios`).
  */
-function exportedLabels(): Map<string, LabelSpace> {
-  const metrics = createMetrics('labels');
+function exportedSeries(): Map<string, LabelSpace> {
+  const metrics = createMetrics('series');
   metrics.exportClusterGauges(true);
   const spaces = new Map<string, LabelSpace>([
     [
@@ -105,16 +92,21 @@ function exportedLabels(): Map<string, LabelSpace> {
     ],
   ]);
   for (const metric of metrics.registry.getMetricsAsArray()) {
-    const { name, labelNames = [] } = metric as unknown as { name: string; labelNames?: string[] };
+    const {
+      name,
+      type,
+      labelNames = [],
+    } = metric as unknown as { name: string; type: string; labelNames?: string[] };
     const listed: Record<string, readonly string[]> = METRIC_LABEL_VALUES[name as LabelledMetric] ?? {};
     const space: LabelSpace = new Map([
       ['node', undefined],
       ...labelNames.map((l) => [l, listed[l]] as const),
+      ...(type === 'summary' ? [['quantile', undefined] as const] : []),
     ]);
     spaces.set(name, space);
-    // Histograms' series; the buckets also carry `le`.
+    if (type !== 'histogram' && type !== 'summary') continue;
     for (const suffix of ['_sum', '_count']) spaces.set(`${name}${suffix}`, space);
-    spaces.set(`${name}_bucket`, new Map([...space, ['le', undefined]]));
+    if (type === 'histogram') spaces.set(`${name}_bucket`, new Map([...space, ['le', undefined]]));
   }
   return spaces;
 }
@@ -208,7 +200,7 @@ function ruleTextProblems(spaces: Map<string, LabelSpace>, rule: Rule): string[]
 }
 
 test('every label the alert rules, their text, the dashboard and the runbooks match is one the metric has, with a value Helios emits', () => {
-  const spaces = exportedLabels();
+  const spaces = exportedSeries();
   // The typed list covers every labelled Helios metric, with the labels it is registered with.
   for (const [name, space] of spaces)
     if (name.startsWith('helios_') && !/_(bucket|sum|count)$/.test(name) && space.size > 1)
