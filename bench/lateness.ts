@@ -143,7 +143,7 @@ async function latenessByNode(
             percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM a.started_at - r.scheduled_for)) * 1000 AS p50,
             percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM a.started_at - r.scheduled_for)) * 1000 AS p99
      FROM runs r JOIN run_attempts a ON a.run_id = r.id AND a.attempt = 1
-     WHERE r.scheduled_for >= $1 AND r.scheduled_for < $2 AND a.started_at IS NOT NULL
+     WHERE r.scheduled_for >= $1 AND r.scheduled_for < $2
      GROUP BY a.node_id ORDER BY a.node_id`,
     [new Date(from), new Date(to)],
   );
