@@ -192,11 +192,9 @@ export async function deleteJob(db: Database, ref: JobRef): Promise<boolean> {
 /** What a trigger did: the new run, or why none was created. */
 export type TriggerResult =
   | { readonly outcome: 'created'; readonly runId: string }
+  /** The job does not exist, or was deleted before its run could be written: nothing written. */
   | { readonly outcome: 'no-job' }
-  /**
-   * The job was deleted meanwhile (or, rarer, other triggers of it kept taking the instant this one
-   * stepped to: createManualRun): nothing written.
-   */
+  /** Other triggers of the job kept taking the instant this one stepped to (createManualRun): nothing written. */
   | { readonly outcome: 'conflict' };
 
 /**
@@ -212,8 +210,9 @@ export async function triggerJob(
 ): Promise<TriggerResult> {
   const job = await findJob(db, ref);
   if (!job) return { outcome: 'no-job' };
-  const runId = await createManualRun(db, job.id, options.runsTopic);
-  return runId === null ? { outcome: 'conflict' } : { outcome: 'created', runId };
+  const made = await createManualRun(db, job.id, options.runsTopic);
+  if (made.runId !== null) return { outcome: 'created', runId: made.runId };
+  return { outcome: made.why === 'no-job' ? 'no-job' : 'conflict' };
 }
 
 /** What a replay did: the re-queued run, or why nothing was. */

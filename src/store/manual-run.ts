@@ -57,30 +57,37 @@ const CREATE_MANUAL_RUN_AFTER_OTHERS = `${insertManualRun(`(
 /** Statements a trigger tries before giving up while other triggers keep taking its instant. */
 const MAX_TRIES = 5;
 
+/** What a trigger's statements made: the new run's id, or why none was made (nothing written). */
+export type ManualRun =
+  | { readonly runId: string }
+  /**
+   * `no-job`: the job does not exist, or was deleted before the run could be written;
+   * `contended`: MAX_TRIES statements each met a concurrent trigger at their instant.
+   */
+  | { readonly runId: null; readonly why: 'no-job' | 'contended' };
+
 /**
  * Creates a manual run of job $1 due now (CREATE_MANUAL_RUN). Another manual run at the same
  * instant (a trigger in the same microsecond, or in the same transaction) does not swallow this
  * one: it is made just after (CREATE_MANUAL_RUN_AFTER_OTHERS), one more statement only then.
- * Returns the new run's id; null when the job does not exist (or was deleted meanwhile), or when
- * MAX_TRIES statements each met a concurrent trigger at their instant.
  */
-export async function createManualRun(db: Queryable, jobId: string, topic: string): Promise<string | null> {
+export async function createManualRun(db: Queryable, jobId: string, topic: string): Promise<ManualRun> {
   try {
     const { rows } = await db.query<{ id: string }>(CREATE_MANUAL_RUN, [jobId, topic]);
-    if (rows[0]) return rows[0].id;
+    if (rows[0]) return { runId: rows[0].id };
     for (let tries = 1; tries < MAX_TRIES; tries += 1) {
       const { rows: after } = await db.query<{ id: string | null; jobExists: boolean }>(
         CREATE_MANUAL_RUN_AFTER_OTHERS,
         [jobId, topic],
       );
-      if (after[0]!.id !== null) return after[0]!.id;
-      if (!after[0]!.jobExists) return null;
+      if (after[0]!.id !== null) return { runId: after[0]!.id };
+      if (!after[0]!.jobExists) return { runId: null, why: 'no-job' };
     }
-    return null;
+    return { runId: null, why: 'contended' };
   } catch (err) {
     // The job was read from the statement's snapshot but deleted before the insert's foreign key
     // check could lock it (a DELETE committed meanwhile): the job does not exist, as above.
-    if ((err as { code?: unknown } | null)?.code === '23503') return null;
+    if ((err as { code?: unknown } | null)?.code === '23503') return { runId: null, why: 'no-job' };
     throw err;
   }
 }

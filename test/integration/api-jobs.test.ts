@@ -408,7 +408,7 @@ test('triggers at the same instant are each a run with its dispatch message', as
     await client.query('BEGIN');
     const asked = await client.query<{ at: string }>(`SELECT ${manualRunInstant('now()')}::text AS at`);
     const [other] = await queuedRuns(api.db.pool, job.id, [`'${asked.rows[0]!.at}'`], 'manual');
-    for (let i = 0; i < 2; i += 1) ids.push(await createManualRun(client, job.id, api.runsTopic));
+    for (let i = 0; i < 2; i += 1) ids.push((await createManualRun(client, job.id, api.runsTopic)).runId);
     await client.query('COMMIT');
     assert.ok(
       ids.every((id) => id !== null && id !== other),
@@ -428,12 +428,49 @@ test('triggers at the same instant are each a run with its dispatch message', as
     assert.ok(row.announced, `run ${row.id} has no outbox row`);
     assert.ok(Number(row.ms) >= 1, `scheduled ${row.ms} ms into its second`);
   }
-  // A job that does not exist still gets none (the API's 404, or 409 for one deleted meanwhile).
-  assert.equal(
+  // A job that does not exist still gets none.
+  assert.deepEqual(
     await createManualRun(api.db.pool, '00000000-0000-4000-8000-000000000000', api.runsTopic),
-    null,
+    { runId: null, why: 'no-job' },
   );
 });
+
+test('a trigger racing a delete of its job is a 404, not a 409 to try again; nothing is written', async () => {
+  // The trigger reads the job, then inserts its run; the job's delete commits between the two.
+  // The insert's foreign-key check waits on the deleting transaction's row lock, then finds the job
+  // gone. That was answered 409 "try again", and the retry got 404.
+  const job = (await api.call('POST', '/api/v1/jobs', { body: jobBody('trigger-vs-delete') })).body as JobResponse;
+  const deleting = await api.db.pool.connect();
+  try {
+    await deleting.query('BEGIN');
+    await deleting.query('DELETE FROM jobs WHERE id = $1', [job.id]);
+    const answer = api.call('POST', `/api/v1/jobs/${job.id}/trigger`);
+    await waitForLockWaiter(job.id);
+    await deleting.query('COMMIT');
+    assertProblem(await answer, 404);
+  } finally {
+    deleting.release();
+  }
+  const { rows } = await api.db.pool.query<{ n: number }>(
+    `SELECT (SELECT count(*) FROM runs WHERE job_id = $1)::int
+          + (SELECT count(*) FROM outbox WHERE key = $1::text)::int AS n`,
+    [job.id],
+  );
+  assert.equal(rows[0]!.n, 0, 'a run or an outbox row of the deleted job was written');
+});
+
+/** Resolves once a session's insert of a run waits for a lock (the trigger's); fails after 10 s. */
+async function waitForLockWaiter(jobId: string): Promise<void> {
+  for (const deadline = Date.now() + 10_000; ;) {
+    assert.ok(Date.now() < deadline, `no trigger of job ${jobId} waited for the deleting transaction`);
+    const { rows } = await api.db.pool.query<{ n: number }>(
+      `SELECT count(*)::int AS n FROM pg_stat_activity
+       WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%INSERT INTO runs%'`,
+    );
+    if (rows[0]!.n > 0) return;
+    await new Promise((resolve) => setTimeout(resolve, 10));
+  }
+}
 
 let fakeClock: Promise<unknown> | undefined;
 
@@ -478,8 +515,8 @@ test('triggers from separate sessions whose clocks meet, queued behind a run at 
   const holder = await sessionAt(clock);
   try {
     await holder.query('BEGIN');
-    assert.ok(await createManualRun(holder, job.id, api.runsTopic));
-    const triggers = sessions.map((s) => createManualRun(s, job.id, api.runsTopic));
+    assert.ok((await createManualRun(holder, job.id, api.runsTopic)).runId);
+    const triggers = sessions.map(async (s) => (await createManualRun(s, job.id, api.runsTopic)).runId);
     await allWaitForLocks(sessions);
     await holder.query('COMMIT');
     const ids = await Promise.all(triggers);

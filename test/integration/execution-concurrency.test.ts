@@ -130,7 +130,7 @@ test(
       );
     });
     // A newer run (a trigger: due now, after the dead occurrence) is running, its call open.
-    const manualId = (await createManualRun(fx.db.pool, jobId, fx.topic))!;
+    const manualId = (await createManualRun(fx.db.pool, jobId, fx.topic)).runId!;
     await waitFor('the manual run is called', () =>
       fx.target.forJob(jobId).some((c) => c.runId === manualId),
     );

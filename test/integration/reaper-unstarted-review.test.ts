@@ -332,7 +332,7 @@ const claimPaths: Record<string, () => Promise<{ id: string; claimed: ClaimedRun
   },
   'a manual trigger': async () => {
     const { jobId } = await setup({ dueInMs: 3_600_000 });
-    const id = await createManualRun(db.pool, jobId, 'runs');
+    const id = (await createManualRun(db.pool, jobId, 'runs')).runId;
     assert.ok(id);
     return { id, claimed: await claim(id, A), nodeId: A };
   },

@@ -18,7 +18,7 @@ export function jobActionRoutes(app: Api, options: ApiOptions): void {
         tags: ['jobs'],
         summary: 'Run a job now',
         description:
-          'Creates a run with scheduled_for = now() (a millisecond later when now() falls in the first millisecond of a second: whole seconds are the occurrences\' instants) and trigger "manual", and its dispatch message, in one transaction. A trigger whose instant another trigger of the job took is made a microsecond after it. Paused jobs can be triggered. 409 when no run could be made (the job was deleted meanwhile, or other triggers kept taking its instant): nothing was written, try again.',
+          'Creates a run with scheduled_for = now() (a millisecond later when now() falls in the first millisecond of a second: whole seconds are the occurrences\' instants) and trigger "manual", and its dispatch message, in one transaction. A trigger whose instant another trigger of the job took is made a microsecond after it. Paused jobs can be triggered. 404 when the job does not exist, or was deleted before its run could be written; 409 when other triggers of the job kept taking its instant: nothing was written, try again.',
         params: IdParams,
         response: { 202: RunCreated, ...problems(404, 409, ...COMMON_PROBLEMS) },
       },
