@@ -439,7 +439,8 @@ test('a trigger racing a delete of its job is a 404, not a 409 to try again; not
   // The trigger reads the job, then inserts its run; the job's delete commits between the two.
   // The insert's foreign-key check waits on the deleting transaction's row lock, then finds the job
   // gone. That was answered 409 "try again", and the retry got 404.
-  const job = (await api.call('POST', '/api/v1/jobs', { body: jobBody('trigger-vs-delete') })).body as JobResponse;
+  const job = (await api.call('POST', '/api/v1/jobs', { body: jobBody('trigger-vs-delete') }))
+    .body as JobResponse;
   const deleting = await api.db.pool.connect();
   try {
     await deleting.query('BEGIN');
