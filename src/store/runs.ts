@@ -100,17 +100,38 @@ export const misfiredAtClaim = (
 };
 
 /**
+ * Whether the job of run `r` (SQL), as it is now, keeps its runs apart: `forbid`, or `replace`
+ * (whose newer run fails an older one rather than run beside it). Only then does a `forbid` run
+ * wait for a running sibling that copied another policy: that wait is for an edit to `forbid`
+ * during an `allow` call. Once the job is `allow` again, its new runs may keep one of them running
+ * at all times (an every-second job whose calls take longer than a second), and a `forbid` retry or
+ * replay from before the edit that waited for them never started (contract item 10: it waits its
+ * turn; the job no longer forbids anything). It still waits for a sibling that copied `forbid`.
+ */
+const jobKeepsRunsApart = (r: string): string =>
+  `EXISTS (SELECT 1 FROM jobs j WHERE j.id = ${r}.job_id AND j.concurrency <> 'allow')`;
+
+/**
+ * Whether running run `o` (SQL) keeps `r`, a queued `forbid` run of its job, from starting: `o`
+ * copied `forbid` (runs_forbid_one_running_idx: two such never run at once), or the job keeps its
+ * runs apart ({@link jobKeepsRunsApart}, looked up only for a sibling that copied another policy).
+ */
+export const keepsForbidRunWaiting = (o: string, r: string): string =>
+  `(${o}.concurrency = 'forbid' OR ${jobKeepsRunsApart(r)})`;
+
+/**
  * Whether queued run `r` (SQL) is a `forbid` job's retry or replay (attempt > 0: never skipped)
- * that another, running run of its job keeps from starting (CLAIM refuses it): it waits its turn,
- * bounded by that run's claim deadline and the reaper. The polling fallback leaves it alone
- * meanwhile (store/overdue.ts), and the leader counts it apart from the overdue runs
- * (store/signals.ts): it is not stuck, and counted overdue, one such wait behind a call of
- * minutes fed HeliosRunsOverdueGrowing on a healthy cluster. The subquery runs only for such runs (the
- * cheap tests come first and AND stops at the first false).
+ * that another, running run of its job keeps from starting ({@link keepsForbidRunWaiting}; CLAIM
+ * refuses it): it waits its turn, bounded by that run's claim deadline and the reaper. The polling
+ * fallback leaves it alone meanwhile (store/overdue.ts), and the leader counts it apart from the
+ * overdue runs (store/signals.ts): it is not stuck, and counted overdue, one such wait behind a
+ * call of minutes fed HeliosRunsOverdueGrowing on a healthy cluster. The subquery runs only for
+ * such runs (the cheap tests come first and AND stops at the first false).
  */
 export const waitsForRunningSibling = (r: string): string => `(
   ${r}.concurrency = 'forbid' AND ${r}.attempt > 0 AND EXISTS (
-    SELECT 1 FROM runs o WHERE o.job_id = ${r}.job_id AND o.state = 'running'))`;
+    SELECT 1 FROM runs o WHERE o.job_id = ${r}.job_id AND o.state = 'running'
+      AND ${keepsForbidRunWaiting('o', r)}))`;
 
 /**
  * Moves queued, due runs to running for node $2 and records their attempts, in one statement.
@@ -124,9 +145,10 @@ export const waitsForRunningSibling = (r: string): string => `(
  * `replace` runs only once due, so their policy is judged against the runs active at that time.
  * A fresh occurrence of a `forbid` job is not claimed while a sibling waits to retry (that
  * sibling is still active), and no run of a `forbid` job while a sibling that copied another
- * policy runs (the job was edited to `forbid` during its call: before, the next run was called
- * beside it); a second *running* run of a `forbid` job violates runs_forbid_one_running_idx and
- * fails the whole statement.
+ * policy runs and the job keeps its runs apart (it was edited to `forbid` during that call: before,
+ * the next run was called beside it; edited back to `allow`, the run is called beside the job's
+ * new runs: jobKeepsRunsApart); a second *running* run of a `forbid` job violates
+ * runs_forbid_one_running_idx and fails the whole statement.
  * The deadline and start count from this statement, not from its transaction's start (now()):
  * inside the polling fallback's transaction a claim may come seconds after it began, and a
  * deadline counted from then reached the worker with less than the timeout left (handed back).
@@ -156,8 +178,9 @@ const CLAIM = `
         WHERE o.job_id = r.job_id AND o.id <> r.id
           AND ((r.attempt = 0 AND o.state = 'queued' AND o.attempt > 0)
                -- A run still running from before an edit made the job \`forbid\`: the unique index
-               -- (runs_forbid_one_running_idx) holds only runs that copied \`forbid\`.
-               OR (o.state = 'running' AND o.concurrency <> 'forbid'))))
+               -- (runs_forbid_one_running_idx) holds only runs that copied \`forbid\`. The job is
+               -- looked up only for such a sibling.
+               OR (o.state = 'running' AND o.concurrency <> 'forbid' AND ${jobKeepsRunsApart('r')}))))
       AND NOT ${misfiredAtClaim('r', '$7', { below: '$8', leaderKey: '$9' })}
     RETURNING r.*
   ), recorded AS (
@@ -377,7 +400,8 @@ const EXPLAIN_MISS = `
          (extract(epoch FROM r.not_before - now()) * 1000)::float8 AS "dueInMs",
          (r.concurrency = 'forbid' AND EXISTS (
            SELECT 1 FROM runs o WHERE o.job_id = r.job_id AND o.id <> r.id
-             AND (o.state = 'running' OR (o.state = 'queued' AND o.attempt > 0)))) AS "forbidBlocked",
+             AND ((o.state = 'running' AND ${keepsForbidRunWaiting('o', 'r')})
+                  OR (o.state = 'queued' AND o.attempt > 0)))) AS "forbidBlocked",
          (r.state = 'queued' AND ${misfiredAtClaim('r', '$2', { below: '$3', leaderKey: '$4' })}) AS misfired
   FROM runs r WHERE r.id = $1`;
 

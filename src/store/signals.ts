@@ -16,7 +16,7 @@ export interface ClusterCounts {
   readonly runsOverdue: number;
   /**
    * Retries and replays of `forbid` jobs due and waiting for another run of their job to end (no
-   * worker may claim them meanwhile), at most the cap.
+   * worker may claim them meanwhile: waitsForRunningSibling), at most the cap.
    */
   readonly runsWaitingForbid: number;
   /** Runs claimed by a worker and executing, at most the cap. */
@@ -49,9 +49,9 @@ const CLUSTER_COUNTS = `
     -- A subquery per job running something: a join was planned as a hash join over all of runs.
     (SELECT least(coalesce(sum((
        SELECT count(*) FROM runs w
-       WHERE w.job_id = o.job_id AND w.state = 'queued' AND w.concurrency = 'forbid' AND w.attempt > 0
-         AND w.not_before <= now())), 0), $2)
-     FROM (SELECT DISTINCT job_id FROM runs WHERE state = 'running') o)::int AS "runsWaitingForbid",
+       WHERE w.job_id = busy.job_id AND w.state = 'queued' AND w.not_before <= now()
+         AND ${waitsForRunningSibling('w')})), 0), $2)
+     FROM (SELECT DISTINCT job_id FROM runs WHERE state = 'running') busy)::int AS "runsWaitingForbid",
     (SELECT count(*) FROM (SELECT 1 FROM runs WHERE state = 'running' LIMIT $2) r)::int AS "runsRunning",
     (SELECT count(*) FROM (SELECT 1 FROM dead_letters WHERE replayed_at IS NULL LIMIT $2) l)::int
       AS "deadLettersOpen"`;
