@@ -14,6 +14,7 @@
  *
  *   npm run build && npx tsx bench/herd.ts [--jobs 10000] [--runs 3] [--nodes 3] [--profile DIR] [--env HELIOS_X=Y]…
  *     [--node-arg=--single-threaded-gc]…   (arguments for node itself: V8 flags NODE_OPTIONS refuses)
+ *     [--warmups N]   (herds before the measured one, the cold herd included: lib/herd-rounds.ts)
  */
 import { cpus } from 'node:os';
 import { setTimeout as sleep } from 'node:timers/promises';
@@ -32,7 +33,7 @@ import {
 } from './lib/profile.js';
 import { deciles, machine, max, median, ms, percentile } from './lib/stats.js';
 import { envArgs } from './lib/args.js';
-import { HERD_SETTLE_MS } from './lib/herd-rounds.js';
+import { DEFAULT_WARMUP_HERDS, HERD_SETTLE_MS, warmupHerds } from './lib/herd-rounds.js';
 import type { RecordingTarget } from './lib/target.js';
 import { DEFAULT_DISPATCH_LOOKAHEAD_MS } from '../src/config/index.js';
 
@@ -85,6 +86,8 @@ export interface HerdRun {
   readonly recordedCpuPerRun: Record<CpuCategory | 'total', number>;
   /** The first herd of the same run, on the same (then freshly started) nodes. */
   readonly cold: ColdHerd;
+  /** The last arrival of each further warm-up herd (`--warmups`), ms after its due instant. */
+  readonly warmupMs: readonly number[];
 }
 
 export interface HerdResult {
@@ -197,7 +200,14 @@ function herdArrivals(target: RecordingTarget, due: number, jobs: number) {
  */
 export async function herdOnce(
   jobs: number,
-  options: { profileDir?: string; env?: Record<string, string>; nodes?: number; nodeArgs?: string[] } = {},
+  options: {
+    profileDir?: string;
+    env?: Record<string, string>;
+    nodes?: number;
+    nodeArgs?: string[];
+    /** Herds before the measured one, the cold herd included (lib/herd-rounds.ts). */
+    warmups?: number;
+  } = {},
 ): Promise<HerdRun> {
   const { profileDir } = options;
   const base = profileDir ? profiled(profileDir) : {};
@@ -223,6 +233,16 @@ export async function herdOnce(
     await herdArrived(cluster.target, coldDue, jobs);
     const coldAfterDueSample = await coldAfterDue.sample(cpus().length);
     await sleep(HERD_SETTLE_MS);
+    // Further warm-up herds, unmeasured but for their last arrival.
+    const warmupMs: number[] = [];
+    for (let i = 2; i <= (options.warmups ?? DEFAULT_WARMUP_HERDS); i++) {
+      const warmupDue = await insertHerd(cluster, jobs, `warmup${i}`, lookaheadMs);
+      await sleep(warmupDue - Date.now());
+      await herdArrived(cluster.target, warmupDue, jobs);
+      const warmup = herdArrivals(cluster.target, warmupDue, jobs);
+      warmupMs.push(warmup.complete ? max(warmup.arrivals) : NaN);
+      await sleep(HERD_SETTLE_MS);
+    }
 
     // Warm: the same herd on the same processes, with its own jobs (warm-n) and due instant.
     const due = await insertHerd(cluster, jobs, 'warm', lookaheadMs);
@@ -310,6 +330,7 @@ export async function herdOnce(
       afterDueCpuPerRun: cpuPerRun(afterDueSample, jobs),
       recordedMs: recorded - due,
       recordedCpuPerRun: cpuPerRun(recordedSample, jobs),
+      warmupMs,
       cold: {
         lastMs: cold.complete ? max(cold.arrivals) : NaN,
         arrived: cold.arrivals.length,
@@ -342,6 +363,7 @@ export async function herd(
     nodes?: number;
     /** Arguments for node itself (V8 flags NODE_OPTIONS does not allow). */
     nodeArgs?: string[];
+    warmups?: number;
     log?: (line: string) => void;
   },
 ): Promise<HerdResult> {
@@ -354,6 +376,10 @@ export async function herd(
         `after due${run.cold.duplicates ? ` (${run.cold.duplicates} duplicates)` : ''}; ` +
         `CPU per run from the due instant on: ${describeCpuPerRun(run.cold.afterDueCpuPerRun)}`,
     );
+    if (run.warmupMs.length)
+      options.log?.(
+        `helios run ${i + 1}, further warm-up herds: last ${run.warmupMs.map(ms).join(', ')} after due`,
+      );
     options.log?.(
       `helios run ${i + 1}, warm herd (same nodes): ${run.arrived}/${jobs} calls, last ${ms(run.lastMs)} after due ` +
         `(first ${ms(run.firstMs)}, p50 ${ms(run.p50Ms)}${run.duplicates ? `, ${run.duplicates} duplicates` : ''}); ` +
@@ -394,6 +420,7 @@ async function main(): Promise<void> {
       env: { type: 'string', multiple: true },
       nodes: { type: 'string', default: '3' },
       'node-arg': { type: 'string', multiple: true },
+      warmups: { type: 'string' },
     },
   });
   const env = envArgs(values.env);
@@ -406,6 +433,7 @@ async function main(): Promise<void> {
     profileDir: values.profile,
     env,
     nodeArgs: values['node-arg'],
+    warmups: warmupHerds(values.warmups),
     log: (line) => console.log(`  ${line}`),
   });
   console.log(

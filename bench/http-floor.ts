@@ -16,14 +16,14 @@
  *
  * `--clients N` runs N client processes instead of 3 (1: as the peers' single worker process).
  *
- *   npx tsx bench/http-floor.ts [--rate 500] [--seconds 10] [--window N] [--clients 3]
+ *   npx tsx bench/http-floor.ts [--rate 500] [--seconds 10] [--window N] [--clients 3] [--warmups N]
  */
 import { fork, type ChildProcess } from 'node:child_process';
 import { setMaxListeners } from 'node:events';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { fileURLToPath, pathToFileURL } from 'node:url';
 import { parseArgs } from 'node:util';
-import { HERD_SETTLE_MS } from './lib/herd-rounds.js';
+import { DEFAULT_WARMUP_HERDS, HERD_SETTLE_MS, warmupHerds } from './lib/herd-rounds.js';
 import { RecordingTarget } from './lib/target.js';
 import { deciles, machine, max, ms, percentile } from './lib/stats.js';
 
@@ -50,12 +50,13 @@ export interface FloorShape {
 /**
  * Steady bursts (no window) warm up with WARMUP_S seconds at the full rate and go on at once, as a
  * node under lateness.ts's steady load does; a herd (a window: a burst may take longer than its
- * second) warms up with one burst of the same calls, then settles as the herds do.
+ * second) warms up with as many bursts of the same calls as the herds get warm-up herds
+ * (`warmups`, lib/herd-rounds.ts), then settles as the herds do.
  */
-export function floorShape(window: number): FloorShape {
+export function floorShape(window: number, warmups = DEFAULT_WARMUP_HERDS): FloorShape {
   return window === Infinity
     ? { warmupBursts: WARMUP_S, settleMs: 0 }
-    : { warmupBursts: 1, settleMs: HERD_SETTLE_MS };
+    : { warmupBursts: warmups, settleMs: HERD_SETTLE_MS };
 }
 
 /**
@@ -127,10 +128,11 @@ export async function httpFloor(
   seconds: number,
   window = Infinity,
   processes = 3,
+  warmups = DEFAULT_WARMUP_HERDS,
 ): Promise<FloorResult> {
   const target = new RecordingTarget();
   await target.start();
-  const { warmupBursts, settleMs } = floorShape(window);
+  const { warmupBursts, settleMs } = floorShape(window, warmups);
   const self = fileURLToPath(import.meta.url);
   const clients = Array.from({ length: processes }, () =>
     fork(self, [
@@ -174,6 +176,7 @@ async function main(): Promise<void> {
       seconds: { type: 'string', default: '10' },
       window: { type: 'string' },
       clients: { type: 'string', default: '3' },
+      warmups: { type: 'string' },
     },
   });
   if (values.client) {
@@ -185,7 +188,7 @@ async function main(): Promise<void> {
   const inFlight = window === Infinity ? '' : `, at most ${window} calls in flight per client`;
   console.log(`HTTP fan-out floor (${processes} client processes → 1 target${inFlight}), ${machine()}`);
   for (const rate of (values.rate ?? ['100', '500', '2000']).map(Number)) {
-    const r = await httpFloor(rate, Number(values.seconds), window, processes);
+    const r = await httpFloor(rate, Number(values.seconds), window, processes, warmupHerds(values.warmups));
     console.log(
       `${rate} calls at each whole second: p50 ${ms(r.p50)}  p99 ${ms(r.p99)}  max ${ms(r.max)}  (deciles ${r.deciles} ms)`,
     );

@@ -12,6 +12,7 @@
  *   npm run bench -- --quick          # one run each, shorter windows, about 8 minutes
  *   npm run bench -- --only herd,peers --json results.json
  *   npm run bench -- --only soak      # the soak (15 minutes at 2,000 runs/s): opt-in, not in the default set
+ *   npm run bench -- --warmups 2      # every herd contender measured on its third herd (lib/herd-rounds.ts)
  */
 import { writeFileSync } from 'node:fs';
 import { loadavg } from 'node:os';
@@ -24,6 +25,7 @@ import { herd, type HerdResult } from './herd.js';
 import { httpFloor, type FloorResult } from './http-floor.js';
 import { lateness, type LatenessResult } from './lateness.js';
 import { BENCH_NODES as HELIOS_NODES } from './lib/cluster.js';
+import { warmupHerds } from './lib/herd-rounds.js';
 import { CPU_CATEGORIES, type CpuCategory } from './lib/profile.js';
 import { machine, max, median, ms, table } from './lib/stats.js';
 import { memory, type MemoryResult } from './memory.js';
@@ -236,6 +238,7 @@ async function main(): Promise<void> {
       quick: { type: 'boolean', default: false },
       only: { type: 'string' },
       json: { type: 'string' },
+      warmups: { type: 'string' },
     },
   });
   const quick = values.quick!;
@@ -249,6 +252,8 @@ async function main(): Promise<void> {
       .join(' ')}`,
   );
   const herdRuns = quick ? 1 : 3;
+  // Herds each contender's fresh processes get before the measured one (lib/herd-rounds.ts).
+  const warmups = warmupHerds(values.warmups);
 
   if (parts.has('peers')) {
     console.log(
@@ -268,6 +273,7 @@ async function main(): Promise<void> {
         const result = await herdPeer(peer, {
           items: 10_000,
           runs: herdRuns,
+          warmups,
           http,
           settings: { ...BEST[peer], procs: procs ?? BEST[peer].procs },
           log,
@@ -282,7 +288,7 @@ async function main(): Promise<void> {
       '\nHelios herd: 10,000 jobs due in one second, 3 nodes (a cold herd, then the measured warm herd, ' +
         'on each fresh cluster)',
     );
-    results.herd = await herd(10_000, { runs: herdRuns, log });
+    results.herd = await herd(10_000, { runs: herdRuns, warmups, log });
   }
   if (parts.has('failing')) {
     console.log('\nherd whose target is down: 10,000 jobs due in one second, every call answered 503');
@@ -318,9 +324,9 @@ async function main(): Promise<void> {
     // herds are measured warm.
     results.herdFloor = [];
     for (let i = 0; i < herdRuns; i++) {
-      const floor = await httpFloor(10_000, 1, DEFAULT_WORKER_CONCURRENCY);
+      const floor = await httpFloor(10_000, 1, DEFAULT_WORKER_CONCURRENCY, undefined, warmups);
       log(
-        `10000 calls at once, ${DEFAULT_WORKER_CONCURRENCY} in flight per process, after one burst of them: last ${ms(floor.max)} ` +
+        `10000 calls at once, ${DEFAULT_WORKER_CONCURRENCY} in flight per process, after ${warmups} burst(s) of them: last ${ms(floor.max)} ` +
           `after due (p50 ${ms(floor.p50)})`,
       );
       results.herdFloor.push(floor);

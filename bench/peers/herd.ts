@@ -17,6 +17,7 @@
  *                               [--procs 1] [--batch N] [--concurrency N] [--poll MS] [--pool N]
  *                               [--connections N]   (sockets to the target per process; default
  *                                                    HELIOS_WORKER_CONCURRENCY's default)
+ *                               [--warmups N]       (herds before the measured one: lib/herd-rounds.ts)
  */
 import { cpus } from 'node:os';
 import { setTimeout as sleep } from 'node:timers/promises';
@@ -26,7 +27,7 @@ import { DEFAULT_WORKER_CONCURRENCY } from '../../src/config/index.js';
 import { createTestDatabase, type TestDatabase } from '../../test/support/database.js';
 import { REPO_ROOT } from '../../test/support/env.js';
 import { spawnFixture, stopAll, type ManagedProcess } from '../../test/support/processes.js';
-import { HERD_SETTLE_MS } from '../lib/herd-rounds.js';
+import { DEFAULT_WARMUP_HERDS, HERD_SETTLE_MS, warmupHerds } from '../lib/herd-rounds.js';
 import { CpuMeter, cpuPerRun, describeCpuPerRun, medianCpuPerRun, type CpuCategory } from '../lib/profile.js';
 import { deciles, machine, max, median, ms, percentile } from '../lib/stats.js';
 import { RecordingTarget } from '../lib/target.js';
@@ -77,6 +78,8 @@ export interface HerdRound {
 export interface HerdRun extends HerdRound {
   /** The first herd of the same run, on the then freshly started workers. */
   readonly cold: HerdRound;
+  /** The last arrival (or start) of each further warm-up herd (`--warmups`), ms after its due instant. */
+  readonly warmupMs: readonly number[];
 }
 
 export interface HerdResult {
@@ -100,6 +103,8 @@ export interface HerdResult {
 interface Options {
   items: number;
   runs: number;
+  /** Herds before the measured one, the cold herd included (lib/herd-rounds.ts). */
+  warmups?: number;
   /** Each handler makes the HTTP call to the recording target (default true). */
   http?: boolean;
   settings: PeerSettings & { procs: number };
@@ -274,10 +279,16 @@ async function herdOnce(peerName: PeerName, options: Options): Promise<HerdRun> 
     const workers = await startWorkers(peerName, db, target, options, procs);
     const cold = await herdRound(workers, 0);
     await sleep(HERD_SETTLE_MS);
+    // Further warm-up herds, numbered on after the measured herd's items.
+    const warmupMs: number[] = [];
+    for (let i = 2; i <= (options.warmups ?? DEFAULT_WARMUP_HERDS); i++) {
+      warmupMs.push((await herdRound(workers, i * options.items)).lastMs);
+      await sleep(HERD_SETTLE_MS);
+    }
     const warm = await herdRound(workers, options.items);
     for (const p of procs) p.child.send({ type: 'stop' });
     await Promise.all(procs.map((p) => p.exited));
-    return { ...warm, cold };
+    return { ...warm, cold, warmupMs };
   } finally {
     await stopAll(procs);
     await target?.close();
@@ -302,6 +313,10 @@ export async function herdPeer(peer: PeerName, options: Options): Promise<HerdRe
       `deciles ${herd.deciles} ms)`;
     options.log?.(`${peer} run ${i + 1}, cold herd (fresh workers): ${line(run.cold)}`);
     options.log?.(`  CPU per item: ${describeCpuPerRun(run.cold.cpuPerRun)}`);
+    if (run.warmupMs.length)
+      options.log?.(
+        `${peer} run ${i + 1}, further warm-up herds: last ${run.warmupMs.map(ms).join(', ')} after due`,
+      );
     options.log?.(`${peer} run ${i + 1}, warm herd (same workers): ${line(run)}`);
     options.log?.(`  CPU per item: ${describeCpuPerRun(run.cpuPerRun)}`);
   }
@@ -337,6 +352,7 @@ async function main(): Promise<void> {
       pool: { type: 'string' },
       connections: { type: 'string' },
       'no-http': { type: 'boolean', default: false },
+      warmups: { type: 'string' },
     },
   });
   const names = (values.peer ?? Object.keys(peers)) as PeerName[];
@@ -358,6 +374,7 @@ async function main(): Promise<void> {
       items: Number(values.items),
       runs: Number(values.runs),
       http: !values['no-http'],
+      warmups: warmupHerds(values.warmups),
       settings,
       log: (line) => console.log(`  ${line}`),
     });
