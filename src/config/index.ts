@@ -264,7 +264,9 @@ function leaderConfig(env: Env): LeaderConfig {
     poolSize: int(env, 'HELIOS_LEADER_POOL_SIZE', 5, 1, 100),
     reaperIntervalMs: int(env, 'HELIOS_REAPER_INTERVAL_MS', 1000, 50, 600_000),
     stallMs: int(env, 'HELIOS_LEADER_STALL_MS', 4000, 1000, 600_000),
-    signalsIntervalMs: int(env, 'HELIOS_SIGNALS_INTERVAL_MS', 5000, 100, 600_000),
+    // At most a minute: HeliosClusterGaugesStale calls a reading older than 3 minutes stale, and the
+    // outbox and overdue alerts read these gauges; a 10-minute interval fired the first for ever.
+    signalsIntervalMs: int(env, 'HELIOS_SIGNALS_INTERVAL_MS', 5000, 100, 60_000),
     retention: Object.freeze({
       runsMs: duration(env, 'HELIOS_RUN_RETENTION', 30 * 86_400_000, 1000, 3650 * 86_400_000),
       keepPerJob: int(env, 'HELIOS_RUN_KEEP_PER_JOB', 100, 0, 1_000_000),

@@ -208,3 +208,8 @@ test("the leader's pool and the worker's share of the node's pool: defaults and 
   failsOn({ HELIOS_LEADER_POOL_SIZE: '0' }, 'HELIOS_LEADER_POOL_SIZE');
   failsOn({ HELIOS_SIGNALS_INTERVAL_MS: 'soon' }, 'HELIOS_SIGNALS_INTERVAL_MS');
 });
+
+test('the cluster gauges are read at least once a minute, so that HeliosClusterGaugesStale (3 minutes) cannot fire on a healthy cluster', () => {
+  assert.equal(loadConfig({ ...BASE, HELIOS_SIGNALS_INTERVAL_MS: '60000' }).leader.signalsIntervalMs, 60_000);
+  failsOn({ HELIOS_SIGNALS_INTERVAL_MS: '60001' }, 'HELIOS_SIGNALS_INTERVAL_MS', /between 100 and 60000/);
+});
