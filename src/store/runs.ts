@@ -112,12 +112,30 @@ const jobKeepsRunsApart = (r: string): string =>
   `EXISTS (SELECT 1 FROM jobs j WHERE j.id = ${r}.job_id AND j.concurrency <> 'allow')`;
 
 /**
+ * {@link jobKeepsRunsApart} as a claim must read it: the job row as last committed, locked (KEY
+ * SHARE) until the claim commits. No write of `runs` stands between the claim and an edit of the
+ * job, so the statement's snapshot alone let a claim that took it before an edit from `allow` to
+ * `forbid` committed, and then waited for the run's row (held by the polling fallback's SELECT),
+ * call a `forbid` retry beside the `allow` call in flight after the edit had answered. Locked, an
+ * edit committed since the snapshot is read (READ COMMITTED rechecks the newest row), and an edit
+ * that comes later waits for the claim (findJob ... FOR UPDATE), so the claim is before its line.
+ * A row a command or the dispatcher holds is not waited for (the claim may hold other runs of the
+ * job a command waits for: jobs.ts YIELD_AFTER_MS); the run then waits as if the job kept its
+ * runs apart, which is what its copy of `forbid` says (a fresh occurrence is skipped beside the
+ * running run, a retry is tried again).
+ */
+const jobKeepsRunsApartLocked = (r: string): string =>
+  `NOT EXISTS (SELECT 1 FROM jobs j WHERE j.id = ${r}.job_id AND j.concurrency = 'allow'
+               FOR KEY SHARE OF j SKIP LOCKED)`;
+
+/**
  * Whether running run `o` (SQL) keeps `r`, a queued `forbid` run of its job, from starting: `o`
  * copied `forbid` (runs_forbid_one_running_idx: two such never run at once), or the job keeps its
- * runs apart ({@link jobKeepsRunsApart}, looked up only for a sibling that copied another policy).
+ * runs apart ({@link jobKeepsRunsApart}, looked up only for a sibling that copied another policy;
+ * `locked`: {@link jobKeepsRunsApartLocked}, as the claim reads it).
  */
-export const keepsForbidRunWaiting = (o: string, r: string): string =>
-  `(${o}.concurrency = 'forbid' OR ${jobKeepsRunsApart(r)})`;
+export const keepsForbidRunWaiting = (o: string, r: string, locked = false): string =>
+  `(${o}.concurrency = 'forbid' OR ${locked ? jobKeepsRunsApartLocked(r) : jobKeepsRunsApart(r)})`;
 
 /**
  * Whether queued run `r` (SQL) is a `forbid` job's retry or replay (attempt > 0: never skipped)
@@ -147,7 +165,8 @@ export const waitsForRunningSibling = (r: string): string => `(
  * sibling is still active), and no run of a `forbid` job while a sibling that copied another
  * policy runs and the job keeps its runs apart (it was edited to `forbid` during that call: before,
  * the next run was called beside it; edited back to `allow`, the run is called beside the job's
- * new runs: jobKeepsRunsApart); a second *running* run of a `forbid` job violates
+ * new runs: jobKeepsRunsApartLocked, read as committed, so never from before an edit that has
+ * answered); a second *running* run of a `forbid` job violates
  * runs_forbid_one_running_idx and fails the whole statement.
  * The deadline and start count from this statement, not from its transaction's start (now()):
  * inside the polling fallback's transaction a claim may come seconds after it began, and a
@@ -179,8 +198,8 @@ const CLAIM = `
           AND ((r.attempt = 0 AND o.state = 'queued' AND o.attempt > 0)
                -- A run still running from before an edit made the job \`forbid\`: the unique index
                -- (runs_forbid_one_running_idx) holds only runs that copied \`forbid\`. The job is
-               -- looked up only for such a sibling.
-               OR (o.state = 'running' AND o.concurrency <> 'forbid' AND ${jobKeepsRunsApart('r')}))))
+               -- looked up (and locked: jobKeepsRunsApartLocked) only for such a sibling.
+               OR (o.state = 'running' AND o.concurrency <> 'forbid' AND ${jobKeepsRunsApartLocked('r')}))))
       AND NOT ${misfiredAtClaim('r', '$7', { below: '$8', leaderKey: '$9' })}
     RETURNING r.*
   ), recorded AS (
@@ -400,7 +419,7 @@ const EXPLAIN_MISS = `
          (extract(epoch FROM r.not_before - now()) * 1000)::float8 AS "dueInMs",
          (r.concurrency = 'forbid' AND EXISTS (
            SELECT 1 FROM runs o WHERE o.job_id = r.job_id AND o.id <> r.id
-             AND ((o.state = 'running' AND ${keepsForbidRunWaiting('o', 'r')})
+             AND ((o.state = 'running' AND ${keepsForbidRunWaiting('o', 'r', true)})
                   OR (o.state = 'queued' AND o.attempt > 0)))) AS "forbidBlocked",
          (r.state = 'queued' AND ${misfiredAtClaim('r', '$2', { below: '$3', leaderKey: '$4' })}) AS misfired
   FROM runs r WHERE r.id = $1`;
