@@ -3,11 +3,12 @@
  * HTTP call arrived at the local target. Each job's cron (`S M H * * *`) fires at that one second
  * and its next_run_at is that instant, so the leader sees all of them due at once.
  *
- * Each run starts a fresh cluster and gives it two herds of the same size (lib/herd-rounds.ts):
- * the first (cold) meets freshly started processes, so JIT warm-up is a large part of it; the
- * second (warm), inserted 2 s after the first's last call, on the same processes, is what a
- * scheduler that has been running meets at the top of the hour, and is the measured figure. The
- * cold herd's last arrival (and its CPU per run after due) is reported beside it. Every other figure describes the warm herd: where
+ * Each run starts a fresh cluster and gives it herds of the same size (lib/herd-rounds.ts): the
+ * first (cold) meets freshly started processes, so JIT warm-up is a large part of it; the second
+ * finishes it (V8's optimizing tier); the third (warm), inserted 2 s after the second's last call,
+ * on the same processes, is what a scheduler that has been running meets at the top of the hour,
+ * and is the measured figure. The cold herd's last arrival (and its CPU per run after due) and the
+ * second's are reported beside it. Every other figure describes the warm herd: where
  * the time went, from the database (runs created, outbox published, runs claimed by the due
  * instant, the last call's start), the CPU per run, and with --profile the profiles and
  * pg_stat_activity.
@@ -47,7 +48,7 @@ export interface ColdHerd {
   readonly afterDueCpuPerRun: Record<CpuCategory | 'total', number>;
 }
 
-/** One run: the warm herd's figures (the second herd on the same nodes), and the cold herd's. */
+/** One run: the warm herd's figures (the last herd on the same nodes), and the cold herd's. */
 export interface HerdRun {
   /** Due instant → the last call arrived. */
   readonly lastMs: number;
@@ -194,7 +195,7 @@ function herdArrivals(target: RecordingTarget, due: number, jobs: number) {
 }
 
 /**
- * One run on a fresh cluster: a cold herd, then the measured warm herd. With `profileDir`, every
+ * One run on a fresh cluster: a cold herd, the further warm-up herds, then the measured warm herd. With `profileDir`, every
  * node writes a V8 CPU profile of the warm herd there and pg_stat_activity is sampled during it;
  * both summaries are printed.
  */

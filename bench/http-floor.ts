@@ -11,8 +11,9 @@
  * The client processes are fresh for each call of httpFloor(), so they warm up first with the
  * same calls as the measured ones (floorShape()): steady bursts with 3 seconds at the full rate,
  * going on at once into the measured seconds; the herd's floor (a window) as the herds are
- * measured (lib/herd-rounds.ts): one burst of the same calls, then, 2 s after the last client
- * finished it, the measured burst, which all three clients start at the same whole second.
+ * measured (lib/herd-rounds.ts): as many bursts of the same calls as the herds get herds before
+ * the measured one (`--warmups`), then, 2 s after the last client finished them, the measured
+ * burst, which all three clients start at the same whole second.
  *
  * `--clients N` runs N client processes instead of 3 (1: as the peers' single worker process).
  *

@@ -4,15 +4,16 @@
  * floor: the same bursts of HTTP calls without Helios), sustained throughput, failover, memory. Needs the local servers (`npm run infra -- up`).
  *
  * The herd rows give the warm herd as the headline: each contender's freshly started processes get
- * a first herd (cold, JIT warm-up included) and then the measured second one on the same processes
- * (lib/herd-rounds.ts); the cold figure is in the same cell, and the ratios are of warm figures.
- * `--json` holds both (medianMs: warm, coldMedianMs: cold, and each run's `cold`).
+ * a first herd (cold, JIT warm-up included), a second, and then the measured third one on the same
+ * processes (lib/herd-rounds.ts; `--warmups N` for another count); the cold and the second herds'
+ * figures are in the same cell, and the ratios are of warm figures. `--json` holds them all
+ * (medianMs: warm, coldMedianMs: cold, and each run's `cold` and `warmupMs`).
  *
  *   npm run bench                     # full: medians of 3 runs, about 25 minutes
  *   npm run bench -- --quick          # one run each, shorter windows, about 8 minutes
  *   npm run bench -- --only herd,peers --json results.json
  *   npm run bench -- --only soak      # the soak (15 minutes at 2,000 runs/s): opt-in, not in the default set
- *   npm run bench -- --warmups 2      # every herd contender measured on its third herd (lib/herd-rounds.ts)
+ *   npm run bench -- --warmups 1      # every herd contender measured on its second herd, as until 2026-12-07
  */
 import { writeFileSync } from 'node:fs';
 import { loadavg } from 'node:os';
@@ -54,6 +55,8 @@ interface Results {
   machine: string;
   loadAtStart: number[];
   quick: boolean;
+  /** Herds (the floor: bursts) each herd contender's fresh processes got before the measured one. */
+  warmups: number;
   /** Each peer twice: each handler making the HTTP call (http: true), and without it. */
   peers?: PeerHerdResult[];
   herd?: HerdResult;
@@ -82,16 +85,33 @@ function cpuCell(perRun: Record<CpuCategory | 'total', number>): string {
   return `${parts.join(' / ')} = ${perRun.total.toFixed(3)} ms (else on the machine ${perRun.other.toFixed(3)})`;
 }
 
+/** "a cold herd", "a cold herd and 1 more" (lib/herd-rounds.ts). */
+function herdsBefore(warmups: number): string {
+  return warmups > 1 ? `a cold herd and ${warmups - 1} more` : 'a cold herd';
+}
+
 function summary(r: Results): string {
   const rows: string[][] = [['figure', 'measured', 'target (goal)']];
   const runs = (n: number) => (n > 1 ? ` (median of ${n})` : '');
-  // The measured (warm) herd in bold, the cold one (the first herd on fresh processes) beside it.
-  const warmCold = (warmMs: number, coldMs: number, n: number) =>
-    `**${seconds(warmMs)}** warm${runs(n)}; cold (fresh processes) ${seconds(coldMs)}`;
+  // The measured (warm) herd in bold; beside it the second herd (with --warmups 2 or more: the one
+  // measured before) and the cold one (the first herd on fresh processes).
+  const warmCold = (result: {
+    medianMs: number;
+    coldMedianMs: number;
+    runs: readonly { warmupMs: readonly number[] }[];
+  }) => {
+    const second = result.runs.every((run) => run.warmupMs.length > 0)
+      ? `; second herd ${seconds(median(result.runs.map((run) => run.warmupMs[0]!)))}`
+      : '';
+    return (
+      `**${seconds(result.medianMs)}** warm${runs(result.runs.length)}${second}; ` +
+      `cold (fresh processes) ${seconds(result.coldMedianMs)}`
+    );
+  };
   if (r.herd) {
     rows.push([
       `herd: ${r.herd.jobs.toLocaleString('en')} jobs due in one second → last call`,
-      warmCold(r.herd.medianMs, r.herd.coldMedianMs, r.herd.runs.length),
+      warmCold(r.herd),
       '≤ 1.0 s, and ahead of every peer making the same call',
     ]);
     rows.push(['  CPU per run, warm herd (insert → last call)', cpuCell(r.herd.cpuPerRun), '≤ 0.2 ms']);
@@ -109,7 +129,7 @@ function summary(r: Results): string {
   }
   if (r.herdFloor?.length) {
     rows.push([
-      `  floor: the same 10,000 calls without Helios, ${DEFAULT_WORKER_CONCURRENCY} in flight per process, after one burst of them → last call`,
+      `  floor: the same 10,000 calls without Helios, ${DEFAULT_WORKER_CONCURRENCY} in flight per process, after ${r.warmups === 1 ? 'one burst' : `${r.warmups} bursts`} of them → last call`,
       `${seconds(median(r.herdFloor.map((f) => f.max)))}${runs(r.herdFloor.length)}`,
       '',
     ]);
@@ -126,7 +146,7 @@ function summary(r: Results): string {
     const bare = r.peers?.find((p) => p.peer === peer.peer && !p.http);
     rows.push([
       `  same herd, ${peer.peer}, same HTTP call → last call`,
-      `${warmCold(peer.medianMs, peer.coldMedianMs, peer.runs.length)}${ratio}` +
+      `${warmCold(peer)}${ratio}` +
         (bare
           ? ` | no HTTP, all started: ${seconds(bare.medianMs)} warm, ${seconds(bare.coldMedianMs)} cold`
           : ''),
@@ -139,18 +159,14 @@ function summary(r: Results): string {
   for (const peer of (r.peers ?? []).filter((p) => p.http && p.procs === HELIOS_NODES)) {
     rows.push([
       `  same herd, ${peer.peer} on ${HELIOS_NODES} processes (as Helios's nodes), same HTTP call → last call`,
-      `${warmCold(peer.medianMs, peer.coldMedianMs, peer.runs.length)}${toHelios(peer)}; CPU per run ${cpuCell(peer.cpuPerRun)}`,
+      `${warmCold(peer)}${toHelios(peer)}; CPU per run ${cpuCell(peer.cpuPerRun)}`,
       '',
     ]);
   }
   for (const peer of (r.peers ?? []).filter(
     (p) => !p.http && !r.peers?.some((q) => q.http && q.peer === p.peer),
   )) {
-    rows.push([
-      `  same herd, ${peer.peer}, no HTTP → all started`,
-      warmCold(peer.medianMs, peer.coldMedianMs, peer.runs.length),
-      '',
-    ]);
+    rows.push([`  same herd, ${peer.peer}, no HTTP → all started`, warmCold(peer), '']);
   }
   for (const l of r.lateness ?? []) {
     const target = l.rate === 500 ? 'p99 ≤ floor p99 + 5 ms' : '';
@@ -245,20 +261,19 @@ async function main(): Promise<void> {
   const parts = new Set((values.only?.split(',') ?? DEFAULT_PARTS) as Part[]);
   for (const part of parts)
     if (!PARTS.includes(part)) throw new Error(`unknown part ${part} (${PARTS.join(', ')})`);
-  const results: Results = { machine: machine(), loadAtStart: loadavg(), quick };
+  const warmups = warmupHerds(values.warmups);
+  const results: Results = { machine: machine(), loadAtStart: loadavg(), quick, warmups };
   console.log(
     `Helios benchmarks${quick ? ' (quick)' : ''}: ${results.machine}, load average ${loadavg()
       .map((l) => l.toFixed(2))
       .join(' ')}`,
   );
   const herdRuns = quick ? 1 : 3;
-  // Herds each contender's fresh processes get before the measured one (lib/herd-rounds.ts).
-  const warmups = warmupHerds(values.warmups);
 
   if (parts.has('peers')) {
     console.log(
       '\npeers: 10,000 items due at one instant, each run on a fresh database on the same PostgreSQL ' +
-        '(a cold herd, then the measured warm herd, on the same worker processes)',
+        `(${herdsBefore(warmups)}, then the measured warm herd, on the same worker processes)`,
     );
     results.peers = [];
     // Each peer at its best settings with and without the call, then with the call on as many
@@ -285,7 +300,7 @@ async function main(): Promise<void> {
   }
   if (parts.has('herd')) {
     console.log(
-      '\nHelios herd: 10,000 jobs due in one second, 3 nodes (a cold herd, then the measured warm herd, ' +
+      `\nHelios herd: 10,000 jobs due in one second, 3 nodes (${herdsBefore(warmups)}, then the measured warm herd, ` +
         'on each fresh cluster)',
     );
     results.herd = await herd(10_000, { runs: herdRuns, warmups, log });
@@ -320,8 +335,8 @@ async function main(): Promise<void> {
       results.floor.push(floor);
     }
     // The herd's shape: 10,000 calls due at once, at most HELIOS_WORKER_CONCURRENCY (its default) in
-    // flight per process, as three workers make them; after one burst of the same calls, as the
-    // herds are measured warm.
+    // flight per process, as three workers make them; after as many bursts of the same calls as the
+    // herds get herds before the measured one.
     results.herdFloor = [];
     for (let i = 0; i < herdRuns; i++) {
       const floor = await httpFloor(10_000, 1, DEFAULT_WORKER_CONCURRENCY, undefined, warmups);

@@ -1,10 +1,10 @@
 /**
  * Every herd benchmark (Helios' bench/herd.ts, the peers' bench/peers/herd.ts and the floor's
- * bench/http-floor.ts) gives its freshly started processes two herds of the same size: the first
- * (cold) includes the processes' JIT warm-up, which on this machine made the first of three herds
- * on one Helios cluster take 2.32 s against 1.68 s and 1.46 s for the next two. A scheduler meets
- * the top of the hour after running for a long time, so the second herd (warm) is the measured
- * figure, and the cold one is reported beside it. Every contender gets exactly this treatment.
+ * bench/http-floor.ts) gives its freshly started processes herds of the same size before the
+ * measured one (DEFAULT_WARMUP_HERDS): the first (cold) includes the processes' JIT warm-up, and is
+ * reported beside the measured (warm) herd, as is the second. A scheduler meets the top of the hour
+ * after running for a long time, with its hot path compiled. Every contender gets exactly this
+ * treatment.
  */
 
 /**
@@ -14,16 +14,18 @@
 export const HERD_SETTLE_MS = 2000;
 
 /**
- * Herds each contender's fresh processes get before the measured one: the cold herd, and with
- * `--warmups N` (N > 1) N − 1 more, unmeasured, whose last arrivals are printed. A V8 log of the
- * nodes (`--log-function-events`) showed the hot path's functions (undici's dispatch, pg's row
- * handling, the streams' writes, prom-client's observe) compiled by Maglev in the cold herd and by
- * TurboFan only in the second: a process makes one herd's calls per herd, and each of Helios's three
- * nodes (or a peer's three processes, or the floor's three clients) makes a third of them, so the
- * second herd still pays for compiling what a long-running process has compiled long since.
- * `--warmups 2` measures the third herd instead (docs/performance.md, seventh session).
+ * Herds each contender's fresh processes get before the measured one: the cold herd and one more
+ * (`--warmups N` changes it; their last arrivals are printed, the second's in the table). Until
+ * 2026-12-07 the second herd was the measured one. A V8 log of Helios's nodes (`--log-deopt
+ * --log-function-events`) then showed the hot path (undici's dispatch, pg's row handling, the
+ * streams' writes, prom-client's observe) compiled by Maglev in the cold herd and by TurboFan only in
+ * the second, as late as its last 200 ms (V8 tiers a function up to TurboFan after 3,000 calls or
+ * so): a process makes its share of a herd's calls, a third for each of Helios's nodes (or a peer's
+ * three processes), all 10,000 for a peer's one process, so the second herd measured the 3-process
+ * contenders while they compiled what a long-running process has compiled long since
+ * (docs/performance.md, seventh session).
  */
-export const DEFAULT_WARMUP_HERDS = 1;
+export const DEFAULT_WARMUP_HERDS = 2;
 
 /** `--warmups`' value: a whole number ≥ 1, or the default. */
 export function warmupHerds(value: string | undefined): number {

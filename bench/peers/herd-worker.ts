@@ -1,6 +1,6 @@
 /**
  * One consuming process of the peer herd benchmark (started by herd.ts with an IPC channel). It
- * serves two herds, cold then warm (lib/herd-rounds.ts); each 'due' command announces a herd whose
+ * serves the herds of a run, cold first, warm last (lib/herd-rounds.ts); each 'due' command announces a herd whose
  * items are numbered from its offset. Records, in memory, when the handler ran for each item and
  * reports the starts of one herd's items when asked. With HERD_TARGET set, each handler also makes
  * the HTTP call a Helios worker makes for a herd job (the same method, path, headers and body, to

@@ -7,10 +7,11 @@
  *   is due instant → the last call's arrival there, as for Helios;
  * - `--no-http`: the handler only records its start; due instant → every handler had started.
  *
- * As for Helios (lib/herd-rounds.ts), each run's fresh worker processes get two herds of the same
- * size: the first (cold, JIT warm-up included) is reported beside the second (warm, inserted 2 s
- * after the first's last arrival or start, on the same processes and database), the measured
- * figure. The second herd's items are numbered from `--items` on, so each herd's starts, arrivals,
+ * As for Helios (lib/herd-rounds.ts), each run's fresh worker processes get herds of the same
+ * size before the measured one: the first (cold, JIT warm-up included) and the second are reported
+ * beside the last (warm, inserted 2 s after the one before's last arrival or start, on the same
+ * processes and database), the measured figure. The measured herd's items are numbered from
+ * `--items` on, the further warm-up herds' from 2 × `--items` on, so each herd's starts, arrivals,
  * duplicates and CPU are its own.
  *
  *   npx tsx bench/peers/herd.ts [--peer pg-boss|graphile-worker] [--runs 3] [--items 10000] [--no-http]
@@ -74,7 +75,7 @@ export interface HerdRound {
   readonly cpuPerRun: Record<CpuCategory | 'total', number>;
 }
 
-/** One run: the warm herd's figures (the second herd on the same workers), and the cold herd's. */
+/** One run: the warm herd's figures (the last herd on the same workers), and the cold herd's. */
 export interface HerdRun extends HerdRound {
   /** The first herd of the same run, on the then freshly started workers. */
   readonly cold: HerdRound;
