@@ -10,7 +10,7 @@ import {
   type TargetPolicy,
 } from '../security/target-policy.js';
 import { headerProblem } from '../security/http-headers.js';
-import type { AttemptReport } from '../store/attempts.js';
+import type { AttemptReport, CallOutcome } from '../store/attempts.js';
 import type { ClaimedRun } from '../store/runs.js';
 
 /** Options of {@link HttpExecutor}. */
@@ -85,7 +85,7 @@ export class HttpExecutor {
    * promise chain and no signal plumbing per call, which is about a third of the CPU per call and
    * what bounds a herd of simultaneous runs.
    */
-  execute(run: HttpCall, cancel: AbortSignal): Promise<AttemptReport> {
+  execute(run: HttpCall, cancel: AbortSignal): Promise<CallReport> {
     const started = performance.now();
     let call: PreparedCall;
     try {
@@ -100,7 +100,7 @@ export class HttpExecutor {
     if (cancel.aborted) {
       return Promise.resolve(cancelledReport(toError(cancel.reason), performance.now() - started));
     }
-    return new Promise<AttemptReport>((resolve) => {
+    return new Promise<CallReport>((resolve) => {
       const handler = new ExcerptHandler(this.maxExcerptBytes, (ending) => {
         clearTimeout(timer);
         cancel.removeEventListener('abort', onCancel);
@@ -138,7 +138,7 @@ export class HttpExecutor {
     await this.agent.destroy();
   }
 
-  private report(ending: CallEnding, run: HttpCall, cancel: AbortSignal, started: number): AttemptReport {
+  private report(ending: CallEnding, run: HttpCall, cancel: AbortSignal, started: number): CallReport {
     const durationMs = performance.now() - started;
     if (ending.error === undefined) {
       const { statusCode, cut } = ending;
@@ -219,6 +219,11 @@ export class HttpExecutor {
       body: hasBody ? JSON.stringify(target.body) : undefined,
     };
   }
+}
+
+/** What a call's report says: one of the outcomes a call can have. */
+export interface CallReport extends AttemptReport {
+  readonly outcome: CallOutcome;
 }
 
 interface PreparedCall {
@@ -344,11 +349,11 @@ class ExcerptHandler implements Dispatcher.DispatchHandler {
   }
 }
 
-function failedReport(error: string, durationMs: number): AttemptReport {
+function failedReport(error: string, durationMs: number): CallReport {
   return { outcome: 'failed', statusCode: null, durationMs, error, responseExcerpt: null };
 }
 
-function cancelledReport(reason: Error, durationMs: number): AttemptReport {
+function cancelledReport(reason: Error, durationMs: number): CallReport {
   return {
     outcome: 'cancelled',
     statusCode: null,

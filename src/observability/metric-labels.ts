@@ -18,14 +18,13 @@ export const METRIC_LABEL_VALUES = {
   helios_misfires_total: { policy: MISFIRE_POLICIES },
   helios_leader_pass_failures_total: { loop: ['dispatch', 'reaper'] },
   helios_runs_created_total: { state: ['queued'] },
-  // Whatever the worker made of an attempt: the call's outcome (store/attempts.ts AttemptOutcome),
+  // Whatever the worker made of an attempt: the call's outcome (store/attempts.ts CallOutcome),
   // a call not made (attempt.ts NOT_MADE), or a claim lost or withdrawn before the outcome was written.
   helios_runs_executed_total: {
     outcome: [
       'succeeded',
       'failed',
       'timeout',
-      'expired',
       'replaced',
       'cancelled',
       'stopping',

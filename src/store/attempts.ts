@@ -13,6 +13,12 @@ import {
 /** How an attempt ended, as recorded in run_attempts.outcome. */
 export type AttemptOutcome = 'succeeded' | 'failed' | 'timeout' | 'expired' | 'replaced' | 'cancelled';
 
+/**
+ * How a call the worker made (or tried to make) ended: never `expired` (the reaper's) nor `replaced`
+ * (a replacement's), which only other writers record.
+ */
+export type CallOutcome = Exclude<AttemptOutcome, 'expired' | 'replaced'>;
+
 /** What a worker observed during one attempt. */
 export interface AttemptReport {
   readonly outcome: AttemptOutcome;
