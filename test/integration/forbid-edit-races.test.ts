@@ -2,18 +2,13 @@ import assert from 'node:assert/strict';
 import { after, before, beforeEach, test } from 'node:test';
 import pg from 'pg';
 import { createClaimBatcher } from '../../src/execution/batching.js';
-import { patchJob } from '../../src/jobs/commands.js';
-import type { ConcurrencyPolicy } from '../../src/model.js';
-import { parseCron } from '../../src/scheduling/cron.js';
-import { failAttempt, type AttemptReport } from '../../src/store/attempts.js';
 import { inTransaction } from '../../src/store/db.js';
 import { replayDeadLetter } from '../../src/store/dead-letters.js';
-import type { JobRecord } from '../../src/store/jobs.js';
 import { claimOverdueRuns } from '../../src/store/overdue.js';
 import { claimRuns, explainClaimMiss, isForbidViolation, type ClaimedRun } from '../../src/store/runs.js';
 import { readClusterCounts } from '../../src/store/signals.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
-import { jobWithQueuedRuns, queuedRuns } from '../support/execution.js';
+import { CLAIM_OPTIONS, TOPICS, forbidEdits } from '../support/forbid-edits.js';
 
 // A `forbid` retry or replay waits for a running sibling that copied another policy only while its
 // job is not `allow` now (forbid-edited-retry.test.ts): the claim reads the job row, which no write
@@ -27,17 +22,6 @@ import { jobWithQueuedRuns, queuedRuns } from '../support/execution.js';
 let db: TestDatabase;
 /** Room for a held transaction, a blocked claim, a blocked edit and the test's own look at them. */
 let pool: pg.Pool;
-const TOPICS = { runsTopic: 'runs', deadLetterTopic: 'dead' };
-const COMMANDS = { runsTopic: 'runs', misfireThresholdMs: 5000 };
-const OPTIONS = { graceMs: 60_000, skewToleranceMs: 10 };
-const failed = (retryable = true): AttemptReport => ({
-  outcome: 'failed',
-  statusCode: 500,
-  durationMs: 1,
-  error: 'HTTP 500',
-  responseExcerpt: null,
-  retryable,
-});
 
 before(async () => {
   db = await createTestDatabase();
@@ -51,69 +35,8 @@ after(async () => {
 // Each test's runs alone (the counts read the whole table; cascades to them).
 beforeEach(() => pool.query('DELETE FROM jobs'));
 
-/** An every-second job (its next run an hour away: the test makes its runs) and one run due 3 s ago. */
-async function jobWithRun(concurrency: ConcurrencyPolicy): Promise<{ job: string; run: string }> {
-  const { job, runs } = await jobWithQueuedRuns(pool, {
-    name: 'fr',
-    schedule: '* * * * * *',
-    concurrency,
-    dueAt: ["date_trunc('second', now()) - interval '3 seconds'"],
-  });
-  return { job, run: runs[0]! };
-}
-
-/** An occurrence of the job `ago` seconds ago, copied from the job as it is now, still queued. */
-async function occurrence(job: string, ago: number): Promise<string> {
-  const [id] = await queuedRuns(pool, job, [`date_trunc('second', now()) - interval '${ago} seconds'`]);
-  return id!;
-}
-
-/** The same, claimed by `nodeId`: its call in flight. */
-async function runningRun(job: string, ago: number, nodeId = 'node-b'): Promise<string> {
-  const id = await occurrence(job, ago);
-  assert.ok(await claim(id, nodeId), `run ${id} claimed`);
-  return id;
-}
-
-async function claim(runId: string, nodeId = 'node-a'): Promise<ClaimedRun | null> {
-  const [run] = await claimRuns(pool, [{ runId, expectedAttempt: null }], { nodeId, ...OPTIONS });
-  return run ?? null;
-}
-
-/** Claims the run and fails its call: queued for its retry, due at once (or dead). */
-async function failOnce(runId: string, retryable = true) {
-  const run = await claim(runId);
-  assert.ok(run, `run ${runId} claimed`);
-  return inTransaction(pool, (c) => failAttempt(c, run, { nodeId: 'node-a' }, failed(retryable), 0, TOPICS));
-}
-
-/** PATCH of the job's concurrency, through the command the API calls. */
-async function patchConcurrency(job: string, concurrency: ConcurrencyPolicy) {
-  const edited = await patchJob(
-    pool,
-    { id: job },
-    (current: JobRecord) => ({
-      fields: { ...current, concurrency },
-      schedule: parseCron(current.schedule, current.timezone),
-    }),
-    COMMANDS,
-  );
-  assert.equal(edited?.concurrency, concurrency);
-}
-
-async function stateOf(runId: string) {
-  const { rows } = await pool.query<{ state: string; attempt: number; concurrency: string }>(
-    'SELECT state, attempt, concurrency FROM runs WHERE id = $1',
-    [runId],
-  );
-  return rows[0]!;
-}
-
-const succeed = (runId: string) =>
-  pool.query(
-    `UPDATE runs SET state = 'succeeded', finished_at = now(), claim_expires_at = NULL WHERE id = $1`,
-    [runId],
-  );
+const { jobWithRun, occurrence, runningRun, claim, failOnce, patchConcurrency, stateOf, succeed } =
+  forbidEdits(() => pool);
 
 /** Waits until `count` statements of this database wait for a lock (a row another holds). */
 async function lockWaiters(count: number): Promise<void> {
@@ -148,7 +71,7 @@ async function views(runId: string) {
     try {
       const [run] = await claimRuns(client, [{ runId, expectedAttempt: null }], {
         nodeId: 'probe',
-        ...OPTIONS,
+        ...CLAIM_OPTIONS,
       });
       return Boolean(run);
     } catch (err) {
@@ -157,7 +80,7 @@ async function views(runId: string) {
     }
   });
   const polled = await probe(async (client) =>
-    (await claimOverdueRuns(client, 0, 10, { nodeId: 'probe', ...OPTIONS })).claimed.some(
+    (await claimOverdueRuns(client, 0, 10, { nodeId: 'probe', ...CLAIM_OPTIONS })).claimed.some(
       (r) => r.id === runId,
     ),
   );
@@ -201,7 +124,7 @@ async function claimHeldAcrossEditToForbid(freshId: string) {
     claimed = claimRuns(
       pool,
       [retry, freshId].map((runId) => ({ runId, expectedAttempt: null })),
-      { nodeId: 'node-k', ...OPTIONS },
+      { nodeId: 'node-k', ...CLAIM_OPTIONS },
     ).then((runs) => (order.push('claim'), runs));
     await lockWaiters(1);
     // The edit answers at once, or waits for the claim.
@@ -287,10 +210,10 @@ test('a forbid retry and a forbid replay of a job edited to allow, in one claim 
 
   // Both pass CLAIM's test (neither sees the other running), so the statement breaks the unique index.
   const requests = [retry, replayed, other].map((runId) => ({ runId, expectedAttempt: null }));
-  await assert.rejects(claimRuns(pool, requests, { nodeId: 'node-a', ...OPTIONS }), isForbidViolation);
+  await assert.rejects(claimRuns(pool, requests, { nodeId: 'node-a', ...CLAIM_OPTIONS }), isForbidViolation);
 
   // A worker's batcher then claims item by item: one of the two, and the other job's run.
-  const batcher = createClaimBatcher(pool, { nodeId: 'node-a', ...OPTIONS });
+  const batcher = createClaimBatcher(pool, { nodeId: 'node-a', ...CLAIM_OPTIONS });
   const results = await Promise.all(requests.map((request) => batcher.add(request)));
   const [first, second, third] = results.map((r) => (typeof r === 'string' ? r : r.attempt));
   assert.equal(third, 1, "the other job's run in the failed batch is claimed");

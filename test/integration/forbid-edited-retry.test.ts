@@ -1,17 +1,13 @@
 import assert from 'node:assert/strict';
 import { after, before, beforeEach, test } from 'node:test';
-import { patchJob } from '../../src/jobs/commands.js';
-import type { ConcurrencyPolicy } from '../../src/model.js';
-import { parseCron } from '../../src/scheduling/cron.js';
-import { failAttempt, type AttemptReport } from '../../src/store/attempts.js';
 import { inTransaction } from '../../src/store/db.js';
 import { replayDeadLetter } from '../../src/store/dead-letters.js';
-import type { JobRecord } from '../../src/store/jobs.js';
 import { claimOverdueRuns } from '../../src/store/overdue.js';
-import { claimRuns, explainClaimMiss, isForbidViolation, type ClaimedRun } from '../../src/store/runs.js';
+import { explainClaimMiss, isForbidViolation } from '../../src/store/runs.js';
 import { readClusterCounts } from '../../src/store/signals.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
-import { jobWithQueuedRuns, queuedRuns } from '../support/execution.js';
+import { queuedRuns } from '../support/execution.js';
+import { CLAIM_OPTIONS, TOPICS, forbidEdits } from '../support/forbid-edits.js';
 
 // A run copies its job's `concurrency` when it is created, and its retries and replays keep that
 // copy. A `forbid` run waits for a sibling running beside it; for one that copied another policy
@@ -22,17 +18,6 @@ import { jobWithQueuedRuns, queuedRuns } from '../support/execution.js';
 // The Kafka path's claim, the polling fallback and the leader's counts must agree on which it is.
 
 let db: TestDatabase;
-const TOPICS = { runsTopic: 'runs', deadLetterTopic: 'dead' };
-const COMMANDS = { runsTopic: 'runs', misfireThresholdMs: 5000 };
-const OPTIONS = { graceMs: 60_000, skewToleranceMs: 10 };
-const failed = (retryable = true): AttemptReport => ({
-  outcome: 'failed',
-  statusCode: 500,
-  durationMs: 1,
-  error: 'HTTP 500',
-  responseExcerpt: null,
-  retryable,
-});
 
 before(async () => {
   db = await createTestDatabase();
@@ -41,68 +26,9 @@ after(() => db.drop());
 // Each test's runs alone (the counts read the whole table; cascades to them).
 beforeEach(() => db.pool.query('DELETE FROM jobs'));
 
-/** An every-second job (its next run an hour away: the test makes its runs) and one run due 3 s ago. */
-async function jobWithRun(concurrency: ConcurrencyPolicy): Promise<{ job: string; run: string }> {
-  const { job, runs } = await jobWithQueuedRuns(db.pool, {
-    name: 'fe',
-    schedule: '* * * * * *',
-    concurrency,
-    dueAt: ["date_trunc('second', now()) - interval '3 seconds'"],
-  });
-  return { job, run: runs[0]! };
-}
-
-/**
- * A later occurrence of the job (`ago` seconds ago), copied from it as it is now, claimed by
- * `nodeId`: its call in flight.
- */
-async function runningRun(job: string, ago = 1, nodeId = 'node-b'): Promise<string> {
-  const [id] = await queuedRuns(db.pool, job, [`date_trunc('second', now()) - interval '${ago} seconds'`]);
-  assert.ok(await claim(id!, nodeId), `run ${id} claimed`);
-  return id!;
-}
-
-async function claim(runId: string, nodeId = 'node-a'): Promise<ClaimedRun | null> {
-  const [run] = await claimRuns(db.pool, [{ runId, expectedAttempt: null }], { nodeId, ...OPTIONS });
-  return run ?? null;
-}
-
-/** Claims the run and fails its call: queued for its retry, due at once (or dead). */
-async function failOnce(runId: string, retryable = true) {
-  const run = await claim(runId);
-  assert.ok(run, `run ${runId} claimed`);
-  return inTransaction(db.pool, (c) =>
-    failAttempt(c, run, { nodeId: 'node-a' }, failed(retryable), 0, TOPICS),
-  );
-}
-
-/** PATCH of the job's concurrency, through the command the API calls. */
-async function patchConcurrency(job: string, concurrency: ConcurrencyPolicy) {
-  const edited = await patchJob(
-    db.pool,
-    { id: job },
-    (current: JobRecord) => ({
-      fields: { ...current, concurrency },
-      schedule: parseCron(current.schedule, current.timezone),
-    }),
-    COMMANDS,
-  );
-  assert.equal(edited?.concurrency, concurrency);
-}
-
-async function stateOf(runId: string) {
-  const { rows } = await db.pool.query<{ state: string; attempt: number; concurrency: string }>(
-    'SELECT state, attempt, concurrency FROM runs WHERE id = $1',
-    [runId],
-  );
-  return rows[0]!;
-}
-
-const succeed = (runId: string) =>
-  db.pool.query(
-    `UPDATE runs SET state = 'succeeded', finished_at = now(), claim_expires_at = NULL WHERE id = $1`,
-    [runId],
-  );
+const { jobWithRun, runningRun, claim, failOnce, patchConcurrency, stateOf, succeed } = forbidEdits(
+  () => db.pool,
+);
 
 /** The leader's view: queued runs overdue (0 ms threshold: every due one) and forbid waits. */
 async function counts() {
@@ -113,7 +39,7 @@ async function counts() {
 /** A poll of the polling fallback for runs overdue by 0 ms; the ids it claimed. */
 const poll = () =>
   inTransaction(db.pool, async (client) =>
-    (await claimOverdueRuns(client, 0, 10, { nodeId: 'node-c', ...OPTIONS })).claimed.map((r) => r.id),
+    (await claimOverdueRuns(client, 0, 10, { nodeId: 'node-c', ...CLAIM_OPTIONS })).claimed.map((r) => r.id),
   );
 
 test('a forbid retry of a job PATCHed to allow is claimed beside the allow run the job now has running', async () => {

@@ -4,6 +4,7 @@ import type { AddressInfo } from 'node:net';
 import { performance } from 'node:perf_hooks';
 import { setTimeout as sleep } from 'node:timers/promises';
 import type pg from 'pg';
+import type { AttemptReport } from '../../src/store/attempts.js';
 import { inTransaction } from '../../src/store/db.js';
 import { withdrawFutureRuns } from '../../src/store/jobs.js';
 
@@ -302,4 +303,16 @@ export async function attemptsOf(db: pg.Pool, runId: string) {
 export function percentile(values: number[], p: number): number {
   const sorted = [...values].sort((a, b) => a - b);
   return sorted[Math.min(sorted.length - 1, Math.max(0, Math.ceil((p / 100) * sorted.length) - 1))] ?? NaN;
+}
+
+/** A call the target answered 500, as a worker reports it; `retryable: false` buries the run at once. */
+export function http500Report(retryable = true): AttemptReport {
+  return {
+    outcome: 'failed',
+    statusCode: 500,
+    durationMs: 1,
+    error: 'HTTP 500',
+    responseExcerpt: null,
+    retryable,
+  };
 }
