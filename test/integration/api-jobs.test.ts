@@ -4,7 +4,7 @@ import pg from 'pg';
 import { parseCron } from '../../src/scheduling/cron.js';
 import { createManualRun, manualRunInstant } from '../../src/store/manual-run.js';
 import { jobBody, startTestApi, type TestApi } from '../support/api.js';
-import { queuedRuns } from '../support/execution.js';
+import { queuedRuns, untilWaitingForLocks } from '../support/execution.js';
 
 let api: TestApi;
 before(async () => {
@@ -446,7 +446,7 @@ test('a trigger racing a delete of its job is a 404, not a 409 to try again; not
     await deleting.query('BEGIN');
     await deleting.query('DELETE FROM jobs WHERE id = $1', [job.id]);
     const answer = api.call('POST', `/api/v1/jobs/${job.id}/trigger`);
-    await waitForLockWaiter(job.id);
+    await untilWaitingForLocks(api.db.pool, { fragment: 'INSERT INTO runs', timeoutMs: 10_000, everyMs: 10 });
     await deleting.query('COMMIT');
     assertProblem(await answer, 404);
   } finally {
@@ -459,19 +459,6 @@ test('a trigger racing a delete of its job is a 404, not a 409 to try again; not
   );
   assert.equal(rows[0]!.n, 0, 'a run or an outbox row of the deleted job was written');
 });
-
-/** Resolves once a session's insert of a run waits for a lock (the trigger's); fails after 10 s. */
-async function waitForLockWaiter(jobId: string): Promise<void> {
-  for (const deadline = Date.now() + 10_000; ;) {
-    assert.ok(Date.now() < deadline, `no trigger of job ${jobId} waited for the deleting transaction`);
-    const { rows } = await api.db.pool.query<{ n: number }>(
-      `SELECT count(*)::int AS n FROM pg_stat_activity
-       WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%INSERT INTO runs%'`,
-    );
-    if (rows[0]!.n > 0) return;
-    await new Promise((resolve) => setTimeout(resolve, 10));
-  }
-}
 
 let fakeClock: Promise<unknown> | undefined;
 

@@ -11,7 +11,7 @@ import { createRuns } from '../../src/store/dispatch.js';
 import type { JobRecord } from '../../src/store/jobs.js';
 import { claimRuns, startRuns, type ClaimedRun, type ClaimOptions } from '../../src/store/runs.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
-import { waitFor } from '../support/execution.js';
+import { untilWaitingForLocks, waitFor } from '../support/execution.js';
 import { dbNow, untilDbTime } from '../support/db-time.js';
 
 // Interleavings of START (startRuns) with the other writers of a run
@@ -277,17 +277,6 @@ test("a pause whose boundary precedes an occurrence does not let that occurrence
   );
 });
 
-/** Waits until `n` statements of this database wait for a lock. */
-async function untilWaiting(n: number): Promise<void> {
-  await waitFor(`${n} statements waiting for a lock`, async () => {
-    const { rows } = await db.pool.query<{ n: number }>(
-      `SELECT count(*)::int AS n FROM pg_stat_activity
-       WHERE datname = current_database() AND wait_event_type = 'Lock'`,
-    );
-    return rows[0]!.n >= n;
-  });
-}
-
 test('pause blocked behind an uncommitted START (real command): the started run is kept; START blocked behind the pause: withdrawn', async () => {
   const jobId = await makeJob();
   const a = await makeRun(jobId, "date_trunc('second', now()) + interval '30 seconds'");
@@ -296,7 +285,7 @@ test('pause blocked behind an uncommitted START (real command): the started run 
   await client.query('BEGIN');
   assert.deepEqual(await startRuns(client, NODE, [claimedA]), [true]);
   const pausing = pauseJob(db.pool, { id: jobId }, COMMANDS);
-  await untilWaiting(1);
+  await untilWaitingForLocks(db.pool);
   await client.query('COMMIT');
   client.release();
   await pausing;
@@ -314,7 +303,7 @@ test('pause blocked behind an uncommitted START (real command): the started run 
     [job2],
   );
   const starting = startRuns(db.pool, NODE, [claimedB]);
-  await untilWaiting(1);
+  await untilWaitingForLocks(db.pool);
   await pauser.query('COMMIT');
   pauser.release();
   assert.deepEqual(await starting, [false]);
@@ -353,12 +342,12 @@ test('a START batch holding two runs of one job and a pause lock them in opposit
       (r) => JSON.stringify(r),
       (err: Error) => `error: ${err.message}`,
     );
-    await untilWaiting(1);
+    await untilWaitingForLocks(db.pool);
     const pausing = pauseJob(db.pool, { id: jobId }, COMMANDS).then(
       () => 'ok',
       (err: Error) => `error: ${err.message}`,
     );
-    await untilWaiting(2);
+    await untilWaitingForLocks(db.pool, { count: 2 });
     await holder.query('ROLLBACK');
     holder.release();
     const [start, pause] = await Promise.all([starting, pausing]);

@@ -24,6 +24,7 @@ import {
   nextWholeSecond,
   oncePerMinuteAt,
   runsOf,
+  untilWaitingForLocks,
   waitFor,
 } from '../support/execution.js';
 import { integrationFixture } from '../support/fixture.js';
@@ -125,23 +126,6 @@ async function attemptOutcomes(runId: string): Promise<(string | null)[]> {
   return rows.map((r) => r.outcome);
 }
 
-/** Waits until a statement whose text contains `fragment` waits for a lock. */
-async function untilWaiting(fragment: string): Promise<void> {
-  await waitFor(
-    `a statement with "${fragment}" waiting for a lock`,
-    async () => {
-      const { rows } = await pool.query<{ n: number }>(
-        `SELECT count(*)::int AS n FROM pg_stat_activity
-         WHERE datname = current_database() AND wait_event_type = 'Lock' AND position($1 in query) > 0`,
-        [fragment],
-      );
-      return rows[0]!.n > 0;
-    },
-    10_000,
-    5,
-  );
-}
-
 /** Open transactions still to end (a failed test must not leave its locks to the next). */
 const holders = new Set<pg.PoolClient>();
 afterEach(async () => {
@@ -183,7 +167,7 @@ test('a pause waiting for a release batch withdraws the run handed back ahead of
   );
   assert.ok(released[0] && released[1], 'both handed back');
   const pausing = pauseJob(pool, { id: job }, commandOptions);
-  await untilWaiting('FOR UPDATE');
+  await untilWaitingForLocks(pool, { fragment: 'FOR UPDATE', timeoutMs: 10_000, everyMs: 5 });
   await commit(batch);
   const paused = await pausing;
   assert.equal(paused?.enabled, false);
@@ -213,7 +197,7 @@ test('a release batch waiting for a pause that withdrew one of its runs writes n
     ],
     topics.runsTopic,
   );
-  await untilWaiting('released AS');
+  await untilWaitingForLocks(pool, { fragment: 'released AS', timeoutMs: 10_000, everyMs: 5 });
   await commit(command);
   const [forAhead, forDue] = await releasing;
   assert.equal(forAhead, null, 'withdrawn meanwhile: nothing to hand over');

@@ -8,6 +8,7 @@ import { claimOverdueRuns } from '../../src/store/overdue.js';
 import { claimRuns, explainClaimMiss, isForbidViolation, type ClaimedRun } from '../../src/store/runs.js';
 import { readClusterCounts } from '../../src/store/signals.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
+import { untilWaitingForLocks } from '../support/execution.js';
 import { CLAIM_OPTIONS, TOPICS, forbidEdits } from '../support/forbid-edits.js';
 
 // A `forbid` retry or replay waits for a running sibling that copied another policy only while its
@@ -37,19 +38,6 @@ beforeEach(() => pool.query('DELETE FROM jobs'));
 
 const { jobWithRun, occurrence, runningRun, claim, failOnce, patchConcurrency, stateOf, succeed } =
   forbidEdits(() => pool);
-
-/** Waits until `count` statements of this database wait for a lock (a row another holds). */
-async function lockWaiters(count: number): Promise<void> {
-  for (let tries = 0; tries < 500; tries++) {
-    const { rows } = await pool.query<{ n: number }>(
-      `SELECT count(*)::int AS n FROM pg_stat_activity
-       WHERE datname = current_database() AND wait_event_type = 'Lock'`,
-    );
-    if (rows[0]!.n >= count) return;
-    await new Promise((resolve) => setTimeout(resolve, 10));
-  }
-  assert.fail(`${count} statements waiting for a lock`);
-}
 
 /**
  * What each reader says about queued `forbid` run `runId` now, without changing anything (every
@@ -126,10 +114,10 @@ async function claimHeldAcrossEditToForbid(freshId: string) {
       [retry, freshId].map((runId) => ({ runId, expectedAttempt: null })),
       { nodeId: 'node-k', ...CLAIM_OPTIONS },
     ).then((runs) => (order.push('claim'), runs));
-    await lockWaiters(1);
+    await untilWaitingForLocks(pool, { timeoutMs: 5_000, everyMs: 10 });
     // The edit answers at once, or waits for the claim.
     patched = patchConcurrency(job, 'forbid').then(() => void order.push('patch'));
-    await Promise.race([patched, lockWaiters(2)]);
+    await Promise.race([patched, untilWaitingForLocks(pool, { count: 2, timeoutMs: 5_000, everyMs: 10 })]);
   } finally {
     await poller.query('COMMIT');
     poller.release();

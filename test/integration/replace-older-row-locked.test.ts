@@ -14,7 +14,7 @@ import { buryRun, replayDeadLetter } from '../../src/store/dead-letters.js';
 import { pauseJob } from '../../src/jobs/commands.js';
 import { claimRuns, startRuns, type ClaimedRun } from '../../src/store/runs.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
-import { jobWithQueuedRuns, queuedRuns } from '../support/execution.js';
+import { jobWithQueuedRuns, queuedRuns, untilWaitingForLocks } from '../support/execution.js';
 
 // `replace`: once a run asked for later has started, an older run of the job is not called
 // (runs.ts REPLACE_OLDER). The newer run's replacement takes the older queued runs FOR UPDATE SKIP
@@ -139,7 +139,7 @@ test("an older run whose failed attempt's settle held its row while the newer ru
     assert.equal((await failAttempt(holder, first, { nodeId: A }, FAILED, 0, TOPICS))?.state, 'queued');
     // Node B's newer run replaces: it waits for the older run's row (running when it looked).
     newerAttempt = runAttempt(worker(B, calls), await claim(B, newer), new AbortController().signal);
-    await untilWaitingForLock();
+    await untilWaitingForLocks(db.pool, { timeoutMs: 2_000, everyMs: 10 });
     await holder.query('COMMIT');
   } finally {
     await holder.query('ROLLBACK').catch(() => undefined);
@@ -256,18 +256,6 @@ test("a newer run claimed ahead, not yet started, is not replaced by an older on
   assert.deepEqual(calls, [older, ahead.id]);
   assert.equal((await stateOf(ahead.id))!.state, 'succeeded');
 });
-
-/** Resolves once a statement on the test database waits for a row lock. */
-async function untilWaitingForLock(): Promise<void> {
-  for (let i = 0; i < 200; i += 1) {
-    const { rows } = await db.pool.query(
-      `SELECT 1 FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'`,
-    );
-    if (rows.length > 0) return;
-    await sleep(10);
-  }
-  assert.fail('no statement came to wait for the held row');
-}
 
 // The replacement itself may fail (a deadlock, a serialization failure, PostgreSQL restarting): a
 // trigger makes it fail for real, as PostgreSQL reports a deadlock, on its update of an older run of

@@ -6,7 +6,7 @@ import { parseCron } from '../../src/scheduling/cron.js';
 import type { JobRecord } from '../../src/store/jobs.js';
 import { claimRuns, startRuns, type ClaimedRun, type ClaimOptions } from '../../src/store/runs.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
-import { waitFor } from '../support/execution.js';
+import { untilWaitingForLocks } from '../support/execution.js';
 import { dbNow, untilDbTime } from '../support/db-time.js';
 
 // A pause or an edit draws its line (B) when it withdraws. Were B read before the delete waited for
@@ -49,16 +49,6 @@ async function makeRun(jobId: string, at: string): Promise<{ id: string; schedul
   return rows[0]!;
 }
 
-async function untilWaiting(): Promise<void> {
-  await waitFor('a statement waiting for a row lock', async () => {
-    const { rows } = await db.pool.query<{ n: number }>(
-      `SELECT count(*)::int AS n FROM pg_stat_activity
-       WHERE datname = current_database() AND wait_event_type = 'Lock'`,
-    );
-    return rows[0]!.n > 0;
-  });
-}
-
 const newTarget = (current: JobRecord) => ({
   fields: { ...current, target: { url: 'http://127.0.0.1:9/new', method: 'GET', headers: {} } },
   schedule: parseCron(current.schedule, current.timezone),
@@ -82,7 +72,7 @@ async function raceCommandWithStart(command: (jobId: string) => Promise<JobRecor
     const [claimedX] = await claimRuns(writer, [{ runId: x.id, expectedAttempt: null }], ahead);
     assert.ok(claimedX, 'X claim in flight (uncommitted)');
     const commanding = command(jobId);
-    await untilWaiting();
+    await untilWaitingForLocks(db.pool);
     // The command's statement waiting on X has begun: its statement_timestamp() is at most this.
     const lineAtMost = await dbNow(db.pool);
     assert.ok(x.scheduledFor.getTime() > lineAtMost, 'precondition: X and Y are after the line');

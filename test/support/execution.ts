@@ -316,3 +316,29 @@ export function http500Report(retryable = true): AttemptReport {
     retryable,
   };
 }
+
+/**
+ * Resolves once `count` statements on the pool's database wait for a lock (a row another session
+ * holds), only statements whose text contains `fragment` counted when it is given; throws after
+ * `timeoutMs` (waitFor's default when absent), looking every `everyMs`.
+ */
+export async function untilWaitingForLocks(
+  pool: Pick<pg.Pool, 'query'>,
+  options: { count?: number; fragment?: string; timeoutMs?: number; everyMs?: number } = {},
+): Promise<void> {
+  const { count = 1, fragment, timeoutMs, everyMs } = options;
+  await waitFor(
+    `${count} statement(s)${fragment === undefined ? '' : ` with "${fragment}"`} waiting for a lock`,
+    async () => {
+      const { rows } = await pool.query<{ n: number }>(
+        `SELECT count(*)::int AS n FROM pg_stat_activity
+         WHERE datname = current_database() AND wait_event_type = 'Lock'
+           AND ($1::text IS NULL OR position($1 in query) > 0)`,
+        [fragment ?? null],
+      );
+      return rows[0]!.n >= count;
+    },
+    timeoutMs,
+    everyMs,
+  );
+}
