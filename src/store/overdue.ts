@@ -3,6 +3,7 @@ import {
   claimRun,
   claimRuns,
   endedEpochsParams,
+  forbidBlocked,
   isForbidViolation,
   misfiredAtClaim,
   skipMisfiredRun,
@@ -10,7 +11,6 @@ import {
   skipRun,
   type ClaimedRun,
   type ClaimOptions,
-  keepsForbidRunWaiting,
   waitsForRunningSibling,
 } from './runs.js';
 
@@ -21,16 +21,13 @@ import {
  * with SKIP LOCKED so concurrent pollers take disjoint sets. $2 = limit. A retry or replay of a
  * `forbid` job whose sibling is running waits for it (it cannot be skipped): leaving it out keeps
  * it from filling every poll while it waits. `blocked`: a `forbid` run that another run of its job
- * (running: keepsForbidRunWaiting; or queued for a retry) keeps from starting now. `misfired`: see
+ * (running, or queued for a retry: forbidBlocked) keeps from starting now. `misfired`: see
  * misfiredAtClaim ($3 = the misfire threshold ms, NULL for none; $4 and $5 = etcd's reading of
  * ended epochs, NULL: none).
  */
 const SELECT_OVERDUE = `
   SELECT r.id, r.job_id AS "jobId", r.concurrency,
-         (r.concurrency = 'forbid' AND EXISTS (
-           SELECT 1 FROM runs o WHERE o.job_id = r.job_id AND o.id <> r.id
-             AND ((o.state = 'running' AND ${keepsForbidRunWaiting('o', 'r')})
-                  OR (o.state = 'queued' AND o.attempt > 0)))) AS blocked,
+         ${forbidBlocked('r')} AS blocked,
          ${misfiredAtClaim('r', '$3', { below: '$4', leaderKey: '$5' })} AS misfired
   FROM runs r
   WHERE r.state = 'queued' AND r.not_before <= now() - $1 * interval '1 millisecond'

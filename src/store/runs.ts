@@ -134,8 +134,19 @@ const jobKeepsRunsApartLocked = (r: string): string =>
  * runs apart ({@link jobKeepsRunsApart}, looked up only for a sibling that copied another policy;
  * `locked`: {@link jobKeepsRunsApartLocked}, as the claim reads it).
  */
-export const keepsForbidRunWaiting = (o: string, r: string, locked = false): string =>
+const keepsForbidRunWaiting = (o: string, r: string, locked = false): string =>
   `(${o}.concurrency = 'forbid' OR ${locked ? jobKeepsRunsApartLocked(r) : jobKeepsRunsApart(r)})`;
+
+/**
+ * Whether `r` (SQL) is a `forbid` run another run of its job keeps from starting now: one running
+ * ({@link keepsForbidRunWaiting}; `locked` as a claim reads it), or one queued for its retry. The
+ * polling fallback's `blocked` (store/overdue.ts) and a claim miss's `forbidBlocked`.
+ */
+export const forbidBlocked = (r: string, locked = false): string => `(
+  ${r}.concurrency = 'forbid' AND EXISTS (
+    SELECT 1 FROM runs o WHERE o.job_id = ${r}.job_id AND o.id <> ${r}.id
+      AND ((o.state = 'running' AND ${keepsForbidRunWaiting('o', r, locked)})
+           OR (o.state = 'queued' AND o.attempt > 0))))`;
 
 /**
  * Whether queued run `r` (SQL) is a `forbid` job's retry or replay (attempt > 0: never skipped)
@@ -417,10 +428,7 @@ export interface ClaimMiss {
 const EXPLAIN_MISS = `
   SELECT r.state, r.attempt,
          (extract(epoch FROM r.not_before - now()) * 1000)::float8 AS "dueInMs",
-         (r.concurrency = 'forbid' AND EXISTS (
-           SELECT 1 FROM runs o WHERE o.job_id = r.job_id AND o.id <> r.id
-             AND ((o.state = 'running' AND ${keepsForbidRunWaiting('o', 'r', true)})
-                  OR (o.state = 'queued' AND o.attempt > 0)))) AS "forbidBlocked",
+         ${forbidBlocked('r', true)} AS "forbidBlocked",
          (r.state = 'queued' AND ${misfiredAtClaim('r', '$2', { below: '$3', leaderKey: '$4' })}) AS misfired
   FROM runs r WHERE r.id = $1`;
 
