@@ -188,10 +188,14 @@ async function herdArrived(target: RecordingTarget, due: number, jobs: number): 
   while (target.runsCalledFor(due) < jobs && Date.now() < deadline) await sleep(20);
 }
 
-/** Arrivals of the herd due at `due`, in ms after it, and whether every run of it called. */
+/**
+ * Arrivals of the herd due at `due`, in ms after it, and its last arrival (NaN when not every run
+ * of it called).
+ */
 function herdArrivals(target: RecordingTarget, due: number, jobs: number) {
   const complete = target.runsCalledFor(due) >= jobs;
-  return { arrivals: target.arrivalsFor(due).map((t) => t - due), complete };
+  const arrivals = target.arrivalsFor(due).map((t) => t - due);
+  return { arrivals, lastMs: complete ? max(arrivals) : NaN };
 }
 
 /**
@@ -240,8 +244,7 @@ export async function herdOnce(
       const warmupDue = await insertHerd(cluster, jobs, `warmup${i}`, lookaheadMs);
       await sleep(warmupDue - Date.now());
       await herdArrived(cluster.target, warmupDue, jobs);
-      const warmup = herdArrivals(cluster.target, warmupDue, jobs);
-      warmupMs.push(warmup.complete ? max(warmup.arrivals) : NaN);
+      warmupMs.push(herdArrivals(cluster.target, warmupDue, jobs).lastMs);
       await sleep(HERD_SETTLE_MS);
     }
 
@@ -275,7 +278,7 @@ export async function herdOnce(
       await sleep(1000);
     }
     await sleep(500); // would-be duplicates
-    const { arrivals, complete } = herdArrivals(cluster.target, due, jobs);
+    const { arrivals, lastMs } = herdArrivals(cluster.target, due, jobs);
     const cold = herdArrivals(cluster.target, coldDue, jobs);
     const { rows } = await cluster.db.pool.query<{
       created: Date;
@@ -309,7 +312,7 @@ export async function herdOnce(
       return counts;
     };
     return {
-      lastMs: complete ? max(arrivals) : NaN,
+      lastMs,
       firstMs: Math.min(...arrivals),
       p50Ms: percentile(arrivals, 50),
       deciles: deciles(arrivals),
@@ -333,7 +336,7 @@ export async function herdOnce(
       recordedCpuPerRun: cpuPerRun(recordedSample, jobs),
       warmupMs,
       cold: {
-        lastMs: cold.complete ? max(cold.arrivals) : NaN,
+        lastMs: cold.lastMs,
         arrived: cold.arrivals.length,
         duplicates: cluster.target.duplicatesFor(coldDue),
         afterDueCpuPerRun: cpuPerRun(coldAfterDueSample, jobs),
