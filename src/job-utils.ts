@@ -15,7 +15,8 @@ import {
 } from './jobs/commands.js';
 import { compileJob, inputOf, type JobRules } from './api/job-input.js';
 import { jobRef } from './api/routes/job-ref.js';
-import { conflict, notFound, ProblemError } from './api/problems.js';
+import { replayedRun, triggeredRun } from './api/command-answers.js';
+import { notFound } from './api/problems.js';
 import { JobInput, JobPatch, type Job } from './api/schemas.js';
 import { checkInput } from './api/validation.js';
 import { jobView } from './api/views.js';
@@ -98,20 +99,12 @@ export class JobUtils {
 
   /** A run for now (`trigger = 'manual'`). @throws ProblemError 404, 409 (try again). */
   async triggerJob(idOrName: string): Promise<{ runId: string }> {
-    const result = await triggerJob(this.db, jobRef(idOrName), this.commands);
-    if (result.outcome === 'no-job') throw notFound(`job "${idOrName}"`);
-    if (result.outcome === 'conflict') {
-      throw new ProblemError(409, 'conflict', 'Conflict', 'no run was created; try again');
-    }
-    return { runId: result.runId };
+    return triggeredRun(await triggerJob(this.db, jobRef(idOrName), this.commands), idOrName);
   }
 
   /** Re-queues a dead run as a new attempt. @throws ProblemError 404, 409 (already replayed). */
   async replayDeadLetter(id: string): Promise<{ runId: string }> {
-    const result = await replayDeadLetter(this.db, id, this.commands);
-    if (result.outcome === 'no-dead-letter') throw notFound(`dead letter "${id}"`);
-    if (result.outcome === 'already-replayed') throw conflict('id', 'this dead letter was already replayed');
-    return { runId: result.runId };
+    return replayedRun(await replayDeadLetter(this.db, id, this.commands), id);
   }
 
   /** Ends the pool. */

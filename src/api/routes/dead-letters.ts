@@ -4,7 +4,7 @@ import { COMMON_PROBLEMS, problems } from '../context.js';
 import { replayDeadLetter } from '../../jobs/commands.js';
 import { listDeadLetters, type DeadLetterRecord } from '../../store/dead-letter-list.js';
 import { decodeCursor, DEFAULT_LIMIT, readPage } from '../cursor.js';
-import { conflict, notFound } from '../problems.js';
+import { replayedRun } from '../command-answers.js';
 import { DeadLetter, IdParams, Page, PageQuery, RunCreated } from '../schemas.js';
 
 const DeadLettersQuery = Type.Object(
@@ -71,10 +71,7 @@ export function deadLetterRoutes(app: Api, options: ApiOptions): void {
     async (request, reply) => {
       const { id } = request.params;
       const result = await replayDeadLetter(pool, id, { runsTopic });
-      if (result.outcome === 'no-dead-letter') throw notFound(`dead letter "${id}"`);
-      if (result.outcome === 'already-replayed')
-        throw conflict('id', 'this dead letter was already replayed');
-      return reply.code(202).send({ runId: result.runId });
+      return reply.code(202).send(replayedRun(result, id));
     },
   );
 }

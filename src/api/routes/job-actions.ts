@@ -1,7 +1,8 @@
 import type { Api, ApiOptions } from '../context.js';
 import { commandOptions, COMMON_PROBLEMS, problems } from '../context.js';
 import { pauseJob, resumeJob, triggerJob } from '../../jobs/commands.js';
-import { notFound, ProblemError } from '../problems.js';
+import { triggeredRun } from '../command-answers.js';
+import { notFound } from '../problems.js';
 import { IdParams, Job, RunCreated } from '../schemas.js';
 import { jobView } from '../views.js';
 import { jobRef } from './job-ref.js';
@@ -25,11 +26,7 @@ export function jobActionRoutes(app: Api, options: ApiOptions): void {
     },
     async (request, reply) => {
       const result = await triggerJob(pool, jobRef(request.params.id), commands);
-      if (result.outcome === 'no-job') throw notFound(`job "${request.params.id}"`);
-      if (result.outcome === 'conflict') {
-        throw new ProblemError(409, 'conflict', 'Conflict', 'no run was created; try again');
-      }
-      return reply.code(202).send({ runId: result.runId });
+      return reply.code(202).send(triggeredRun(result, request.params.id));
     },
   );
 
