@@ -47,23 +47,40 @@ export function endpointOfUrl(url: string, what: string, defaultPort?: number): 
   }
 }
 
+/** What pg falls back to when a connection string names no host or port: PGHOST and PGPORT. */
+export interface DatabaseDefaults {
+  readonly host?: string | undefined;
+  readonly port?: string | undefined;
+}
+
 /**
- * The endpoints of a PostgreSQL connection string, including the multi-host form
- * `postgres://h1:5432,h2:5433/db` (which URL cannot parse); a socket directory has none. The hosts
- * follow the authority's last `@`, as pg (and WHATWG URL) read it: a password may hold an
+ * The endpoints pg connects to for a PostgreSQL connection string, including the multi-host form
+ * `postgres://h1:5432,h2:5433/db` (which URL cannot parse); a socket directory has none. pg takes
+ * `?host=` and `?port=` from the query over the authority (the last of each), then PGHOST and
+ * PGPORT (`defaults`), then localhost:5432: `postgres:///helios?port=5433` is localhost:5433. The
+ * hosts follow the authority's last `@`, as pg (and WHATWG URL) read it: a password may hold an
  * unencoded `@`, which pg accepts.
  */
-export function endpointsOfDatabaseUrl(url: string): Endpoint[] {
-  const authority = /^postgres(?:ql)?:\/\/([^/?#]*)/i.exec(url)?.[1] ?? '';
-  return authority
+export function endpointsOfDatabaseUrl(url: string, defaults: DatabaseDefaults = {}): Endpoint[] {
+  const [, authority = '', rest = ''] = /^postgres(?:ql)?:\/\/([^/?#]*)([^#]*)/i.exec(url) ?? [];
+  const query = new URLSearchParams(rest.includes('?') ? rest.slice(rest.indexOf('?') + 1) : '');
+  const queryHost = query.getAll('host').at(-1);
+  const queryPort = query.getAll('port').at(-1);
+  const written = authority
     .slice(authority.lastIndexOf('@') + 1)
     .split(',')
     .filter(Boolean)
     .flatMap((hostPort) => {
       const match = /^(\[[^\]]+\]|[^:]*)(?::(\d+))?$/.exec(decodeURIComponent(hostPort));
-      if (!match?.[1]) return [];
-      return [{ host: bare(match[1]), port: match[2] ? Number(match[2]) : 5432, what: 'PostgreSQL' }];
+      return match ? [{ host: match[1] ?? '', port: match[2] }] : [];
     });
+  return (written.length > 0 ? written : [{ host: '', port: undefined }]).flatMap((server) => {
+    // Empty values fall through, as in pg: `?host=` is no host.
+    const host = queryHost || server.host || defaults.host || 'localhost';
+    const port = Number.parseInt(queryPort || server.port || defaults.port || '5432', 10);
+    if (host.startsWith('/') || !(port > 0 && port < 65536)) return [];
+    return [{ host: bare(host), port, what: 'PostgreSQL' }];
+  });
 }
 
 /** The endpoint of a `host:port` Kafka broker address. */
@@ -88,11 +105,13 @@ export function configuredEndpoints(
   kafkaBrokers: readonly string[],
   databaseUrl: string,
   api: { host: string; port: number; publicUrl: string | undefined },
+  /** PGHOST and PGPORT, which pg reads for what the connection string leaves out. */
+  databaseDefaults: DatabaseDefaults = {},
 ): Endpoint[] {
   const endpoints: (Endpoint | null)[] = [
     ...etcdEndpoints.map((url) => endpointOfUrl(url, 'etcd', 2379)),
     ...kafkaBrokers.map((broker) => endpointOfHostPort(broker, 'Kafka broker')),
-    ...endpointsOfDatabaseUrl(databaseUrl),
+    ...endpointsOfDatabaseUrl(databaseUrl, databaseDefaults),
     // Port 0 is only known once bound: the node adds its address then.
     api.port === 0 ? null : { host: api.host, port: api.port, what: 'node API' },
     api.publicUrl ? endpointOfUrl(api.publicUrl, 'node API') : null,
