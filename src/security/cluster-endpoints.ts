@@ -5,10 +5,9 @@ import ipaddr from 'ipaddr.js';
 
 // The cluster's own servers as job targets are the worst SSRF there is: a POST to etcd's gateway
 // can rewrite the leader key, a GET can read the keyspace back through the response excerpt. So
-// the configured etcd, Kafka and PostgreSQL endpoints, every etcd member (client and peer URLs)
-// and Kafka broker the running cluster lists, and every node's API are refused on their ports,
-// compared after DNS like every other check of the target policy. A KRaft controller's listener
-// is not among them: brokers do not tell clients where the controllers listen.
+// the configured etcd, Kafka and PostgreSQL endpoints, every etcd member (client and peer URLs),
+// Kafka broker and KRaft controller listener the running cluster lists, and every node's API are
+// refused on their ports, compared after DNS like every other check of the target policy.
 
 type Address = ipaddr.IPv4 | ipaddr.IPv6;
 
@@ -16,7 +15,7 @@ type Address = ipaddr.IPv4 | ipaddr.IPv6;
 export interface Endpoint {
   readonly host: string;
   readonly port: number;
-  /** What it is, shown in the refusal: `etcd`, `Kafka broker`, `PostgreSQL`, `node API`. */
+  /** What it is, shown in the refusal: `etcd`, `Kafka broker`, `Kafka controller`, `PostgreSQL`, …. */
   readonly what: string;
 }
 
@@ -189,7 +188,8 @@ export class ClusterEndpoints {
   /**
    * Replaces the endpoints learnt from `source` (node.ts: `nodes`, every node's apiUrl; `etcd
    * members`, every member's client and peer URLs; `kafka brokers`, every broker the cluster's
-   * metadata lists). A source that cannot be read is not set again: its last answer stays.
+   * metadata lists; `kafka controllers`, every controller listener the quorum lists). A source that
+   * cannot be read is not set again: its last answer stays.
    */
   setDiscovered(source: string, endpoints: readonly Endpoint[]): void {
     this.discovered.set(source, [...endpoints]);
