@@ -149,19 +149,25 @@ const isLocal = (ip: Address, local: readonly Address[]) => {
   );
 };
 
+/** A host name as DNS compares it: any case, the root's trailing dot or not. */
+const normalName = (name: string) => name.toLowerCase().replace(/\.$/, '');
+
 /** How long the last good answer of a name no longer among the endpoints is kept. */
 const FORGET_UNLISTED_MS = 3_600_000;
 
 /**
  * The cluster's endpoints, resolved. {@link match} is synchronous (it runs inside a socket's
  * lookup); {@link refresh} re-resolves names, keeping the last good answer of a name that fails.
- * Endpoints given as IP literals are in force from construction, names after the first refresh.
+ * Endpoints given as IP literals are in force from construction; names are, as names, from
+ * construction ({@link matchName}) and, by their addresses, after the first refresh.
  */
 export class ClusterEndpoints {
   private fixed: readonly Endpoint[];
   /** Learnt while running, by source (the node registry, etcd's members, Kafka's brokers). */
   private readonly discovered = new Map<string, readonly Endpoint[]>();
   private resolved: readonly ResolvedEndpoint[] = [];
+  /** `name:port` of every endpoint given by name (see matchName), to what it is. */
+  private named = new Map<string, string>();
   /** Each name's last good answer, and when the name was last among the endpoints (see refresh). */
   private readonly lastGood = new Map<string, { addresses: readonly Address[]; listedAt: number }>();
   private local: readonly Address[] = localAddresses();
@@ -252,7 +258,21 @@ export class ClusterEndpoints {
     return null;
   }
 
+  /**
+   * What `name:port` is when one of the cluster's servers is given by that name (`etcd`, …), else
+   * null. A name is refused on its port wherever it points: when a server moves, the name points to
+   * the new address before the next {@link refresh} learns it.
+   */
+  matchName(name: string, port: number): string | null {
+    return this.named.get(`${normalName(name)}:${port}`) ?? null;
+  }
+
   private compile(): ResolvedEndpoint[] {
+    this.named = new Map(
+      this.list()
+        .filter((e) => isIP(e.host) === 0)
+        .map((e) => [`${normalName(e.host)}:${e.port}`, e.what]),
+    );
     return this.list().map((endpoint) => {
       let addresses: readonly Address[];
       if (isIP(endpoint.host) !== 0) addresses = [parse(endpoint.host)];
