@@ -108,7 +108,8 @@ export function configuredEndpoints(
   databaseDefaults: DatabaseDefaults = {},
 ): Endpoint[] {
   const endpoints: (Endpoint | null)[] = [
-    ...etcdEndpoints.map((url) => endpointOfUrl(url, 'etcd', 2379)),
+    // etcd3 gives gRPC the endpoint without its scheme: gRPC dials 443 when it has no port.
+    ...etcdEndpoints.map((url) => endpointOfUrl(url, 'etcd', 443)),
     ...kafkaBrokers.map((broker) => endpointOfHostPort(broker, 'Kafka broker')),
     ...endpointsOfDatabaseUrl(databaseUrl, databaseDefaults),
     // Port 0 is only known once bound: the node adds its address then.
