@@ -325,9 +325,10 @@ export class HeliosNode {
 
   /**
    * Keeps the target policy's list of the cluster's own servers current: this node's API once its
-   * port is bound, every registered node's apiUrl, every etcd member's client and peer URLs and
-   * every Kafka broker the metadata lists (a cluster's servers beyond the configured ones), with
-   * names resolved again each pass. A source that does not answer keeps its last answer.
+   * port is bound, every registered node's apiUrl, every etcd member's client and peer URLs, every
+   * Kafka broker the metadata lists and every KRaft controller listener the quorum lists (a
+   * cluster's servers beyond the configured ones), with names resolved again each pass. A source
+   * that does not answer keeps its last answer.
    */
   private async watchClusterEndpoints(
     etcd: Etcd3,
@@ -358,6 +359,9 @@ export class HeliosNode {
         ),
         learn('kafka brokers', async () =>
           (await kafka.brokers()).map((b) => ({ ...b, what: 'Kafka broker' })),
+        ),
+        learn('kafka controllers', async () =>
+          (await kafka.controllers()).map((c) => ({ ...c, what: 'Kafka controller' })),
         ),
       ]);
       await cluster.refresh();

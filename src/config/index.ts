@@ -307,11 +307,17 @@ function targetsConfig(
   const mode = oneOf(env, 'HELIOS_TARGET_POLICY', ['strict', 'permissive'], 'permissive');
   const { api, database, etcd, kafka } = servers;
   const cluster = new ClusterEndpoints(
-    configuredEndpoints(etcd.endpoints, kafka.brokers, database.url, {
-      host: api.host,
-      port: api.port,
-      publicUrl: api.publicUrl,
-    }),
+    configuredEndpoints(
+      etcd.endpoints,
+      kafka.brokers,
+      database.url,
+      {
+        host: api.host,
+        port: api.port,
+        publicUrl: api.publicUrl,
+      },
+      { host: env.PGHOST, port: env.PGPORT },
+    ),
   );
   const sensitive = items(env, 'HELIOS_SENSITIVE_HEADERS');
   const bad = sensitive.find((h) => !/^[!#$%&'*+.^_`|~0-9A-Za-z-]+$/.test(h));

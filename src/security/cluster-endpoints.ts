@@ -5,10 +5,9 @@ import ipaddr from 'ipaddr.js';
 
 // The cluster's own servers as job targets are the worst SSRF there is: a POST to etcd's gateway
 // can rewrite the leader key, a GET can read the keyspace back through the response excerpt. So
-// the configured etcd, Kafka and PostgreSQL endpoints, every etcd member (client and peer URLs)
-// and Kafka broker the running cluster lists, and every node's API are refused on their ports,
-// compared after DNS like every other check of the target policy. A KRaft controller's listener
-// is not among them: brokers do not tell clients where the controllers listen.
+// the configured etcd, Kafka and PostgreSQL endpoints, every etcd member (client and peer URLs),
+// Kafka broker and KRaft controller listener the running cluster lists, and every node's API are
+// refused on their ports, compared after DNS like every other check of the target policy.
 
 type Address = ipaddr.IPv4 | ipaddr.IPv6;
 
@@ -16,7 +15,7 @@ type Address = ipaddr.IPv4 | ipaddr.IPv6;
 export interface Endpoint {
   readonly host: string;
   readonly port: number;
-  /** What it is, shown in the refusal: `etcd`, `Kafka broker`, `PostgreSQL`, `node API`. */
+  /** What it is, shown in the refusal: `etcd`, `Kafka broker`, `Kafka controller`, `PostgreSQL`, …. */
   readonly what: string;
 }
 
@@ -47,23 +46,40 @@ export function endpointOfUrl(url: string, what: string, defaultPort?: number): 
   }
 }
 
+/** What pg falls back to when a connection string names no host or port: PGHOST and PGPORT. */
+export interface DatabaseDefaults {
+  readonly host?: string | undefined;
+  readonly port?: string | undefined;
+}
+
 /**
- * The endpoints of a PostgreSQL connection string, including the multi-host form
- * `postgres://h1:5432,h2:5433/db` (which URL cannot parse); a socket directory has none. The hosts
- * follow the authority's last `@`, as pg (and WHATWG URL) read it: a password may hold an
+ * The endpoints pg connects to for a PostgreSQL connection string, including the multi-host form
+ * `postgres://h1:5432,h2:5433/db` (which URL cannot parse); a socket directory has none. pg takes
+ * `?host=` and `?port=` from the query over the authority (the last of each), then PGHOST and
+ * PGPORT (`defaults`), then localhost:5432: `postgres:///helios?port=5433` is localhost:5433. The
+ * hosts follow the authority's last `@`, as pg (and WHATWG URL) read it: a password may hold an
  * unencoded `@`, which pg accepts.
  */
-export function endpointsOfDatabaseUrl(url: string): Endpoint[] {
-  const authority = /^postgres(?:ql)?:\/\/([^/?#]*)/i.exec(url)?.[1] ?? '';
-  return authority
+export function endpointsOfDatabaseUrl(url: string, defaults: DatabaseDefaults = {}): Endpoint[] {
+  const [, authority = '', rest = ''] = /^postgres(?:ql)?:\/\/([^/?#]*)([^#]*)/i.exec(url) ?? [];
+  const query = new URLSearchParams(rest.includes('?') ? rest.slice(rest.indexOf('?') + 1) : '');
+  const queryHost = query.getAll('host').at(-1);
+  const queryPort = query.getAll('port').at(-1);
+  const written = authority
     .slice(authority.lastIndexOf('@') + 1)
     .split(',')
     .filter(Boolean)
     .flatMap((hostPort) => {
       const match = /^(\[[^\]]+\]|[^:]*)(?::(\d+))?$/.exec(decodeURIComponent(hostPort));
-      if (!match?.[1]) return [];
-      return [{ host: bare(match[1]), port: match[2] ? Number(match[2]) : 5432, what: 'PostgreSQL' }];
+      return match ? [{ host: match[1] ?? '', port: match[2] }] : [];
     });
+  return (written.length > 0 ? written : [{ host: '', port: undefined }]).flatMap((server) => {
+    // Empty values fall through, as in pg: `?host=` is no host.
+    const host = queryHost || server.host || defaults.host || 'localhost';
+    const port = Number.parseInt(queryPort || server.port || defaults.port || '5432', 10);
+    if (host.startsWith('/') || !(port > 0 && port < 65536)) return [];
+    return [{ host: bare(host), port, what: 'PostgreSQL' }];
+  });
 }
 
 /** The endpoint of a `host:port` Kafka broker address. */
@@ -88,11 +104,14 @@ export function configuredEndpoints(
   kafkaBrokers: readonly string[],
   databaseUrl: string,
   api: { host: string; port: number; publicUrl: string | undefined },
+  /** PGHOST and PGPORT, which pg reads for what the connection string leaves out. */
+  databaseDefaults: DatabaseDefaults = {},
 ): Endpoint[] {
   const endpoints: (Endpoint | null)[] = [
-    ...etcdEndpoints.map((url) => endpointOfUrl(url, 'etcd', 2379)),
+    // etcd3 gives gRPC the endpoint without its scheme: gRPC dials 443 when it has no port.
+    ...etcdEndpoints.map((url) => endpointOfUrl(url, 'etcd', 443)),
     ...kafkaBrokers.map((broker) => endpointOfHostPort(broker, 'Kafka broker')),
-    ...endpointsOfDatabaseUrl(databaseUrl),
+    ...endpointsOfDatabaseUrl(databaseUrl, databaseDefaults),
     // Port 0 is only known once bound: the node adds its address then.
     api.port === 0 ? null : { host: api.host, port: api.port, what: 'node API' },
     api.publicUrl ? endpointOfUrl(api.publicUrl, 'node API') : null,
@@ -131,19 +150,25 @@ const isLocal = (ip: Address, local: readonly Address[]) => {
   );
 };
 
+/** A host name as DNS compares it: any case, the root's trailing dot or not. */
+const normalName = (name: string) => name.toLowerCase().replace(/\.$/, '');
+
 /** How long the last good answer of a name no longer among the endpoints is kept. */
 const FORGET_UNLISTED_MS = 3_600_000;
 
 /**
  * The cluster's endpoints, resolved. {@link match} is synchronous (it runs inside a socket's
  * lookup); {@link refresh} re-resolves names, keeping the last good answer of a name that fails.
- * Endpoints given as IP literals are in force from construction, names after the first refresh.
+ * Endpoints given as IP literals are in force from construction; names are, as names, from
+ * construction ({@link matchName}) and, by their addresses, after the first refresh.
  */
 export class ClusterEndpoints {
   private fixed: readonly Endpoint[];
   /** Learnt while running, by source (the node registry, etcd's members, Kafka's brokers). */
   private readonly discovered = new Map<string, readonly Endpoint[]>();
   private resolved: readonly ResolvedEndpoint[] = [];
+  /** `name:port` of every endpoint given by name (see matchName), to what it is. */
+  private named = new Map<string, string>();
   /** Each name's last good answer, and when the name was last among the endpoints (see refresh). */
   private readonly lastGood = new Map<string, { addresses: readonly Address[]; listedAt: number }>();
   private local: readonly Address[] = localAddresses();
@@ -170,7 +195,8 @@ export class ClusterEndpoints {
   /**
    * Replaces the endpoints learnt from `source` (node.ts: `nodes`, every node's apiUrl; `etcd
    * members`, every member's client and peer URLs; `kafka brokers`, every broker the cluster's
-   * metadata lists). A source that cannot be read is not set again: its last answer stays.
+   * metadata lists; `kafka controllers`, every controller listener the quorum lists). A source that
+   * cannot be read is not set again: its last answer stays.
    */
   setDiscovered(source: string, endpoints: readonly Endpoint[]): void {
     this.discovered.set(source, [...endpoints]);
@@ -233,7 +259,21 @@ export class ClusterEndpoints {
     return null;
   }
 
+  /**
+   * What `name:port` is when one of the cluster's servers is given by that name (`etcd`, …), else
+   * null. A name is refused on its port wherever it points: when a server moves, the name points to
+   * the new address before the next {@link refresh} learns it.
+   */
+  matchName(name: string, port: number): string | null {
+    return this.named.get(`${normalName(name)}:${port}`) ?? null;
+  }
+
   private compile(): ResolvedEndpoint[] {
+    this.named = new Map(
+      this.list()
+        .filter((e) => isIP(e.host) === 0)
+        .map((e) => [`${normalName(e.host)}:${e.port}`, e.what]),
+    );
     return this.list().map((endpoint) => {
       let addresses: readonly Address[];
       if (isIP(endpoint.host) !== 0) addresses = [parse(endpoint.host)];

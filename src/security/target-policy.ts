@@ -218,7 +218,8 @@ function literalAddress(hostname: string): string | null {
 
 /**
  * The checks that need no DNS, for when a target is saved: an absolute http(s) URL without
- * credentials whose host, if an IP literal, is allowed. Returns a message, or null when fine.
+ * credentials whose host, if an IP literal, is allowed, and is not one of the cluster's own
+ * servers by name (on its port). Returns a message, or null when fine.
  * (WHATWG URL parsing already turns `http://2852039166/` and `0xA9FEA9FE` into dotted form.)
  */
 export function checkTargetUrl(url: string, policy: TargetPolicy): string | null {
@@ -233,7 +234,9 @@ export function checkTargetUrl(url: string, policy: TargetPolicy): string | null
   if (parsed.username || parsed.password) return 'must not contain credentials (use target.headers)';
   if (!parsed.hostname) return 'must have a host';
   const literal = literalAddress(parsed.hostname);
-  return literal === null ? null : deniedReason(literal, policy, portOf(parsed));
+  if (literal !== null) return deniedReason(literal, policy, portOf(parsed));
+  const own = policy.cluster?.matchName(parsed.hostname, portOf(parsed)) ?? null;
+  return own === null ? null : `host ${parsed.hostname} port ${portOf(parsed)} is the cluster's own ${own}`;
 }
 
 /** Resolves a hostname to every address it has. */

@@ -2,7 +2,7 @@ import assert from 'node:assert/strict';
 import { test } from 'node:test';
 import { listenOn } from '../../src/api/server.js';
 import { ConfigError, isLoopbackHost, loadCliConfig, loadConfig } from '../../src/config/index.js';
-import { deniedReason } from '../../src/security/target-policy.js';
+import { checkTargetUrl, deniedReason } from '../../src/security/target-policy.js';
 import { endpointsOfDatabaseUrl } from '../../src/security/cluster-endpoints.js';
 
 const BASE = {
@@ -133,6 +133,17 @@ test("the configured etcd, Kafka and PostgreSQL endpoints and the node's API are
   // Other ports of the same host stay reachable in the permissive policy (local demo targets).
   assert.equal(deniedReason('127.0.0.1', policy, 2380), null);
   assert.equal(deniedReason('10.0.0.7', policy, 80), null);
+});
+
+test('a configured etcd endpoint without a port is refused on the port the etcd client dials (443)', () => {
+  // etcd3 hands the endpoint to gRPC without its scheme, and gRPC's default port is 443 for
+  // http:// and https:// alike: a node configured so reaches etcd (or a proxy in front of it) there.
+  const config = loadConfig({ ...BASE, HELIOS_ETCD_ENDPOINTS: 'http://10.0.0.9,https://etcd.internal' });
+  assert.match(deniedReason('10.0.0.9', config.targets.policy, 443) ?? '', /cluster's own etcd/);
+  assert.match(
+    checkTargetUrl('https://etcd.internal/v3/kv/put', config.targets.policy) ?? '',
+    /cluster's own etcd/,
+  );
 });
 
 test('the API rate limit defaults to 6000 per minute per token; 0 turns it off', () => {

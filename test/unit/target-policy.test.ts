@@ -203,6 +203,23 @@ test('a cluster endpoint given by name is refused once resolved, and stays refus
   assert.match(deniedReason('10.1.1.1', policy, 8080) ?? '', /node API/);
 });
 
+test('a target naming a cluster endpoint by its name is refused on its port, wherever the name points now', async () => {
+  let address = '10.9.8.7';
+  const cluster = new ClusterEndpoints([{ host: 'etcd.internal', port: 2379, what: 'etcd' }], async () => [
+    address,
+  ]);
+  const policy = compileTargetPolicy({ cluster });
+  await cluster.refresh();
+  // etcd moved: the name points to its new address, which the next refresh (10 s) would learn.
+  address = '10.9.8.8';
+  const resolve = async () => [{ address, family: 4 }];
+  for (const url of ['http://etcd.internal:2379/v3/kv/put', 'http://ETCD.Internal.:2379/v3/kv/put']) {
+    assert.match(checkTargetUrl(url, policy) ?? '', /cluster's own etcd/, url);
+    await assert.rejects(assertTargetAllowed(url, policy, resolve), /cluster's own etcd/, url);
+  }
+  assert.equal(checkTargetUrl('http://etcd.internal:8080/', policy), null, 'only its port');
+});
+
 test('the last good answers of names no longer listed are forgotten: node restarts do not grow memory', async () => {
   // A node bound to 0.0.0.0 registers http://<hostname>:port, and a pod gets a new hostname at
   // every restart: over months of rolling upgrades each node would keep an answer per hostname
