@@ -1,0 +1,97 @@
+import assert from 'node:assert/strict';
+import { after, before, test } from 'node:test';
+import { patchJob } from '../../src/jobs/commands.js';
+import type { MisfirePolicy } from '../../src/model.js';
+import { parseCron } from '../../src/scheduling/cron.js';
+import { inTransaction } from '../../src/store/db.js';
+import { advanceJobs, createRuns } from '../../src/store/dispatch.js';
+import type { JobRecord } from '../../src/store/jobs.js';
+import { claimRuns } from '../../src/store/runs.js';
+import { createTestDatabase, type TestDatabase } from '../support/database.js';
+import { dbNow, untilDbTime } from '../support/db-time.js';
+
+// An edit of `misfire` alone withdraws nothing (the runs made ahead keep waiting for their time
+// while no leader could make them again), but the workers judge a run made ahead by its own copy
+// of the policy (runs.misfire, misfiredAtClaim). An occurrence falling due after the edit must
+// follow the policy in force then: a run made ahead for it, left unclaimed through an outage
+// (its leader's epoch ended), is dropped or fired as the edited job says, not as the job was
+// when the run was made. One due before the edit keeps the old policy.
+
+let db: TestDatabase;
+const THRESHOLD_MS = 1000;
+const COMMANDS = { runsTopic: 'runs', misfireThresholdMs: THRESHOLD_MS };
+/** The epoch of the leader that made the runs ahead; a newer one has written the fence since. */
+const OLD_EPOCH = 1n;
+
+before(async () => {
+  db = await createTestDatabase();
+});
+after(() => db.drop());
+
+async function makeJob(misfire: MisfirePolicy): Promise<string> {
+  const { rows } = await db.pool.query<{ id: string }>(
+    `INSERT INTO jobs (name, schedule, target, timeout_ms, max_attempts, concurrency, misfire, next_run_at)
+     VALUES ('me-' || gen_random_uuid(), '* * * * * *', '{"url":"http://127.0.0.1:9/"}', 1000, 3, 'allow',
+             $1, now()) RETURNING id`,
+    [misfire],
+  );
+  return rows[0]!.id;
+}
+
+/** What the old leader did: runs made ahead (in time) for these occurrences, next_run_at after them. */
+async function madeAhead(jobId: string, occurrences: number[]): Promise<void> {
+  await inTransaction(db.pool, async (client) => {
+    const at = occurrences.map((t) => ({ jobId, scheduledFor: new Date(t) }));
+    await createRuns(client, at, OLD_EPOCH, 'runs');
+    await advanceJobs(client, [{ id: jobId, nextRunAt: new Date(occurrences.at(-1)! + 1000) }]);
+  });
+}
+
+const editMisfire = (misfire: MisfirePolicy) => (current: JobRecord) => ({
+  fields: { ...current, misfire },
+  schedule: parseCron(current.schedule, current.timezone),
+});
+
+/** Which of the job's runs a worker's claim takes now, by occurrence (the rest it leaves as misfires). */
+async function claimable(jobId: string): Promise<Map<number, boolean>> {
+  const { rows } = await db.pool.query<{ id: string; at: Date }>(
+    'SELECT id, scheduled_for AS at FROM runs WHERE job_id = $1 ORDER BY scheduled_for',
+    [jobId],
+  );
+  const claimed = await claimRuns(
+    db.pool,
+    rows.map((r) => ({ runId: r.id, expectedAttempt: null })),
+    { nodeId: 'w', graceMs: 3000, skewToleranceMs: 10, misfireThresholdMs: THRESHOLD_MS },
+  );
+  return new Map(rows.map((r, i) => [r.at.getTime(), claimed[i] !== null]));
+}
+
+test('an edit of misfire alone applies to the runs made ahead for occurrences after its line, not to those before', async () => {
+  const now = await dbNow(db.pool);
+  const dueBefore = Math.floor(now / 1000) * 1000 - 1000;
+  const first = Math.ceil(now / 1000) * 1000 + 1000;
+  const ahead = [first, first + 1000, first + 2000];
+  const toFireAll = await makeJob('skip');
+  const toSkip = await makeJob('fire-all');
+  await madeAhead(toFireAll, [dueBefore, ...ahead]);
+  await madeAhead(toSkip, [dueBefore, ...ahead]);
+
+  // Both edits answer before the first run made ahead is due.
+  assert.ok(await patchJob(db.pool, { id: toFireAll }, editMisfire('fire-all'), COMMANDS));
+  assert.ok(await patchJob(db.pool, { id: toSkip }, editMisfire('skip'), COMMANDS));
+  assert.ok((await dbNow(db.pool)) < first, 'the edits answered before the occurrences made ahead');
+
+  // The cluster goes down: a newer epoch writes the fence, and no worker claims a run until every
+  // one is later than the threshold.
+  await db.pool.query('UPDATE leader_fence SET token = $1', [(OLD_EPOCH + 1n).toString()]);
+  await untilDbTime(db.pool, ahead.at(-1)! + THRESHOLD_MS + 200);
+
+  const fireAll = await claimable(toFireAll);
+  assert.equal(fireAll.get(dueBefore), false, 'due before the edit, while the job was `skip`: dropped');
+  for (const t of ahead)
+    assert.equal(fireAll.get(t), true, `${new Date(t).toISOString()} fell due while the job was fire-all`);
+  const skip = await claimable(toSkip);
+  assert.equal(skip.get(dueBefore), true, 'due before the edit, while the job was fire-all: fired');
+  for (const t of ahead)
+    assert.equal(skip.get(t), false, `${new Date(t).toISOString()} fell due while the job was \`skip\``);
+});
