@@ -73,12 +73,13 @@ test('an edit of misfire alone applies to the runs made ahead for occurrences af
   const ahead = [first, first + 1000, first + 2000];
   const toFireAll = await makeJob('skip');
   const toSkip = await makeJob('fire-all');
-  await madeAhead(toFireAll, [dueBefore, ...ahead]);
-  await madeAhead(toSkip, [dueBefore, ...ahead]);
+  const onceToAll = await makeJob('fire-once');
+  for (const job of [toFireAll, toSkip, onceToAll]) await madeAhead(job, [dueBefore, ...ahead]);
 
-  // Both edits answer before the first run made ahead is due.
+  // The edits answer before the first run made ahead is due.
   assert.ok(await patchJob(db.pool, { id: toFireAll }, editMisfire('fire-all'), COMMANDS));
   assert.ok(await patchJob(db.pool, { id: toSkip }, editMisfire('skip'), COMMANDS));
+  assert.ok(await patchJob(db.pool, { id: onceToAll }, editMisfire('fire-all'), COMMANDS));
   assert.ok((await dbNow(db.pool)) < first, 'the edits answered before the occurrences made ahead');
 
   // The cluster goes down: a newer epoch writes the fence, and no worker claims a run until every
@@ -94,4 +95,13 @@ test('an edit of misfire alone applies to the runs made ahead for occurrences af
   assert.equal(skip.get(dueBefore), true, 'due before the edit, while the job was fire-all: fired');
   for (const t of ahead)
     assert.equal(skip.get(t), false, `${new Date(t).toISOString()} fell due while the job was \`skip\``);
+  // fire-once dropped every late run but the latest; fire-all, in force when these fell due, none.
+  const all = await claimable(onceToAll);
+  assert.equal(
+    all.get(dueBefore),
+    false,
+    'due before the edit, while fire-once, later ones late too: dropped',
+  );
+  for (const t of ahead)
+    assert.equal(all.get(t), true, `${new Date(t).toISOString()} fell due while the job was fire-all`);
 });
