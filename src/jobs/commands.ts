@@ -11,6 +11,7 @@ import {
   deleteJob as deleteJobRow,
   findJob,
   insertJob,
+  recopyMisfire,
   runSnapshotChanged,
   updateJob,
   withdrawFutureRuns,
@@ -113,6 +114,10 @@ export async function patchJob(
       : { boundary: await databaseClock(client), earliest: null };
     // What fell due before this edit runs as the job was defined then.
     let nextRunAt = await createDueRuns(client, current, boundary, options);
+    // What falls due after it and was made ahead (not withdrawn) follows the new misfire policy.
+    if (!withdraw && fields.misfire !== current.misfire) {
+      await recopyMisfire(client, current.id, fields.misfire, boundary);
+    }
     if (reschedule) nextRunAt = schedule.next(boundary);
     // Same schedule, new snapshot: the withdrawn occurrences are created again, from the new definition.
     if (fields.enabled && !reschedule && earliest && (nextRunAt === null || earliest < nextRunAt)) {

@@ -106,7 +106,8 @@ export const FIRST_ATTEMPT_MESSAGE = `jsonb_build_object('runId', id, 'jobId', j
  * model.ts, and `misfire`). `misfire` is copied for the workers' misfire test of runs made before
  * an outage (runs.ts misfiredAtClaim) but is not in RunSnapshot: an edit of it alone withdraws
  * nothing (the runs made ahead would then wait for a leader to be made again, and one back too late
- * would drop occurrences healthy workers would have run).
+ * would drop occurrences healthy workers would have run); it changes their copy in place instead
+ * (jobs.ts recopyMisfire).
  */
 const COPIED_COLUMNS = ['target', 'timeout_ms', 'backoff_ms', 'backoff_multiplier', 'concurrency', 'misfire'];
 

@@ -319,6 +319,31 @@ export async function withdrawFutureRuns(db: DbClient, jobId: string): Promise<W
   return rows[0]!;
 }
 
+/**
+ * Gives job $1's runs of occurrences after $3 (a command's line) whose call has not begun, as
+ * WITHDRAW_FUTURE_RUNS takes them, the job's new misfire policy $2 in their copy (runs.misfire).
+ * The workers judge a run left unclaimed through an outage by that copy (runs.ts misfiredAtClaim),
+ * and an occurrence falling due after the edit follows the job as it is then: kept as it was, a
+ * `skip` job edited to `fire-all` dropped the runs made ahead for its next seconds. An edit of the
+ * policy alone withdraws nothing (dispatch.ts COPIED_COLUMNS), hence the copy is changed in place.
+ */
+const RECOPY_MISFIRE = `
+  UPDATE runs SET misfire = $2
+  WHERE job_id = $1 AND trigger = 'schedule' AND scheduled_for > $3
+    AND state IN ('queued', 'running') AND started_at IS NULL AND misfire IS DISTINCT FROM $2`;
+
+/** Call inside the command's transaction, the job locked; yields to a worker's batch (lockYielding). */
+export async function recopyMisfire(
+  db: DbClient,
+  jobId: string,
+  misfire: MisfirePolicy,
+  line: Date,
+): Promise<void> {
+  await lockYielding(db, async () => {
+    await db.query(RECOPY_MISFIRE, [jobId, misfire, line]);
+  });
+}
+
 /** True when runs created from `after` would differ from runs created from `before`. */
 export function runSnapshotChanged(before: JobFields, after: Omit<JobFields, 'nextRunAt'>): boolean {
   return RUN_SNAPSHOT_FIELDS.some((field) => !isDeepStrictEqual(before[field], after[field]));

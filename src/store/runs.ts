@@ -61,7 +61,8 @@ const CLAIMED_COLUMNS = `
  * leader key `leaderKey` names, which must be the one the fence's token is of; NULL: unknown; see
  * EndedEpochsReading): the fence moves only at a new epoch's first write, and a worker back after
  * the whole cluster was down, before any leader has written, would run such runs late. The policy
- * is the run's copy of its job's (a later edit does not change it; the job's for runs created before runs had the column). The dispatcher and
+ * is the run's copy of its job's (an edit changes it only for occurrences after the edit's line:
+ * jobs.ts recopyMisfire; the job's for runs created before runs had the column). The dispatcher and
  * a command's createDueRuns apply the policy to occurrences they find late, and the runs they make
  * late are theirs to fire; this covers the runs a leader made ahead, in time, before the cluster
  * went down. A run merely delayed while its leader stays (a worker blocked, Kafka away, a
