@@ -116,7 +116,9 @@ async function main(): Promise<void> {
   const rounds = Number(values.rounds);
   const windows = values.windows.split(',').map(Number);
   console.log(`loopback round trips between two processes, ${machine()}`);
-  console.log(`a system call that wakes nobody (write of 1 byte to /dev/null): ${plainSyscallMicros().toFixed(2)} µs of CPU`);
+  console.log(
+    `a system call that wakes nobody (write of 1 byte to /dev/null): ${plainSyscallMicros().toFixed(2)} µs of CPU`,
+  );
   for (const window of windows) {
     const client: number[] = [];
     const server: number[] = [];
