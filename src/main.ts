@@ -1,7 +1,8 @@
 #!/usr/bin/env node
 import { ConfigError, loadConfig } from './config/index.js';
+import { unknownVariables } from './config/unknown-variables.js';
 import { toError } from './errors.js';
-import { createLogger } from './observability/logger.js';
+import { createLogger, type Logger } from './observability/logger.js';
 import { HeliosNode } from './node.js';
 import { createPool } from './store/db.js';
 import { migrate } from './store/migrate.js';
@@ -24,6 +25,7 @@ ${CLI_USAGE}`;
 async function runNode(): Promise<void> {
   const config = loadConfig();
   const node = new HeliosNode({ config });
+  warnOfUnknownVariables(node.logger);
   let signals = 0;
   const shutdown = (signal: NodeJS.Signals) => {
     signals += 1;
@@ -45,10 +47,26 @@ async function runNode(): Promise<void> {
   await node.start();
 }
 
+/**
+ * One warning for the HELIOS_* variables no setting reads (config/unknown-variables.ts): a
+ * misspelt setting runs on its default otherwise without a word.
+ */
+function warnOfUnknownVariables(logger: Logger): void {
+  const unknown = unknownVariables(process.env);
+  if (unknown.length === 0) return;
+  logger.warn(
+    { variables: unknown },
+    `ignoring ${unknown
+      .map((v) => (v.nearest ? `${v.name} (did you mean ${v.nearest}?)` : v.name))
+      .join(', ')}: no setting of this release reads ${unknown.length === 1 ? 'it' : 'them'}`,
+  );
+}
+
 /** What a one-off node-side command (`migrate`, `fence`) needs: the config, a logger, a small pool. */
 function commandContext(applicationName: string) {
   const config = loadConfig();
   const logger = createLogger({ level: config.node.logLevel, nodeId: config.node.id });
+  warnOfUnknownVariables(logger);
   const pool = createPool({ connectionString: config.database.url, max: 2, logger, applicationName });
   return { config, logger, pool };
 }

@@ -1,7 +1,8 @@
 import { spawnSync } from 'node:child_process';
 import { readFileSync } from 'node:fs';
 import { join } from 'node:path';
-import { loadCliConfig, loadConfig } from '../../../src/config/index.js';
+import { loadConfig } from '../../../src/config/index.js';
+import { settingNames } from '../../../src/config/unknown-variables.js';
 import { REPO_ROOT } from '../env.js';
 
 // Checks of the deployment files (deploy/compose.yaml, deploy/kubernetes/, Dockerfile) against the
@@ -10,29 +11,8 @@ import { REPO_ROOT } from '../env.js';
 
 export type Env = Record<string, string>;
 
-/**
- * Every variable the node's and the CLI's config read, found by running them on an environment
- * that records each name looked up: the list cannot drift from src/config/.
- */
-export function acceptedVariables(): Set<string> {
-  const read = new Set<string>();
-  const recording = (base: Env) =>
-    new Proxy(base, {
-      get(target, name) {
-        if (typeof name === 'string') read.add(name);
-        return target[name as string];
-      },
-    });
-  loadConfig(
-    recording({
-      HELIOS_DATABASE_URL: 'postgres://u@127.0.0.1:5432/db',
-      HELIOS_ETCD_ENDPOINTS: 'http://127.0.0.1:2379',
-      HELIOS_KAFKA_BROKERS: '127.0.0.1:9092',
-    }),
-  );
-  loadCliConfig(recording({}));
-  return new Set([...read].filter((name) => name.startsWith('HELIOS_')));
-}
+/** Every variable the node's and the CLI's config read (src/config/unknown-variables.ts). */
+export const acceptedVariables = settingNames;
 
 /** The commands of the `helios` CLI, from its own usage text (`helios --help`). */
 export function cliCommands(): Set<string> {
