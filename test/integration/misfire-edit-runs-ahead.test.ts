@@ -11,6 +11,7 @@ import { claimRuns } from '../../src/store/runs.js';
 import { dbNow, untilDbTime } from '../support/db-time.js';
 import { nextWholeSecond, oncePerMinuteAt, waitFor } from '../support/execution.js';
 import { integrationFixture, type IntegrationFixture } from '../support/fixture.js';
+import { untilNewEpochWrote } from '../support/late-runs.js';
 import { apiCall } from '../support/node-api.js';
 
 // An edit of `misfire` alone withdraws nothing (the runs made ahead keep waiting for their time
@@ -147,18 +148,7 @@ test(
     await sleep(due.getTime() + THRESHOLD_MS + 1500 - Date.now());
     const leader = await fx.start('edit-2', { ...settings, HELIOS_ROLES: 'scheduler,api' }, { leader: true });
     await leader.node.waitForLog((l) => l.msg === 'became leader', 30_000);
-    await waitFor(
-      'the new epoch’s first write',
-      async () =>
-        (
-          await fx.db.pool.query(
-            'SELECT 1 FROM leader_fence WHERE token > (SELECT max(created_epoch) FROM runs WHERE job_id = $1)',
-            [job.id],
-          )
-        ).rowCount === 1,
-      10_000,
-      50,
-    );
+    await untilNewEpochWrote(fx, job.id);
     await fx.start('edit-3', { ...settings, HELIOS_ROLES: 'worker,api' }, { worker: true });
     await waitFor(
       'the run at due settled',

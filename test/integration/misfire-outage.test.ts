@@ -3,6 +3,7 @@ import { setTimeout as sleep } from 'node:timers/promises';
 import { after, before, test } from 'node:test';
 import { nextWholeSecond, oncePerMinuteAt, waitFor } from '../support/execution.js';
 import { integrationFixture, type IntegrationFixture } from '../support/fixture.js';
+import { untilNewEpochWrote } from '../support/late-runs.js';
 
 // The whole cluster (one node) is killed after the dispatcher created runs ahead, in time, and
 // started again after their occurrences were due by more than the misfire threshold: the jobs'
@@ -67,18 +68,7 @@ test(
       { leader: true },
     );
     await leader.node.waitForLog((l) => l.msg === 'became leader', 30_000);
-    await waitFor(
-      'the new epoch’s first write',
-      async () =>
-        (
-          await fx.db.pool.query(
-            'SELECT 1 FROM leader_fence WHERE token > (SELECT max(created_epoch) FROM runs WHERE job_id = $1)',
-            [skip],
-          )
-        ).rowCount === 1,
-      10_000,
-      50,
-    );
+    await untilNewEpochWrote(fx, skip);
     await fx.start('outage-3', { ...settings, HELIOS_ROLES: 'worker,api' }, { worker: true });
     await sleep(6000);
 

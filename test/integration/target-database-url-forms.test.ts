@@ -9,7 +9,7 @@ import { after, before, test } from 'node:test';
 import pg from 'pg';
 import { loadConfig, startNode, type HeliosNode } from '../../src/index.js';
 import { deniedReason } from '../../src/security/target-policy.js';
-import { attemptsOf, insertJob, waitFor } from '../support/execution.js';
+import { assertRefusedAtExecution } from '../support/refused-target.js';
 import { integrationFixture, type IntegrationFixture } from '../support/fixture.js';
 import { nodeEnvironment } from '../support/processes.js';
 
@@ -74,32 +74,11 @@ test('a node whose connection string names its server in the query refuses that 
   }
 
   // A job stored without the API (or before this check): the worker refuses it, once.
-  const jobId = await insertJob(fx.db.pool, {
+  await assertRefusedAtExecution(fx.db.pool, node.apiUrl, {
     name: 'own-database-stored',
-    schedule: '0 0 1 1 *',
-    target: { url: `http://127.0.0.1:${port}/`, method: 'POST', body: { q: 'x' } },
-    maxAttempts: 3,
-    backoffMs: 100,
-    nextRunAt: new Date(Date.now() + 86_400_000),
+    url: `http://127.0.0.1:${port}/`,
+    what: 'PostgreSQL',
   });
-  const trigger = await fetch(`${node.apiUrl}/api/v1/jobs/${jobId}/trigger`, {
-    method: 'POST',
-    headers: { 'x-helios-client': 'test' },
-  });
-  assert.equal(trigger.status, 202, await trigger.clone().text());
-  const { runId } = (await trigger.json()) as { runId: string };
-  await waitFor('the run to end', async () => {
-    const { rows } = await fx.db.pool.query<{ state: string }>('SELECT state FROM runs WHERE id = $1', [
-      runId,
-    ]);
-    return rows[0]?.state === 'dead' || rows[0]?.state === 'succeeded' ? rows[0].state : null;
-  });
-  const attempts = await attemptsOf(fx.db.pool, runId);
-  assert.deepEqual(
-    attempts.map((a) => [a.outcome, /cluster's own PostgreSQL/.test(a.error ?? '')]),
-    [['failed', true]],
-    `one attempt, refused before any connection: ${JSON.stringify(attempts.map((a) => a.error))}`,
-  );
 });
 
 test('the port in the query, and PGHOST and PGPORT under a connection string without them, are refused too', async () => {

@@ -69,3 +69,23 @@ export async function lateRunsAfterWorker(
   await worker.node.exited;
   return rows;
 }
+
+/**
+ * Resolves once the fence holds a token above every epoch that made a run of job `jobId`: the
+ * leader of a cluster back from an outage has written, so workers started now judge the runs made
+ * before the outage as of an ended epoch (store/runs.ts misfiredAtClaim). Fails after 10 s.
+ */
+export async function untilNewEpochWrote(fx: IntegrationFixture, jobId: string): Promise<void> {
+  await waitFor(
+    'the new epoch’s first write',
+    async () =>
+      (
+        await fx.db.pool.query(
+          'SELECT 1 FROM leader_fence WHERE token > (SELECT max(created_epoch) FROM runs WHERE job_id = $1)',
+          [jobId],
+        )
+      ).rowCount === 1,
+    10_000,
+    50,
+  );
+}
