@@ -23,7 +23,7 @@ const PRUNE_RUNS = `
       ORDER BY k.scheduled_for DESC OFFSET $2 LIMIT 1), '-infinity')) AS upto
     FROM batch b
   ), doomed AS (
-    SELECT bounds.job_id, r.id FROM bounds
+    SELECT r.id FROM bounds
     CROSS JOIN LATERAL (
       SELECT r.id FROM runs r
       WHERE r.job_id = bounds.job_id AND r.scheduled_for <= bounds.upto
@@ -36,10 +36,10 @@ const PRUNE_RUNS = `
   ), deleted AS (
     -- The ids as an array (see PRUNE_OUTBOX): with statistics that counted almost no runs, the
     -- planner joined "id IN (SELECT id FROM doomed)" by scanning every run and the CTE again for each.
-    DELETE FROM runs WHERE id = ANY (ARRAY(SELECT id FROM doomed)) RETURNING 1
+    DELETE FROM runs WHERE id = ANY (ARRAY(SELECT id FROM doomed)) RETURNING job_id
   ), full_job AS (
-    -- The rows of doomed are locked by this statement, so each of them is deleted.
-    SELECT job_id FROM doomed GROUP BY job_id HAVING count(*) >= $5 ORDER BY job_id LIMIT 1
+    -- Counted as deleted, not as doomed: a job whose deletes a trigger skips is not tried for ever.
+    SELECT job_id FROM deleted GROUP BY job_id HAVING count(*) >= $5 ORDER BY job_id LIMIT 1
   )
   SELECT CASE WHEN NOT EXISTS (SELECT 1 FROM full_job) THEN (SELECT max(id::text) FROM batch)
               ELSE coalesce((SELECT max(b.id::text) FROM batch b WHERE b.id < (SELECT job_id FROM full_job)),
