@@ -257,8 +257,16 @@ test('a sweep prunes a busy job down to its newest N, so a job making runs faste
   // Manual triggers (or a catch-up, or a shortened retention) can give one job more finished runs
   // between two sweeps (a minute) than one statement prunes per job: the sweep used to leave the
   // rest to the next sweeps, so a job triggered 10 times a second grew by 100 runs a minute for ever.
-  // Several of each, in no particular id order: a busy job first in a batch, and after others.
+  // Several of each: a busy job first of all jobs (the sweep starts again from the start), the last,
+  // and one among the others.
   const busy = [await job('triggered-1'), await job('triggered-2'), await job('triggered-3')];
+  for (const [i, id] of [
+    '00000000-0000-4000-8000-000000000000',
+    'ffffffff-ffff-4fff-bfff-ffffffffffff',
+  ].entries()) {
+    await db.pool.query(`UPDATE jobs SET id = $2 WHERE id = $1`, [busy[i], id]);
+    busy[i] = id;
+  }
   const quiet = [await job('beside-1'), await job('beside-2'), await job('beside-3')];
   const left: number[][] = [];
   for (let round = 0; round < 3; round += 1) {
