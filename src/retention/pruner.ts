@@ -34,8 +34,9 @@ const RUNS_PER_JOB = 500;
  * produced (a full batch is followed by the next at once, so no sustained rate outgrows it), and
  * finished runs past the retention, beyond each job's newest `keepPerJob`, are swept a few jobs
  * at a time (a job with more than a batch to prune is pruned again before the sweep moves on, so
- * however fast a job makes runs, each sweep leaves it its newest). Every statement is small and locks only the rows it deletes (SKIP LOCKED), so it
- * never competes with dispatch or claims for long. Runs until the signal aborts; never rejects.
+ * however fast a job makes runs, each sweep leaves it its newest). Every statement is small and
+ * locks only the rows it deletes (SKIP LOCKED), so it never competes with dispatch or claims for
+ * long. Runs until the signal aborts; never rejects.
  */
 export class Pruner {
   constructor(private readonly options: PrunerOptions) {
