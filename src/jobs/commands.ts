@@ -181,7 +181,12 @@ export async function deleteJob(db: Database, ref: JobRef): Promise<boolean> {
           deleteFinishedRuns(client, found.id, DELETE_HISTORY_BATCH, after),
         );
         runsDeleted += batch?.deleted ?? 0;
-        if (batch === null || batch.deleted < DELETE_HISTORY_BATCH) break;
+        // Ended when a batch found fewer than it may take, not when it deleted fewer: the leader's
+        // pruner (or a replay) may have taken some of the runs it picked meanwhile, and the job's
+        // cascade below would then take the whole rest of its history in one statement. A batch
+        // that deleted none ends it too: nothing else takes a whole batch (a trigger that skips
+        // the deletes would have it try for ever).
+        if (batch === null || batch.picked < DELETE_HISTORY_BATCH || batch.deleted === 0) break;
         after = batch.last;
       }
       const deleted = await inTransaction(db, (client) => deleteJobRow(client, found.id, ref.name ?? null));

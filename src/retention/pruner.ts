@@ -33,8 +33,10 @@ const RUNS_PER_JOB = 500;
  * The leader's loop that keeps history bounded: published outbox rows go as fast as they are
  * produced (a full batch is followed by the next at once, so no sustained rate outgrows it), and
  * finished runs past the retention, beyond each job's newest `keepPerJob`, are swept a few jobs
- * at a time. Every statement is small and locks only the rows it deletes (SKIP LOCKED), so it
- * never competes with dispatch or claims for long. Runs until the signal aborts; never rejects.
+ * at a time (a job with more than a batch to prune is pruned again before the sweep moves on, so
+ * however fast a job makes runs, each sweep leaves it its newest). Every statement is small and
+ * locks only the rows it deletes (SKIP LOCKED), so it never competes with dispatch or claims for
+ * long. Runs until the signal aborts; never rejects.
  */
 export class Pruner {
   constructor(private readonly options: PrunerOptions) {
@@ -151,7 +153,7 @@ export class Pruner {
     let total = 0;
     let skipped = 0;
     while (!signal.aborted) {
-      let batch: { lastJob: string | null; pruned: number };
+      let batch: { lastJob: string | null; full: boolean; pruned: number };
       try {
         batch = await pruneRuns(session, {
           cutoff,
@@ -178,8 +180,10 @@ export class Pruner {
       }
       total += batch.pruned;
       if (batch.pruned > 0) metrics.pruned.inc({ table: 'runs' }, batch.pruned);
-      // A job with more than RUNS_PER_JOB to prune is finished by the next sweeps.
-      if (batch.lastJob === null) break;
+      // A job with more than RUNS_PER_JOB to prune is tried again before the pass moves past it:
+      // left to the next sweeps (a minute apart), a job given more runs than that a minute (manual
+      // triggers, ten a second) grew for ever.
+      if (batch.lastJob === null && !batch.full) break;
       afterJob = batch.lastJob;
       jobs = Math.min(JOBS_PER_BATCH, jobs * 2);
     }

@@ -138,26 +138,30 @@ export async function listJobs(
 
 /**
  * Deletes up to $2 finished runs of job $1 due after $3 (NULL: from the first), oldest occurrence
- * first (their attempts and dead letters cascade); returns how many went and the last one's
- * occurrence, where the next batch starts (rather than walking again the index entries of every
- * batch before it). The ids come from the (job_id, scheduled_for) unique index and the delete looks
- * them up by primary key (written as `id IN (subquery)`, the planner hashed the batch against a
- * scan of all of `runs`). The state is checked again on each row the delete locks, so a run a
- * replay re-queued meanwhile stays. A batch of 10,000 runs with an attempt each takes ≈165 ms,
- * most of it the cascades' per-row triggers.
+ * first (their attempts and dead letters cascade); returns how many it picked and how many went,
+ * and the last one's occurrence, where the next batch starts (rather than walking again the index
+ * entries of every batch before it). The ids come from the (job_id, scheduled_for) unique index and
+ * the delete looks them up by primary key (written as `id IN (subquery)`, the planner hashed the
+ * batch against a scan of all of `runs`). The state is checked again on each row the delete locks,
+ * so a run a replay re-queued meanwhile stays. A batch of 10,000 runs with an attempt each takes
+ * ≈165 ms, most of it the cascades' per-row triggers.
  */
 const DELETE_FINISHED_RUNS = `
-  WITH gone AS (
+  WITH picked AS (
+    SELECT ARRAY(
+      SELECT id FROM runs
+      WHERE job_id = $1 AND ($3::timestamptz IS NULL OR scheduled_for > $3)
+        AND state IN ('succeeded', 'failed', 'dead', 'skipped')
+      ORDER BY scheduled_for
+      LIMIT $2) AS ids
+  ), gone AS (
     DELETE FROM runs
-    WHERE id = ANY (ARRAY(
-        SELECT id FROM runs
-        WHERE job_id = $1 AND ($3::timestamptz IS NULL OR scheduled_for > $3)
-          AND state IN ('succeeded', 'failed', 'dead', 'skipped')
-        ORDER BY scheduled_for
-        LIMIT $2))
+    WHERE id = ANY ((SELECT ids FROM picked)::uuid[])
       AND state IN ('succeeded', 'failed', 'dead', 'skipped')
     RETURNING scheduled_for)
-  SELECT count(*)::int AS deleted, max(scheduled_for) AS last FROM gone`;
+  SELECT (SELECT cardinality(ids) FROM picked) AS picked, count(*)::int AS deleted,
+         max(scheduled_for) AS last
+  FROM gone`;
 
 /**
  * Deletes up to `limit` finished runs of a job due after `after`, inside the caller's transaction
@@ -170,15 +174,14 @@ export async function deleteFinishedRuns(
   jobId: string,
   limit: number,
   after: Date | null,
-): Promise<{ deleted: number; last: Date | null } | null> {
+): Promise<{ picked: number; deleted: number; last: Date | null } | null> {
   return lockYielding(db, async () => {
     const job = await db.query(`SELECT 1 FROM jobs WHERE id = $1 FOR UPDATE`, [jobId]);
     if (job.rowCount === 0) return null;
-    const { rows } = await db.query<{ deleted: number; last: Date | null }>(DELETE_FINISHED_RUNS, [
-      jobId,
-      limit,
-      after,
-    ]);
+    const { rows } = await db.query<{ picked: number; deleted: number; last: Date | null }>(
+      DELETE_FINISHED_RUNS,
+      [jobId, limit, after],
+    );
     return rows[0]!;
   });
 }

@@ -9,7 +9,10 @@ import type { Queryable } from './db.js';
  * are older than the cutoff $1 and not among their job's newest $2 runs, at most $5 per job. A
  * dead run whose dead letter is still open is kept: the operator has not dealt with it. Uses the
  * (job_id, scheduled_for) unique index per job, so no extra index on `runs` is needed.
- * Returns the last job id of the batch (the next cursor) and how many runs went.
+ * Returns how many runs went, whether a job came back full ($5 runs: it may have more), and the
+ * next cursor, the last job all of whose runs past the retention were tried: the last of the batch
+ * when none came back full (NULL when the batch was empty), else the last before the first full
+ * one ($3 when that one was first), so the next batch starts again at the full job.
  */
 const PRUNE_RUNS = `
   WITH batch AS (
@@ -33,15 +36,22 @@ const PRUNE_RUNS = `
   ), deleted AS (
     -- The ids as an array (see PRUNE_OUTBOX): with statistics that counted almost no runs, the
     -- planner joined "id IN (SELECT id FROM doomed)" by scanning every run and the CTE again for each.
-    DELETE FROM runs WHERE id = ANY (ARRAY(SELECT id FROM doomed)) RETURNING 1
+    DELETE FROM runs WHERE id = ANY (ARRAY(SELECT id FROM doomed)) RETURNING job_id
+  ), full_job AS (
+    -- Counted as deleted, not as doomed: a job whose deletes a trigger skips is not tried for ever.
+    SELECT job_id FROM deleted GROUP BY job_id HAVING count(*) >= $5 ORDER BY job_id LIMIT 1
   )
-  SELECT (SELECT max(id::text) FROM batch) AS "lastJob", (SELECT count(*)::int FROM deleted) AS pruned`;
+  SELECT CASE WHEN NOT EXISTS (SELECT 1 FROM full_job) THEN (SELECT max(id::text) FROM batch)
+              ELSE coalesce((SELECT max(b.id::text) FROM batch b WHERE b.id < (SELECT job_id FROM full_job)),
+                            $3::uuid::text) END AS "lastJob",
+         EXISTS (SELECT 1 FROM full_job) AS full,
+         (SELECT count(*)::int FROM deleted) AS pruned`;
 
 export async function pruneRuns(
   db: Queryable,
   options: { cutoff: Date; keepPerJob: number; afterJob: string | null; jobs: number; perJob: number },
-): Promise<{ lastJob: string | null; pruned: number }> {
-  const { rows } = await db.query<{ lastJob: string | null; pruned: number }>(PRUNE_RUNS, [
+): Promise<{ lastJob: string | null; full: boolean; pruned: number }> {
+  const { rows } = await db.query<{ lastJob: string | null; full: boolean; pruned: number }>(PRUNE_RUNS, [
     options.cutoff,
     options.keepPerJob,
     options.afterJob,

@@ -4,6 +4,7 @@ import pg from 'pg';
 import { DELETE_HISTORY_BATCH } from '../../src/jobs/commands.js';
 import { replayDeadLetter } from '../../src/store/dead-letters.js';
 import { jobBody, startTestApi, type TestApi } from '../support/api.js';
+import { untilWaitingForLocks } from '../support/execution.js';
 
 // DELETE /jobs/{id} deletes a job's history in batches before the job (jobs/commands.ts deleteJob):
 // its interleavings with a dead-letter replay and with a rename.
@@ -186,4 +187,58 @@ test('DELETE /jobs/{name} deletes the job of that name, not one renamed while it
       (status === 404 && byOldName === 200 && byNewName === 200),
     `DELETE /jobs/delete-by-name answered ${status}; then GET /jobs/delete-by-name ${byOldName}, GET /jobs/renamed-meanwhile ${byNewName}`,
   );
+});
+
+test("a prune racing DELETE /jobs/{id} does not cut the delete's history batches short", async () => {
+  // The leader's pruner deletes a job's oldest finished runs, the very ones a delete's first history
+  // batch picks. A batch that found some gone (the pruner's, committed while the batch waited for
+  // their rows) deleted fewer than a batch, and the delete took that for the end of the history:
+  // the job row's cascade then took every run left in one statement, the one the batches keep
+  // within the statement timeout (an every-second job kept 30 days has 2.6M).
+  const jobId = await createJob('prune-vs-delete');
+  const history = DELETE_HISTORY_BATCH * 2 + 500;
+  await finishedRuns(jobId, history, 'succeeded', 10);
+  const db = api.db.pool;
+  // Counts the runs each statement deleted, cascades included (a cascade is one statement).
+  await db.query(`CREATE TABLE deleted_runs_by_statement (n int)`);
+  await db.query(`CREATE FUNCTION count_deleted() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN INSERT INTO deleted_runs_by_statement SELECT count(*) FROM gone; RETURN NULL; END $$`);
+  await db.query(`CREATE TRIGGER count_deleted AFTER DELETE ON runs REFERENCING OLD TABLE AS gone
+    FOR EACH STATEMENT EXECUTE FUNCTION count_deleted()`);
+  // The pruner's statement, in flight: it holds the job's oldest run until the batch waits for it.
+  const pruner = new pg.Client({ connectionString: api.db.url });
+  await pruner.connect();
+  let pruned: Promise<void> | undefined;
+  const unhook = beforeStatement(/WITH gone AS/, async () => {
+    if (pruned) return;
+    await pruner.query('BEGIN');
+    await pruner.query(
+      `DELETE FROM runs WHERE id = (SELECT id FROM runs WHERE job_id = $1 ORDER BY scheduled_for LIMIT 1)`,
+      [jobId],
+    );
+    pruned = (async () => {
+      await untilWaitingForLocks(db, { fragment: 'WITH gone AS', everyMs: 1 });
+      await pruner.query('COMMIT');
+    })();
+  });
+  try {
+    const deleted = await api.call('DELETE', `/api/v1/jobs/${jobId}`);
+    assert.equal(deleted.status, 204, deleted.text);
+    await pruned;
+    const { rows } = await db.query<{ n: number }>(`SELECT n FROM deleted_runs_by_statement WHERE n > 0`);
+    const perStatement = rows.map((r) => r.n);
+    assert.equal(
+      perStatement.reduce((a, b) => a + b, 0),
+      history,
+      'every run of the job was deleted, once',
+    );
+    assert.ok(
+      perStatement.every((n) => n <= DELETE_HISTORY_BATCH),
+      `runs deleted per statement: ${perStatement.join(', ')}`,
+    );
+  } finally {
+    unhook();
+    await pruner.end();
+    await db.query('DROP TABLE deleted_runs_by_statement; DROP FUNCTION count_deleted CASCADE');
+  }
 });

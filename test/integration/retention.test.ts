@@ -251,6 +251,45 @@ test('passes that cannot reach PostgreSQL are counted as failed', async (t) => {
   });
 });
 
+test('a sweep prunes a busy job down to its newest N, so a job making runs faster than a batch a minute stays bounded', async () => {
+  // Last in the file: the fourth test counts every run its sweep prunes, and the first test left one
+  // that falls past the retention a second after it was made; this test's sweeps take about that long.
+  // Manual triggers (or a catch-up, or a shortened retention) can give one job more finished runs
+  // between two sweeps (a minute) than one statement prunes per job: the sweep used to leave the
+  // rest to the next sweeps, so a job triggered 10 times a second grew by 100 runs a minute for ever.
+  // Several of each: a busy job first of all jobs (the sweep starts again from the start), the last,
+  // and one among the others.
+  const busy = [await job('triggered-1'), await job('triggered-2'), await job('triggered-3')];
+  for (const [i, id] of [
+    '00000000-0000-4000-8000-000000000000',
+    'ffffffff-ffff-4fff-bfff-ffffffffffff',
+  ].entries()) {
+    await db.pool.query(`UPDATE jobs SET id = $2 WHERE id = $1`, [busy[i], id]);
+    busy[i] = id;
+  }
+  const quiet = [await job('beside-1'), await job('beside-2'), await job('beside-3')];
+  const left: number[][] = [];
+  for (let round = 0; round < 3; round += 1) {
+    for (const id of busy)
+      await db.pool.query(
+        `INSERT INTO runs (job_id, scheduled_for, trigger, state, attempt, max_attempts, target, timeout_ms,
+                         backoff_ms, backoff_multiplier, not_before, finished_at)
+       SELECT $1, t, 'manual', 'succeeded', 1, 3, '{"url":"http://127.0.0.1:9/"}', 1000, 0, 2, t, t + interval '1 second'
+       FROM (SELECT now() - interval '40 days' + ($2 * 1200 + i) * interval '100 milliseconds' AS t
+             FROM generate_series(0, 1199) i) s`,
+        [id, round],
+      );
+    for (const id of quiet) await history(id, 10, 100 + 20 * round);
+    await pruner().sweepRuns();
+    left.push(await Promise.all([...busy, ...quiet].map(async (id) => (await runsOfJob(id)).n)));
+  }
+  assert.deepEqual(
+    left,
+    [0, 1, 2].map(() => [3, 3, 3, 3, 3, 3]),
+    'after each sweep, each job keeps its newest 3',
+  );
+});
+
 /** helios_prune_passes_total by "table result", as a scrape shows it. */
 async function passCounts(metrics: ReturnType<typeof createMetrics>): Promise<Record<string, number>> {
   const scrape = parseMetrics(await metrics.registry.metrics());
