@@ -251,6 +251,43 @@ test('passes that cannot reach PostgreSQL are counted as failed', async (t) => {
   });
 });
 
+test('a long sweep of runs keeps pruning the outbox meanwhile', async (t) => {
+  // A sweep prunes a job with more than a batch of runs again before it moves on, so the first
+  // sweeps after the retention was shortened run long; the outbox passes the loop makes between
+  // sweeps waited for it, and the outbox grew by every run dispatched meanwhile. Here each delete of
+  // runs takes 200 ms (a statement trigger), the sweep three batches of one job.
+  const id = await job('long-sweep');
+  await db.pool.query(
+    `INSERT INTO runs (job_id, scheduled_for, trigger, state, attempt, max_attempts, target, timeout_ms,
+                       backoff_ms, backoff_multiplier, not_before, finished_at)
+     SELECT $1, t, 'manual', 'succeeded', 1, 3, '{"url":"http://127.0.0.1:9/"}', 1000, 0, 2, t, t + interval '1 second'
+     FROM (SELECT now() - interval '40 days' + i * interval '1 second' AS t FROM generate_series(0, 1199) i) s`,
+    [id],
+  );
+  await db.pool.query(
+    `INSERT INTO outbox (topic, key, payload, published_at)
+     SELECT 't', 'old', '{}', now() - interval '11 minutes' FROM generate_series(1, 100)`,
+  );
+  await db.pool.query(`CREATE FUNCTION slow_prune() RETURNS trigger LANGUAGE plpgsql AS $$
+      BEGIN PERFORM pg_sleep(0.2); RETURN NULL; END $$;
+    CREATE TRIGGER slow_prune AFTER DELETE ON runs FOR EACH STATEMENT EXECUTE FUNCTION slow_prune()`);
+  t.after(() => db.pool.query('DROP TRIGGER slow_prune ON runs; DROP FUNCTION slow_prune()'));
+  const sweeper = new Pruner({
+    pool: db.pool,
+    signal: new AbortController().signal,
+    retention: { runsMs: 30 * DAY, keepPerJob: 3, outboxMs: 600_000 },
+    intervalMs: 100,
+    logger: silentLogger,
+    metrics: createMetrics('retention-test'),
+  });
+  await sweeper.sweepRuns();
+  assert.equal((await runsOfJob(id)).n, 3, 'the sweep pruned the job to its newest 3');
+  const { rows } = await db.pool.query<{ n: number }>(
+    `SELECT count(*)::int AS n FROM outbox WHERE key = 'old'`,
+  );
+  assert.equal(rows[0]!.n, 0, 'published outbox rows past their retention left while the sweep ran');
+});
+
 test('a sweep prunes a busy job down to its newest N, so a job making runs faster than a batch a minute stays bounded', async () => {
   // Last in the file: the fourth test counts every run its sweep prunes, and the first test left one
   // that falls past the retention a second after it was made; this test's sweeps take about that long.
