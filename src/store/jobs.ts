@@ -293,6 +293,13 @@ const LOCK_FUTURE_RUNS = `
   ORDER BY id
   FOR UPDATE`;
 
+/** Locks job $1's runs LOCK_FUTURE_RUNS takes, yielding to a worker's batch (lockYielding). */
+async function lockFutureRuns(db: DbClient, jobId: string): Promise<void> {
+  await lockYielding(db, async () => {
+    await db.query(LOCK_FUTURE_RUNS, [jobId]);
+  });
+}
+
 const WITHDRAW_FUTURE_RUNS = `
   WITH line AS (
     SELECT statement_timestamp() AS boundary
@@ -312,9 +319,7 @@ export interface Withdrawal {
 
 /** Call inside the command's transaction (the locks hold until it ends). */
 export async function withdrawFutureRuns(db: DbClient, jobId: string): Promise<Withdrawal> {
-  await lockYielding(db, async () => {
-    await db.query(LOCK_FUTURE_RUNS, [jobId]);
-  });
+  await lockFutureRuns(db, jobId);
   const { rows } = await db.query<Withdrawal>(WITHDRAW_FUTURE_RUNS, [jobId]);
   return rows[0]!;
 }
@@ -346,9 +351,7 @@ const RECOPY_MISFIRE = `
  * Returns the line it drew.
  */
 export async function recopyMisfire(db: DbClient, jobId: string, misfire: MisfirePolicy): Promise<Date> {
-  await lockYielding(db, async () => {
-    await db.query(LOCK_FUTURE_RUNS, [jobId]);
-  });
+  await lockFutureRuns(db, jobId);
   const { rows } = await db.query<{ boundary: Date }>(RECOPY_MISFIRE, [jobId, misfire]);
   return rows[0]!.boundary;
 }
