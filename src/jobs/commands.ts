@@ -18,6 +18,7 @@ import {
   type JobFields,
   type JobRecord,
   type JobRef,
+  type Withdrawal,
 } from '../store/jobs.js';
 import { createManualRun } from '../store/manual-run.js';
 import { createDueRuns } from './due-occurrences.js';
@@ -108,16 +109,17 @@ export async function patchJob(
       (fields.enabled && !current.enabled);
     const withdraw =
       current.enabled && (!fields.enabled || reschedule || runSnapshotChanged(current, fields));
-    // A withdrawal draws the line itself (see withdrawFutureRuns); otherwise the clock does.
-    const { boundary, earliest } = withdraw
-      ? await withdrawFutureRuns(client, current.id)
-      : { boundary: await databaseClock(client), earliest: null };
+    // A withdrawal draws the line itself (see withdrawFutureRuns), and so does a new misfire policy
+    // given to the runs made ahead, which are not withdrawn (recopyMisfire: what falls due after
+    // the line follows it); otherwise the clock does.
+    let line: Withdrawal;
+    if (withdraw) line = await withdrawFutureRuns(client, current.id);
+    else if (fields.misfire !== current.misfire)
+      line = { boundary: await recopyMisfire(client, current.id, fields.misfire), earliest: null };
+    else line = { boundary: await databaseClock(client), earliest: null };
+    const { boundary, earliest } = line;
     // What fell due before this edit runs as the job was defined then.
     let nextRunAt = await createDueRuns(client, current, boundary, options);
-    // What falls due after it and was made ahead (not withdrawn) follows the new misfire policy.
-    if (!withdraw && fields.misfire !== current.misfire) {
-      await recopyMisfire(client, current.id, fields.misfire, boundary);
-    }
     if (reschedule) nextRunAt = schedule.next(boundary);
     // Same schedule, new snapshot: the withdrawn occurrences are created again, from the new definition.
     if (fields.enabled && !reschedule && earliest && (nextRunAt === null || earliest < nextRunAt)) {

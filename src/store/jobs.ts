@@ -296,6 +296,13 @@ const LOCK_FUTURE_RUNS = `
   ORDER BY id
   FOR UPDATE`;
 
+/** Locks job $1's runs LOCK_FUTURE_RUNS takes, yielding to a worker's batch (lockYielding). */
+async function lockFutureRuns(db: DbClient, jobId: string): Promise<void> {
+  await lockYielding(db, async () => {
+    await db.query(LOCK_FUTURE_RUNS, [jobId]);
+  });
+}
+
 const WITHDRAW_FUTURE_RUNS = `
   WITH line AS (
     SELECT statement_timestamp() AS boundary
@@ -315,36 +322,41 @@ export interface Withdrawal {
 
 /** Call inside the command's transaction (the locks hold until it ends). */
 export async function withdrawFutureRuns(db: DbClient, jobId: string): Promise<Withdrawal> {
-  await lockYielding(db, async () => {
-    await db.query(LOCK_FUTURE_RUNS, [jobId]);
-  });
+  await lockFutureRuns(db, jobId);
   const { rows } = await db.query<Withdrawal>(WITHDRAW_FUTURE_RUNS, [jobId]);
   return rows[0]!;
 }
 
 /**
- * Gives job $1's runs of occurrences after $3 (a command's line) whose call has not begun, as
- * WITHDRAW_FUTURE_RUNS takes them, the job's new misfire policy $2 in their copy (runs.misfire).
- * The workers judge a run left unclaimed through an outage by that copy (runs.ts misfiredAtClaim),
- * and an occurrence falling due after the edit follows the job as it is then: kept as it was, a
- * `skip` job edited to `fire-all` dropped the runs made ahead for its next seconds. An edit of the
- * policy alone withdraws nothing (dispatch.ts COPIED_COLUMNS), hence the copy is changed in place.
+ * Gives job $1's runs of occurrences after this statement's start (the command's line, `boundary`)
+ * whose call has not begun, as WITHDRAW_FUTURE_RUNS takes them, the job's new misfire policy $2 in
+ * their copy (runs.misfire). The workers judge a run left unclaimed through an outage by that copy
+ * (runs.ts misfiredAtClaim), and an occurrence falling due after the edit follows the job as it is
+ * then: kept as it was, a `skip` job edited to `fire-all` dropped the runs made ahead for its next
+ * seconds. An edit of the policy alone withdraws nothing (dispatch.ts COPIED_COLUMNS), hence the
+ * copy is changed in place. The line is read once every run it may take is locked
+ * (LOCK_FUTURE_RUNS first), as for a withdrawal: drawn before that wait, later occurrences fell
+ * due meanwhile and a worker dropped them by the old copy, while an earlier one whose row was held
+ * got the new copy and fired (test/integration/misfire-edit-line-vs-lock-wait.test.ts).
  */
 const RECOPY_MISFIRE = `
-  UPDATE runs SET misfire = $2
-  WHERE job_id = $1 AND trigger = 'schedule' AND scheduled_for > $3
-    AND state IN ('queued', 'running') AND started_at IS NULL AND misfire IS DISTINCT FROM $2`;
+  WITH line AS (
+    SELECT statement_timestamp() AS boundary
+  ), recopied AS (
+    UPDATE runs SET misfire = $2
+    WHERE job_id = $1 AND trigger = 'schedule' AND scheduled_for > (SELECT boundary FROM line)
+      AND state IN ('queued', 'running') AND started_at IS NULL AND misfire IS DISTINCT FROM $2
+  )
+  SELECT boundary FROM line`;
 
-/** Call inside the command's transaction, the job locked; yields to a worker's batch (lockYielding). */
-export async function recopyMisfire(
-  db: DbClient,
-  jobId: string,
-  misfire: MisfirePolicy,
-  line: Date,
-): Promise<void> {
-  await lockYielding(db, async () => {
-    await db.query(RECOPY_MISFIRE, [jobId, misfire, line]);
-  });
+/**
+ * Call inside the command's transaction, the job locked; yields to a worker's batch (lockYielding).
+ * Returns the line it drew.
+ */
+export async function recopyMisfire(db: DbClient, jobId: string, misfire: MisfirePolicy): Promise<Date> {
+  await lockFutureRuns(db, jobId);
+  const { rows } = await db.query<{ boundary: Date }>(RECOPY_MISFIRE, [jobId, misfire]);
+  return rows[0]!.boundary;
 }
 
 /** True when runs created from `after` would differ from runs created from `before`. */
