@@ -78,8 +78,6 @@ export class Nemesis {
       id: job.id,
       name: plan.name,
       role: plan.role,
-      misfire: plan.misfire,
-      maxCatchUp: plan.maxCatchUp,
       versions: [
         {
           from0: call.sentAt,
@@ -88,6 +86,8 @@ export class Nemesis {
           enabled: true,
           schedule: plan.schedule,
           targetPath: plan.path,
+          misfire: plan.misfire,
+          maxCatchUp: plan.maxCatchUp,
           cause: 'create',
         },
       ],
