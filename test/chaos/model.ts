@@ -105,11 +105,11 @@ export function lateRunsAllowed(policy: MisfirePolicy): number {
   return policy.misfire === 'skip' ? 0 : policy.misfire === 'fire-once' ? 1 : policy.maxCatchUp;
 }
 
-/** Policies for messages: `fire-once`, `fire-all 2`, `skip or fire-all 2`. */
+/** Policies for messages: `fire-once`, `fire-all 2`, `skip or fire-all 2` (any maxCatchUp: `fire-all`). */
 export function describePolicies(policies: readonly MisfirePolicy[]): string {
-  return policies
-    .map((p) => (p.misfire === 'fire-all' ? `fire-all ${p.maxCatchUp}` : p.misfire))
-    .join(' or ');
+  const one = (p: MisfirePolicy) =>
+    p.misfire === 'fire-all' && Number.isFinite(p.maxCatchUp) ? `fire-all ${p.maxCatchUp}` : p.misfire;
+  return policies.map(one).join(' or ');
 }
 
 function shouldRun(version: JobVersion | null, at: number): boolean {
