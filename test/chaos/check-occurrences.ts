@@ -5,7 +5,16 @@
  */
 import { leaderEpochs } from './check-leaders.js';
 import { arrivalDeadline } from './check-runs.js';
-import { expectations, whyNot, type JobHistory, type JobVersion } from './model.js';
+import {
+  describePolicies,
+  distinctPolicies,
+  expectations,
+  lateRunsAllowed,
+  misfirePolicies,
+  whyNot,
+  type JobHistory,
+  type JobVersion,
+} from './model.js';
 import {
   faultNodes,
   groupBy,
@@ -190,7 +199,8 @@ export function checkOccurrences(observed: Observations): Findings {
       if (run && !inDatabase.has(run.id)) return false;
       return run?.reason === 'concurrency-forbid' || run?.reason === 'replaced';
     };
-    const label = (at: number) => `${job.name} (${job.role}, ${job.misfire}) at ${iso(at)}`;
+    const label = (at: number) =>
+      `${job.name} (${job.role}, ${describePolicies(misfirePolicies(job, at, obs.settings.opToleranceMs))}) at ${iso(at)}`;
     const excusedMisses: number[] = [];
     const deletedSentAt = obs.ops.find(
       (o) => o.kind === 'delete' && o.jobId === job.id && o.outcome === 'ok',
@@ -280,20 +290,26 @@ export function checkOccurrences(observed: Observations): Findings {
  * is gone then, which the workers read), skipped more than the threshold after it was due (or made,
  * for a catch-up's run), of a `skip` job, or of a `fire-once` job with a later occurrence late
  * too (a run due more than the threshold before the skip, or one the dispatcher or a command
- * created late: the latest missed, which fires), and near a fault: without one no worker should
- * have come that late.
+ * created late: the latest missed, which fires, unless `skip` then), and near a fault: without one
+ * no worker should have come that late. The policy is the one in force when the run fell due (a
+ * worker judges the run's copy, which an edit of the policy changes for the occurrences after it);
+ * within an edit's tolerance either policy may judge it.
  */
 export function checkMisfireSkips(obs: Observations, runsByJob: Map<string, RunRow[]>): string[] {
   const problems: string[] = [];
   const threshold = obs.settings.misfireThresholdMs;
   const jobs = new Map(obs.jobs.map((j) => [j.id, j]));
   const epochs = leaderEpochs(obs.processes);
+  const tolerance = obs.settings.opToleranceMs;
   for (const run of obs.runs) {
     const job = jobs.get(run.jobId);
     if (run.state !== 'skipped' || run.reason !== 'misfire' || !job) continue;
     const at = run.finishedAt ?? run.scheduledFor;
-    const label = `${job.name} (${job.misfire}): run ${run.id} due ${iso(run.scheduledFor)} skipped at ${iso(at)}`;
-    if (job.misfire === 'fire-all') problems.push(`${label}, though fire-all fires every missed occurrence`);
+    const inForce = misfirePolicies(job, run.scheduledFor, tolerance);
+    const policies = inForce.map((p) => p.misfire);
+    const label = `${job.name} (${describePolicies(inForce)}): run ${run.id} due ${iso(run.scheduledFor)} skipped at ${iso(at)}`;
+    if (policies.every((p) => p === 'fire-all'))
+      problems.push(`${label}, though fire-all fires every missed occurrence`);
     if (run.trigger !== 'schedule' || run.attempt > 0)
       problems.push(`${label}, a ${run.trigger} run after ${run.attempt} attempts: it was owed`);
 
@@ -324,12 +340,14 @@ export function checkMisfireSkips(obs: Observations, runsByJob: Map<string, RunR
     if (at - since < threshold - LATE_FUZZ_MS)
       problems.push(`${label}, ${at - since} ms after it was due or made: under the threshold`);
     if (
-      job.misfire === 'fire-once' &&
+      policies.includes('fire-once') &&
+      !policies.includes('skip') &&
       !(runsByJob.get(run.jobId) ?? []).some(
         (o) =>
           o.scheduledFor > run.scheduledFor &&
           (o.scheduledFor < at - threshold + LATE_FUZZ_MS ||
-            o.createdAt - o.scheduledFor > threshold - LATE_FUZZ_MS),
+            o.createdAt - o.scheduledFor > threshold - LATE_FUZZ_MS) &&
+          misfirePolicies(job, o.scheduledFor, tolerance).some((p) => p.misfire !== 'skip'),
       )
     )
       problems.push(`${label}, with no later late occurrence to fire in its place`);
@@ -341,7 +359,10 @@ export function checkMisfireSkips(obs: Observations, runsByJob: Map<string, RunR
 
 /**
  * After the dispatcher was away longer than the threshold: `skip` creates no late run, `fire-once`
- * at most one per pass (and one after a gap it missed), `fire-all` at most maxCatchUp per pass.
+ * at most one per pass (and one after a gap it missed), `fire-all` at most maxCatchUp per pass. By
+ * the policy in force when the occurrences fell due: a command catches up to its line by the old
+ * policy (createDueRuns; its runs carry no epoch) and the dispatcher then goes on from there by
+ * the new, so one pass applies one policy, which must be one in force at each run it made late.
  */
 function checkMisfirePolicy(
   job: JobHistory,
@@ -350,24 +371,33 @@ function checkMisfirePolicy(
   obs: Observations,
 ): string[] {
   const problems: string[] = [];
+  const policiesAt = (at: number) => misfirePolicies(job, at, obs.settings.opToleranceMs);
   const late = runs.filter((r) => r.createdEpoch !== null && isLate(r, obs));
-  const allowed = job.misfire === 'skip' ? 0 : job.misfire === 'fire-once' ? 1 : job.maxCatchUp;
   for (const [createdAt, group] of groupBy(late, (r) => r.createdAt)) {
+    // Each run allows the pass at most what the most lenient policy in force at it allows.
+    const allowed = Math.min(
+      ...group.map((r) => Math.max(...policiesAt(r.scheduledFor).map(lateRunsAllowed))),
+    );
     if (group.length > allowed)
       problems.push(
-        `${job.name} (${job.misfire}${job.misfire === 'fire-all' ? ` ${job.maxCatchUp}` : ''}): one pass at ` +
+        `${job.name} (${describePolicies(distinctPolicies(group.flatMap((r) => policiesAt(r.scheduledFor))))}): one pass at ` +
           `${iso(createdAt)} created ${group.length} late runs (${group.map((r) => iso(r.scheduledFor)).join(', ')})`,
       );
   }
-  if (allowed > 0 && excusedMisses.length > 0) {
-    // The occurrences fired late after a gap are those right after the dropped ones.
+  if (excusedMisses.length > 0) {
+    // The occurrences fired late after a gap are those right after the dropped ones, unless the
+    // last one dropped may have been `skip`'s.
     const last = Math.max(...excusedMisses);
     const after = runs
       .filter((r) => r.scheduledFor > last)
       .sort((a, b) => a.scheduledFor - b.scheduledFor)[0];
-    if (after && !(after.createdAt - after.scheduledFor > obs.settings.misfireThresholdMs - LATE_FUZZ_MS))
+    if (
+      policiesAt(last).every((p) => lateRunsAllowed(p) > 0) &&
+      after &&
+      !(after.createdAt - after.scheduledFor > obs.settings.misfireThresholdMs - LATE_FUZZ_MS)
+    )
       problems.push(
-        `${job.name} (${job.misfire}): occurrences up to ${iso(last)} were dropped but none was fired late ` +
+        `${job.name} (${describePolicies(policiesAt(last))}): occurrences up to ${iso(last)} were dropped but none was fired late ` +
           `(next run ${iso(after.scheduledFor)} created on time)`,
       );
   }

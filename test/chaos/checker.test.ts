@@ -7,7 +7,7 @@
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
 import { judge } from './checker.js';
-import type { JobHistory } from './model.js';
+import type { JobHistory, Misfire } from './model.js';
 import {
   withRunsReadBeforeDeletes,
   type AttemptRow,
@@ -25,8 +25,6 @@ function job(id: string, role: JobHistory['role'], schedule = '* * * * * *'): Jo
     id,
     name: id,
     role,
-    misfire: 'fire-once',
-    maxCatchUp: 100,
     versions: [
       {
         from0: sec(0),
@@ -35,6 +33,8 @@ function job(id: string, role: JobHistory['role'], schedule = '* * * * * *'): Jo
         enabled: true,
         schedule,
         targetPath: `/ok/${id}/v0`,
+        misfire: 'fire-once',
+        maxCatchUp: 100,
         cause: 'create',
       },
     ],
@@ -85,6 +85,11 @@ function delivery(r: RunRow, attempt = 1, at = r.scheduledFor + 5): Delivery {
     endedAt: at + 100,
     status: 200,
   };
+}
+
+/** The job with `misfire` in every version (as if created so). */
+function withMisfire(j: JobHistory, misfire: Misfire, maxCatchUp = 100): JobHistory {
+  return { ...j, versions: j.versions.map((v) => ({ ...v, misfire, maxCatchUp })) };
 }
 
 function leaderLog(name: string, pid: number, token: number, from: number, to?: number): ProcessView {
@@ -632,11 +637,11 @@ test('misfires a worker skipped at its claim: allowed late, near a fault, by ski
     /3 misfire skips at a claim not allowed:\n.*s1 \(fire-once\): run s1-12 .* with no fault near/,
   );
   assert.match(
-    misfiresSkipped((obs) => (obs.jobs[0] = { ...obs.jobs[0]!, misfire: 'fire-all' })),
+    misfiresSkipped((obs) => (obs.jobs[0] = withMisfire(obs.jobs[0]!, 'fire-all'))),
     /though fire-all fires every missed occurrence/,
   );
   assert.equal(
-    misfiresSkipped((obs) => (obs.jobs[0] = { ...obs.jobs[0]!, misfire: 'skip' })),
+    misfiresSkipped((obs) => (obs.jobs[0] = withMisfire(obs.jobs[0]!, 'skip'))),
     '',
     'skip drops every late occurrence',
   );
@@ -748,7 +753,7 @@ test('misfires a worker skipped at its claim: allowed late, near a fault, by ski
   // Counted as a forbid skip it would be "skipped with no other run active".
   assert.doesNotMatch(
     misfiresSkipped((obs) => {
-      obs.jobs[0] = { ...obs.jobs[0]!, role: 'forbid', misfire: 'skip' };
+      obs.jobs[0] = { ...withMisfire(obs.jobs[0]!, 'skip'), role: 'forbid' };
       obs.runs.forEach((r, i) => (obs.runs[i] = { ...r, concurrency: 'forbid' }));
     }),
     reported,
@@ -803,6 +808,149 @@ test("a deleted job's misfires skipped at a claim are judged from its runs read 
   assert.deepEqual(withRunsReadBeforeDeletes([], [next!, { ...next!, state: 'skipped' }]), [
     { ...next!, state: 'skipped' },
   ]);
+});
+
+/**
+ * Job s1's misfire policy edited to `misfire` by a PATCH sent at `sent` s and answered at `answered`
+ * s, recorded as the nemesis records it: in force from some instant in between.
+ */
+function editMisfire(obs: Crafted, misfire: Misfire, sent: number, answered: number, maxCatchUp = 100): void {
+  const s1 = obs.jobs[0]!;
+  s1.versions.push({
+    ...s1.versions.at(-1)!,
+    misfire,
+    maxCatchUp,
+    from0: sec(sent),
+    from1: sec(answered),
+    cause: `patch-misfire at ${new Date(sec(sent)).toISOString()}`,
+  });
+}
+
+test('a misfire skipped at a claim is judged by the policy in force when it fell due: before, inside and after an edit of it', () => {
+  // skip → fire-all: a skipped run due after the edit was answered was owed (commit 979b395: runs
+  // made ahead kept the old policy); due before it was sent, skip's to drop; within the edit's
+  // tolerance (0.5 s) either.
+  const toFireAll = (sent: number, answered: number) =>
+    misfiresSkipped((obs) => {
+      obs.jobs[0] = withMisfire(obs.jobs[0]!, 'skip');
+      editMisfire(obs, 'fire-all', sent, answered, 2);
+    });
+  assert.match(
+    toFireAll(10, 11.2),
+    /3 misfire skips at a claim not allowed:\n.*s1 \(fire-all 2\): run s1-12 .*though fire-all fires every missed occurrence/,
+  );
+  assert.equal(toFireAll(15, 15.2), '');
+  // In flight from 12.8 to 13.2 s: 12 s was skip's, 13 s either's, 14 s fire-all's.
+  assert.match(
+    toFireAll(12.8, 13.2),
+    /1 misfire skips at a claim not allowed:\n.*s1 \(fire-all 2\): run s1-14 .*though fire-all fires every missed occurrence/,
+  );
+  // An edit that got no answer, sent at 11 s, may have set any policy: from it on nothing is judged.
+  assert.equal(
+    misfiresSkipped(
+      (obs) => (obs.jobs[0] = { ...withMisfire(obs.jobs[0]!, 'fire-all'), uncertainFrom: sec(11) }),
+    ),
+    '',
+  );
+  // fire-once → skip between 14 and 15 s (a tolerance of 0.5 s leaves no whole second between two
+  // that are clear of it: 200 ms here): the 15 s run, now skip's, fires in no one's place, so the
+  // 14 s run was the latest late fire-once occurrence and owed (12 and 13 s were not: 14 s was late).
+  const toSkip = (sent: number, answered: number) =>
+    misfiresSkipped((obs) => {
+      Object.assign(obs, { settings: { ...obs.settings, opToleranceMs: 200 } });
+      editMisfire(obs, 'skip', sent, answered);
+    });
+  assert.match(
+    toSkip(14.3, 14.5),
+    /1 misfire skips at a claim not allowed:\n.*s1 \(fire-once\): run s1-14 .* with no later late occurrence to fire in its place/,
+  );
+  assert.equal(toSkip(15.3, 15.5), '', 'the 15 s run still fire-once');
+});
+
+/**
+ * Job s1 (fire-all 2) with the leader's passes stopped from 8 s to 18.5 s (a PostgreSQL restart
+ * from 8.5 to 18 s): the pass at 18.5 s makes the runs of 12 to 20 s, those of 12 and 13 s more
+ * than the threshold late: the misfire policy's catch-up. `change` edits it before it is judged.
+ */
+function caughtUp(change: (obs: Crafted) => void = () => undefined): string {
+  const obs = history();
+  const pass = sec(18) + 500;
+  obs.jobs[0] = withMisfire(obs.jobs[0]!, 'fire-all', 2);
+  obs.runs.forEach((r, i) => {
+    if (r.scheduledFor < sec(12)) return;
+    const start = Math.max(r.scheduledFor, pass + 100);
+    const made = { ...r, createdEpoch: 2n, createdAt: Math.min(r.createdAt, pass) };
+    obs.runs[i] =
+      r.createdAt < pass ? { ...made, createdAt: pass, startedAt: start, finishedAt: start + 100 } : made;
+  });
+  obs.attempts.splice(
+    0,
+    obs.attempts.length,
+    ...obs.runs.map((r) => ({ ...succeededAttempt(r), startedAt: r.startedAt!, finishedAt: r.finishedAt })),
+  );
+  obs.deliveries.splice(0, obs.deliveries.length, ...obs.runs.map((r) => delivery(r, 1, r.startedAt! + 5)));
+  obs.faults.push({ kind: 'restart-postgres', start: sec(8) + 500, end: sec(18) });
+  change(obs);
+  return violations(obs);
+}
+
+test("a dispatch pass's late runs are judged by the policy in force when they fell due: fire-all edited to skip", () => {
+  assert.equal(caughtUp(), '');
+  // As the checker always judged a skip job: it makes no late run.
+  assert.match(
+    caughtUp((obs) => (obs.jobs[0] = withMisfire(obs.jobs[0]!, 'skip'))),
+    /1 misfire policy violations:\n.*s1 \(skip\): one pass at 2026-12-01T12:00:18\.500Z created 2 late runs \(2026-12-01T12:00:12\.000Z, 2026-12-01T12:00:13\.000Z\)/,
+  );
+  const toSkip = (sent: number, answered: number) =>
+    caughtUp((obs) => editMisfire(obs, 'skip', sent, answered));
+  // Answered before 12 s: both fell due while skip.
+  assert.match(
+    toSkip(11, 11.2),
+    /1 misfire policy violations:\n.*s1 \(skip\): one pass at .* created 2 late runs/,
+  );
+  // Sent after the pass: both fell due while fire-all 2.
+  assert.equal(toSkip(19, 19.2), '');
+  // 13 s within the edit's tolerance, 12 s before it: fire-all 2 may have judged both.
+  assert.equal(toSkip(12.8, 13.2), '');
+  // 12 s before the edit, 13 s after (a tolerance of 200 ms): no one policy in force at both allows
+  // the pass its two.
+  assert.match(
+    caughtUp((obs) => {
+      Object.assign(obs, { settings: { ...obs.settings, opToleranceMs: 200 } });
+      editMisfire(obs, 'skip', 12.3, 12.5);
+    }),
+    /1 misfire policy violations:\n.*s1 \(fire-all 2 or skip\): one pass at .* created 2 late runs/,
+  );
+});
+
+test('an occurrence fire-once must fire after a gap is judged by the policy in force when the gap fell due: skip edited to fire-once', () => {
+  // Nothing made of 12 and 13 s, dropped; the 14 s run made on time after the gap.
+  const dropped = (change: (obs: Crafted) => void) =>
+    caughtUp((obs) => {
+      const made = (r: { runId: string }) => r.runId !== 's1-12' && r.runId !== 's1-13';
+      obs.runs.splice(0, obs.runs.length, ...obs.runs.filter((r) => made({ runId: r.id })));
+      obs.attempts.splice(0, obs.attempts.length, ...obs.attempts.filter(made));
+      obs.deliveries.splice(0, obs.deliveries.length, ...obs.deliveries.filter(made));
+      obs.jobs[0] = withMisfire(obs.jobs[0]!, 'skip');
+      change(obs);
+    });
+  assert.equal(
+    dropped(() => undefined),
+    '',
+  );
+  assert.match(
+    dropped((obs) => editMisfire(obs, 'fire-once', 10, 10.2)),
+    /1 misfire policy violations:\n.*s1 \(fire-once\): occurrences up to 2026-12-01T12:00:13\.000Z were dropped but none was fired late/,
+  );
+  assert.equal(
+    dropped((obs) => editMisfire(obs, 'fire-once', 19, 19.2)),
+    '',
+  );
+  assert.equal(
+    dropped((obs) => editMisfire(obs, 'fire-once', 12.8, 13.2)),
+    '',
+    '13 s may have been skip’s',
+  );
 });
 
 /**

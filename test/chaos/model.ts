@@ -21,6 +21,9 @@ export interface JobVersion {
   readonly schedule: string;
   /** The path of the target URL (the target server tells versions apart by it). */
   readonly targetPath: string;
+  /** What the job does with occurrences it missed: the version in force when one fell due judges it. */
+  readonly misfire: Misfire;
+  readonly maxCatchUp: number;
   /** What made this version, for messages: create, pause, resume, patch-schedule, … */
   readonly cause: string;
 }
@@ -29,8 +32,6 @@ export interface JobHistory {
   readonly id: string;
   readonly name: string;
   readonly role: JobRole;
-  readonly misfire: Misfire;
-  readonly maxCatchUp: number;
   /** In time order; the first is the creation. */
   readonly versions: JobVersion[];
   /** An operation whose outcome is unknown (no answer) was sent at this instant: not judged after it. */
@@ -65,6 +66,50 @@ export function possibleVersions(job: JobHistory, at: number, toleranceMs: numbe
     if (couldHaveStarted && couldStillHold) possible.push(version);
   });
   return possible;
+}
+
+/** A misfire policy: `maxCatchUp` counts for `fire-all` only. */
+export type MisfirePolicy = Pick<JobVersion, 'misfire' | 'maxCatchUp'>;
+
+/** Every policy, `fire-all` with any maxCatchUp: what an operation that got no answer may have set. */
+const ANY_POLICY: readonly MisfirePolicy[] = [
+  { misfire: 'fire-once', maxCatchUp: 1 },
+  { misfire: 'skip', maxCatchUp: 1 },
+  { misfire: 'fire-all', maxCatchUp: Infinity },
+];
+
+/**
+ * The misfire policies that may judge the occurrence at `at`: those of the versions that may be in
+ * force then (each once), so an occurrence due while an edit of the policy may have landed is judged
+ * by either; from an operation whose outcome is unknown on, any (`uncertainFrom`: not judged). An
+ * instant before the job existed has none; its first definition stands in (a run there comes from
+ * the tolerance only).
+ */
+export function misfirePolicies(job: JobHistory, at: number, toleranceMs: number): MisfirePolicy[] {
+  if (job.uncertainFrom !== undefined && at >= job.uncertainFrom - toleranceMs) return [...ANY_POLICY];
+  const versions = possibleVersions(job, at, toleranceMs).filter((v) => v !== null);
+  return distinctPolicies(versions.length > 0 ? versions : job.versions.slice(0, 1));
+}
+
+/** Each policy of `policies` once, in order. */
+export function distinctPolicies(policies: readonly MisfirePolicy[]): MisfirePolicy[] {
+  const distinct: MisfirePolicy[] = [];
+  for (const { misfire, maxCatchUp } of policies)
+    if (!distinct.some((p) => p.misfire === misfire && p.maxCatchUp === maxCatchUp))
+      distinct.push({ misfire, maxCatchUp });
+  return distinct;
+}
+
+/** How many late runs one dispatch pass may create for a job under `policy`. */
+export function lateRunsAllowed(policy: MisfirePolicy): number {
+  return policy.misfire === 'skip' ? 0 : policy.misfire === 'fire-once' ? 1 : policy.maxCatchUp;
+}
+
+/** Policies for messages: `fire-once`, `fire-all 2`, `skip or fire-all 2` (any maxCatchUp: `fire-all`). */
+export function describePolicies(policies: readonly MisfirePolicy[]): string {
+  const one = (p: MisfirePolicy) =>
+    p.misfire === 'fire-all' && Number.isFinite(p.maxCatchUp) ? `fire-all ${p.maxCatchUp}` : p.misfire;
+  return policies.map(one).join(' or ');
 }
 
 function shouldRun(version: JobVersion | null, at: number): boolean {

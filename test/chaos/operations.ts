@@ -1,6 +1,6 @@
 /**
  * The operations nemesis: a seeded stream of REST API calls made while the faults happen —
- * create, PATCH (schedule, target, enabled), pause, resume, delete, trigger and dead-letter
+ * create, PATCH (schedule, target, enabled, misfire), pause, resume, delete, trigger and dead-letter
  * replay — each recorded with its timestamps and answer, and folded into the reference model
  * (model.ts) of the job it touched.
  */
@@ -8,13 +8,14 @@ import { setTimeout as sleep } from 'node:timers/promises';
 import type { ChaosApi, CallRecord } from './api-client.js';
 import { addVersion, type JobHistory } from './model.js';
 import type { OpView } from './observations.js';
-import { jobBody, opsJob, type JobPlan } from './workload.js';
+import { jobBody, MISFIRES, opsJob, type JobPlan } from './workload.js';
 
 export const OP_KINDS = [
   'create',
   'patch-schedule',
   'patch-target',
   'patch-enabled',
+  'patch-misfire',
   'pause',
   'resume',
   'delete',
@@ -78,8 +79,6 @@ export class Nemesis {
       id: job.id,
       name: plan.name,
       role: plan.role,
-      misfire: plan.misfire,
-      maxCatchUp: plan.maxCatchUp,
       versions: [
         {
           from0: call.sentAt,
@@ -88,6 +87,8 @@ export class Nemesis {
           enabled: true,
           schedule: plan.schedule,
           targetPath: plan.path,
+          misfire: plan.misfire,
+          maxCatchUp: plan.maxCatchUp,
           cause: 'create',
         },
       ],
@@ -125,7 +126,15 @@ export class Nemesis {
 
   private async feasibleKinds(): Promise<OpKind[]> {
     const ops = this.opsJobs();
-    const kinds: OpKind[] = ['create', 'trigger', 'patch-schedule', 'patch-target', 'patch-enabled', 'pause'];
+    const kinds: OpKind[] = [
+      'create',
+      'trigger',
+      'patch-schedule',
+      'patch-target',
+      'patch-enabled',
+      'patch-misfire',
+      'pause',
+    ];
     if (ops.some((j) => !j.versions.at(-1)!.enabled)) kinds.push('resume');
     if (ops.length > 3) kinds.push('delete');
     if ((await this.openDeadLetters()).length > 0) kinds.push('replay');
@@ -252,6 +261,20 @@ export class Nemesis {
         });
         const record = this.record(kind, job, call, { note: `target → ${targetPath}` });
         this.apply(job, record, { targetPath });
+        return record;
+      }
+      case 'patch-misfire': {
+        // Runs made ahead copy the policy (runs.misfire): the occurrences after the edit must follow
+        // the new one, those before it the old, whichever of the leader, a command and a worker
+        // judges them late.
+        const job = this.pick(ops);
+        const { misfire: now } = job.versions.at(-1)!;
+        const { misfire, maxCatchUp } = this.pick(MISFIRES.filter((m) => m.misfire !== now));
+        const call = await this.api.call('PATCH', `/jobs/${job.id}`, { misfire, maxCatchUp });
+        const record = this.record(kind, job, call, {
+          note: `misfire → ${misfire}${misfire === 'fire-all' ? ` ${maxCatchUp}` : ''}`,
+        });
+        this.apply(job, record, { misfire, maxCatchUp });
         return record;
       }
       case 'delete': {

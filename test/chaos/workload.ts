@@ -3,8 +3,8 @@
  * API, so the reference model starts from the API's answers:
  * - steady: every second, never touched by operations; misfire `fire-once`, `skip`, or
  *   `fire-all` with maxCatchUp 2, so a missed occurrence shows (nothing back-fills it);
- * - ops: every second, `fire-once` or `skip`; the operations nemesis pauses, resumes, patches,
- *   triggers and deletes them;
+ * - ops: every second, `fire-once` or `skip` at first; the operations nemesis pauses, resumes,
+ *   patches (the misfire policy too, to any of the three), triggers and deletes them;
  * - failing: the target answers 500 until the job is healed (just before a replay), two
  *   attempts, so dead letters exist to replay;
  * - forbid: a call takes about one period (some first attempts fail and retry), so occurrences
@@ -28,7 +28,8 @@ export interface JobPlan {
   readonly path: string;
 }
 
-const MISFIRES: { misfire: Misfire; maxCatchUp: number }[] = [
+/** The misfire policies of the jobs, and those a PATCH moves the ops jobs between. */
+export const MISFIRES: { misfire: Misfire; maxCatchUp: number }[] = [
   { misfire: 'fire-once', maxCatchUp: 100 },
   { misfire: 'skip', maxCatchUp: 100 },
   { misfire: 'fire-all', maxCatchUp: 2 },
