@@ -3,7 +3,7 @@
  * the nodes' logs by checker.ts), so every check is a pure function that a unit test can feed
  * crafted data (test/chaos/checker.test.ts).
  */
-import type { JobHistory } from './model.js';
+import type { JobHistory, JobVersion } from './model.js';
 
 /** Times are wall-clock ms since the epoch. */
 export interface RunRow {
@@ -79,6 +79,7 @@ export interface ProcessView {
 export interface OpView {
   readonly kind: string;
   readonly jobId?: string;
+  readonly jobName?: string;
   readonly sentAt: number;
   readonly answeredAt: number;
   /** 'ok': the API answered with success; 'unknown': no answer (may or may not have happened). */
@@ -87,6 +88,10 @@ export interface OpView {
   readonly runId?: string;
   /** replay: the attempt the dead letter recorded. */
   readonly deadAttempt?: number;
+  /** Some try got no answer: it may still land (a frozen node serves it when it runs again). */
+  readonly lostTry?: boolean;
+  /** create: the job it asked for (a try that got no answer may make it late: check-unknown-jobs.ts). */
+  readonly plan?: Pick<JobHistory, 'role'> & Omit<JobVersion, 'from0' | 'from1' | 'cause'>;
 }
 
 export interface Settings {
