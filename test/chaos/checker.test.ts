@@ -1037,3 +1037,84 @@ test('replace: a replay orders its run only from the replay on, and only calls s
   });
   assert.match(wrong, /replace violations:\n.*r1: run r1-14 was replaced with no newer run started/);
 });
+
+/** An unknown job (Observations.unknownJobs) of the name of withLateCreate's create. */
+const LATE = { id: 'late', name: 'late' };
+
+/**
+ * A create of job `late` (ops, every second) sent at 12 s, whose first try got no answer (its
+ * retry was answered at 14.75 s); runs of job id `late` of 16–20 s called its target once each.
+ */
+function withLateCreate(obs: Crafted): RunRow[] {
+  obs.ops.push({
+    kind: 'create',
+    jobId: 'made-by-the-retry',
+    jobName: 'late',
+    sentAt: sec(12),
+    answeredAt: sec(14) + 750,
+    outcome: 'ok',
+    lostTry: true,
+    plan: {
+      role: 'ops',
+      exists: true,
+      enabled: true,
+      schedule: '* * * * * *',
+      targetPath: '/ok/late/v0',
+      misfire: 'fire-once',
+      maxCatchUp: 100,
+    },
+  });
+  const runs: RunRow[] = [];
+  for (let s = 16; s <= 20; s++) runs.push(run('late', s, 2n));
+  obs.runs.push(...runs);
+  obs.attempts.push(...runs.map(succeededAttempt));
+  obs.deliveries.push(...runs.map((r) => delivery(r)));
+  return runs;
+}
+
+test("a create's try that took effect late is judged as a job of its plan, none of whose occurrences must run", () => {
+  // Chaos seed 93: the create's first try reached PostgreSQL after the job its retry made was
+  // deleted, and made a second job of the name, which ran every second to the end.
+  const obs = { ...history(), unknownJobs: [LATE] };
+  withLateCreate(obs);
+  const findings = judge(obs);
+  assert.equal(findings.violations.join('\n'), '');
+  assert.match(findings.lines.join('\n'), /late creates 1 \(late late\), made by nobody 0/);
+  // Judged all the same: a run of it due before the create was sent did not come from it.
+  const early = run('late', 10, 1n);
+  obs.runs.push(early);
+  obs.attempts.push(succeededAttempt(early));
+  obs.deliveries.push(delivery(early));
+  assert.match(
+    violations(obs),
+    /1 occurrences that must not have run did:\n.*late \(ops, fire-once\) at 2026-12-01T12:00:10\.000Z ran before the job was created/,
+  );
+});
+
+test('the checker reports a job in the database that no create with a lost try made', () => {
+  const ghost = { ...history(), unknownJobs: [{ id: 'ghost-id', name: 'ghost' }] };
+  assert.match(violations(ghost), /1 jobs nobody created:\n.*job ghost-id \(ghost\)/);
+  // A create of that name whose every try was answered made the job it was answered with only.
+  const answered = { ...history(), unknownJobs: [LATE] };
+  withLateCreate(answered);
+  answered.ops[0] = { ...answered.ops[0]!, lostTry: false };
+  assert.match(violations(answered), /1 jobs nobody created:\n.*job late \(late\)/);
+});
+
+test("the checker reports a late create's run called twice with no fault", () => {
+  const obs = { ...history(), unknownJobs: [LATE] };
+  const [again] = withLateCreate(obs);
+  obs.deliveries.push(delivery(again!, 2, again!.scheduledFor + 3000));
+  obs.attempts.push({
+    runId: again!.id,
+    attempt: 2,
+    nodeId: 'chaos-b',
+    startedAt: again!.scheduledFor + 3000,
+    finishedAt: null,
+    outcome: 'succeeded',
+  });
+  assert.match(
+    violations(obs),
+    /1 redeliveries with no fault on the node that held the claim:\n.*run late-16 \(ops\) attempt 1 on chaos-a/,
+  );
+});

@@ -12,11 +12,15 @@ import { checkLeaders } from './check-leaders.js';
 import { checkOccurrences } from './check-occurrences.js';
 import { checkPolicies } from './check-policies.js';
 import { checkRuns } from './check-runs.js';
+import { checkUnknownJobs } from './check-unknown-jobs.js';
 import type { AttemptRow, DeadLetterRow, Delivery, Findings, Observations, RunRow } from './observations.js';
 
 /** Runs every pure check; the order is the order of the report. */
-export function judge(obs: Observations): Findings {
-  const parts = [checkOccurrences(obs), checkRuns(obs), checkPolicies(obs), checkLeaders(obs)];
+export function judge(observed: Observations): Findings {
+  // Late creates are judged as jobs of the model from here on.
+  const unknown = checkUnknownJobs(observed);
+  const obs = { ...observed, jobs: [...observed.jobs, ...unknown.lateCreates] };
+  const parts = [unknown, checkOccurrences(obs), checkRuns(obs), checkPolicies(obs), checkLeaders(obs)];
   return {
     violations: parts.flatMap((p) => p.violations),
     lines: parts.flatMap((p) => p.lines),
@@ -40,10 +44,10 @@ export async function judgeRun(
   run: RunRecord,
 ): Promise<Findings & { database: Awaited<ReturnType<typeof loadDatabase>>; deliveries: Delivery[] }> {
   const { requests, ...seen } = run;
-  const loaded = await loadDatabase(
-    pool,
-    run.jobs.map((j) => j.id),
-  );
+  const loaded = await loadDatabase(pool, [
+    ...run.jobs.map((j) => j.id),
+    ...(run.unknownJobs ?? []).map((j) => j.id),
+  ]);
   const database = { ...loaded, runsOfDeletedJobs: run.runsOfDeletedJobs ?? [] };
   const deliveries = deliveriesOf(requests);
   const result = judge({ ...seen, ...database, deliveries });
@@ -74,6 +78,18 @@ export async function closeWindow(pool: pg.Pool, jobIds: string[]): Promise<numb
   }
   await stopJobs(pool, jobIds);
   return windowEnd;
+}
+
+/**
+ * The jobs in the database that are not among `known` (the jobs the API's answers named): a create
+ * that took effect after its client gave up on it (check-unknown-jobs.ts), or a job nobody made.
+ */
+export async function unknownJobs(pool: pg.Pool, known: string[]): Promise<{ id: string; name: string }[]> {
+  const { rows } = await pool.query<{ id: string; name: string }>(
+    `SELECT id, name FROM jobs WHERE NOT (id = ANY($1::uuid[])) ORDER BY created_at`,
+    [known],
+  );
+  return rows;
 }
 
 /** Waits (up to `maxMs`) until no run is queued or running. */

@@ -133,6 +133,11 @@ export interface Observations {
   readonly faults: readonly Fault[];
   readonly processes: readonly ProcessView[];
   readonly ops: readonly OpView[];
+  /**
+   * The jobs in the database at the end that no answer of the API named (check-unknown-jobs.ts
+   * judges them; their rows are in `runs`, `attempts` and `deadLetters`). Default none.
+   */
+  readonly unknownJobs?: readonly { readonly id: string; readonly name: string }[];
   readonly settings: Settings;
 }
 
