@@ -24,22 +24,13 @@ import {
   type Observations,
   type RunRow,
   withRunsReadBeforeDeletes,
+  report,
 } from './observations.js';
 
 /** Log timestamps of two processes, and a leader's log line against its first write. */
 const LOG_SLACK_MS = 250;
 /** Boundary fuzz of "late" (created after the misfire threshold) vs "on time". */
 const LATE_FUZZ_MS = 300;
-/** Report at most this many lines per kind of violation (the count is always reported). */
-const SHOWN = 5;
-
-function report(violations: string[], label: string, items: string[]): void {
-  if (items.length === 0) return;
-  violations.push(`${items.length} ${label}:`);
-  for (const item of items.slice(0, SHOWN)) violations.push(`    ${item}`);
-  if (items.length > SHOWN) violations.push(`    … and ${items.length - SHOWN} more`);
-}
-
 /**
  * Instants at which the leader created runs: every pass creates some, because every-second
  * steady jobs always have a new occurrence entering the lookahead. A pass in

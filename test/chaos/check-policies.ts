@@ -15,9 +15,9 @@ import {
   type Findings,
   type Observations,
   type RunRow,
+  report,
 } from './observations.js';
 
-const SHOWN = 5;
 /** Slack for comparing instants written by different processes (claim, skip, HTTP arrival). */
 const SLACK_MS = 300;
 
@@ -42,13 +42,6 @@ function recordedBy(obs: Observations, run: RunRow, finishedAt: number): number 
     latest = Math.max(latest, f.end + obs.settings.settleMs);
   }
   return latest;
-}
-
-function report(violations: string[], label: string, items: string[]): void {
-  if (items.length === 0) return;
-  violations.push(`${items.length} ${label}:`);
-  for (const item of items.slice(0, SHOWN)) violations.push(`    ${item}`);
-  if (items.length > SHOWN) violations.push(`    … and ${items.length - SHOWN} more`);
 }
 
 export function checkPolicies(obs: Observations): Findings {

@@ -15,16 +15,8 @@ import {
   type Findings,
   type Observations,
   type RunRow,
+  report,
 } from './observations.js';
-
-const SHOWN = 5;
-
-function report(violations: string[], label: string, items: string[]): void {
-  if (items.length === 0) return;
-  violations.push(`${items.length} ${label}:`);
-  for (const item of items.slice(0, SHOWN)) violations.push(`    ${item}`);
-  if (items.length > SHOWN) violations.push(`    … and ${items.length - SHOWN} more`);
-}
 
 /** Final states a run of each kind of job may end in (the target answers as the role says). */
 const FINAL_STATES: Record<JobRole, readonly string[]> = {

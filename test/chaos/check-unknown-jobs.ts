@@ -9,16 +9,7 @@
  * job was made by nobody.
  */
 import type { JobHistory } from './model.js';
-import { iso, type Findings, type Observations } from './observations.js';
-
-const SHOWN = 5;
-
-function report(violations: string[], label: string, items: string[]): void {
-  if (items.length === 0) return;
-  violations.push(`${items.length} ${label}:`);
-  for (const item of items.slice(0, SHOWN)) violations.push(`    ${item}`);
-  if (items.length > SHOWN) violations.push(`    … and ${items.length - SHOWN} more`);
-}
+import { iso, type Findings, type Observations, report } from './observations.js';
 
 /** The late creates among `obs.unknownJobs`, as jobs of the model, and the jobs nobody created. */
 export function checkUnknownJobs(obs: Observations): Findings & { lateCreates: JobHistory[] } {

@@ -161,6 +161,17 @@ export interface Findings {
   readonly lines: string[];
 }
 
+/** Report at most this many lines per kind of violation (the count is always reported). */
+const SHOWN = 5;
+
+/** Adds `items` to `violations` under `label`: their count, and the first SHOWN of them. */
+export function report(violations: string[], label: string, items: string[]): void {
+  if (items.length === 0) return;
+  violations.push(`${items.length} ${label}:`);
+  for (const item of items.slice(0, SHOWN)) violations.push(`    ${item}`);
+  if (items.length > SHOWN) violations.push(`    … and ${items.length - SHOWN} more`);
+}
+
 export function iso(ms: number): string {
   return new Date(ms).toISOString();
 }
