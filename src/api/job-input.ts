@@ -54,18 +54,27 @@ function depthExceeds(value: unknown, max: number): boolean {
 }
 
 /**
- * Strings (and object keys) PostgreSQL cannot store: NUL, and lone UTF-16 surrogates (not valid
- * UTF-8). Only called on values whose depth is bounded.
+ * Values that cannot be stored as sent: strings (and object keys) PostgreSQL refuses (NUL, and
+ * lone UTF-16 surrogates, not valid UTF-8), and numbers JSON.parse read as ±Infinity (past
+ * ±1.8e308), which JSON.stringify would have written as null. Only called on values whose depth
+ * is bounded.
  */
-function unstorableStrings(value: unknown, path: string[], out: FieldError[]): void {
+function unstorableValues(value: unknown, path: string[], out: FieldError[]): void {
   if (typeof value === 'string') {
     if (unstorable(value)) {
       out.push({ field: path.join('.'), message: 'must not contain NUL or unpaired surrogate characters' });
     }
+  } else if (typeof value === 'number') {
+    if (!Number.isFinite(value)) {
+      out.push({
+        field: path.join('.'),
+        message: 'must be a finite number (a JSON number past ±1.8e308 cannot be kept)',
+      });
+    }
   } else if (value !== null && typeof value === 'object') {
     for (const [key, inner] of Object.entries(value)) {
       if (unstorable(key)) out.push({ field: path.join('.'), message: 'has a key that cannot be stored' });
-      unstorableStrings(inner, [...path, key], out);
+      unstorableValues(inner, [...path, key], out);
     }
   }
 }
@@ -80,7 +89,7 @@ function checkBody(body: unknown, method: string, errors: FieldError[]): void {
   } else if (Buffer.byteLength(JSON.stringify(body)) > MAX_BODY_BYTES) {
     errors.push({ field, message: `must be at most ${MAX_BODY_BYTES} bytes as JSON` });
   } else {
-    unstorableStrings(body, [field], errors);
+    unstorableValues(body, [field], errors);
   }
 }
 
@@ -160,7 +169,7 @@ export function compileJob(
   // The body is checked on its own (bounded depth first); everything else has a fixed shape.
   const { body: rawBody, ...targetRest } = input.target;
   const body = rawBody === null ? undefined : rawBody;
-  unstorableStrings({ ...input, target: targetRest }, [], errors);
+  unstorableValues({ ...input, target: targetRest }, [], errors);
   if (isUuid(input.name)) errors.push({ field: 'name', message: 'must not look like a job id (a UUID)' });
   const timezone = input.timezone ?? JOB_DEFAULTS.timezone;
   let schedule: CronSchedule | undefined;

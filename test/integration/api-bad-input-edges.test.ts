@@ -1,0 +1,99 @@
+import assert from 'node:assert/strict';
+import { after, before, test } from 'node:test';
+import { jobBody, startTestApi, type TestApi } from '../support/api.js';
+
+// Inputs that passed every check the API makes of its own and failed (or changed) later: in
+// PostgreSQL, answered for the wrong field, or in JSON.parse, stored as something else.
+
+let api: TestApi;
+let jobId: string;
+before(async () => {
+  api = await startTestApi();
+  const created = await api.call('POST', '/api/v1/jobs', { body: jobBody('edges-existing') });
+  jobId = (created.body as { id: string }).id;
+});
+after(() => api.close());
+
+async function tableState(): Promise<string> {
+  const { rows } = await api.db.pool.query<{ jobs: string; runs: number; outbox: number }>(
+    `SELECT (SELECT md5(coalesce(string_agg(j::text, ',' ORDER BY j.id), '')) FROM jobs j) AS jobs,
+            (SELECT count(*)::int FROM runs) AS runs, (SELECT count(*)::int FROM outbox) AS outbox`,
+  );
+  return JSON.stringify(rows[0]);
+}
+
+function assertFields(response: Awaited<ReturnType<TestApi['call']>>, fields: string[], what: string) {
+  assert.equal(response.status, 400, `${what}: ${response.text.slice(0, 300)}`);
+  assert.match(response.headers.get('content-type') ?? '', /^application\/problem\+json/, what);
+  const problem = response.body as { errors?: { field: string }[] };
+  assert.deepEqual(
+    problem.errors?.map((e) => e.field),
+    fields,
+    what,
+  );
+}
+
+const cursorOf = (ts: string) =>
+  Buffer.from(JSON.stringify([ts, '00000000-0000-4000-8000-000000000000'])).toString('base64url');
+
+test('a cursor whose timestamp has the right shape but is no instant is a 400 naming cursor on every list', async () => {
+  // Each passes the cursor's shape check, and PostgreSQL refused it (a data exception): the answer
+  // named `body`, which these GETs do not have.
+  const timestamps = [
+    '2026-13-01 00:00:00+00',
+    '2026-02-30 00:00:00+00',
+    '2025-02-29 00:00:00+00',
+    '0000-01-01 00:00:00+00',
+    '2026-02-28 25:00:00+00',
+    '2026-02-28 23:61:00+00',
+    '2026-02-28 23:00:61+00',
+    '2026-02-28 23:00:00+16',
+    '2026-02-28 23:00:00+05:60',
+  ];
+  const before = await tableState();
+  for (const ts of timestamps) {
+    for (const list of ['/api/v1/jobs', `/api/v1/jobs/${jobId}/runs`, '/api/v1/dead-letters']) {
+      assertFields(await api.call('GET', `${list}?cursor=${cursorOf(ts)}`), ['cursor'], `${list} ${ts}`);
+    }
+  }
+  // A leap day and the widest offsets PostgreSQL takes are instants: still a page.
+  for (const ts of ['2024-02-29 00:00:00+00', '2026-12-31 23:59:59.999999-15:59', '0001-01-01 00:00:00+00']) {
+    const response = await api.call('GET', `/api/v1/jobs?cursor=${cursorOf(ts)}`);
+    assert.equal(response.status, 200, `${ts}: ${response.text.slice(0, 300)}`);
+  }
+  assert.equal(await tableState(), before);
+});
+
+test('a number in target.body beyond what JSON numbers can hold here is a 400 naming it, not stored as null', async () => {
+  // JSON.parse reads 1e999 as Infinity, which JSON.stringify writes as null: the job was saved
+  // with a body other than the one sent.
+  const before = await tableState();
+  const raw = (body: string) =>
+    `{"name":"edges-huge","schedule":"* * * * *","target":{"url":"http://127.0.0.1:9/","body":${body}}}`;
+  assertFields(
+    await api.call('POST', '/api/v1/jobs', { raw: raw('{"amount":1e999}') }),
+    ['target.body.amount'],
+    'create',
+  );
+  assertFields(
+    await api.call('POST', '/api/v1/jobs', { raw: raw('[1,[-1e400]]') }),
+    ['target.body.1.0'],
+    'create, nested',
+  );
+  assertFields(await api.call('POST', '/api/v1/jobs', { raw: raw('1e309') }), ['target.body'], 'create, top');
+  assertFields(
+    await api.call('PATCH', `/api/v1/jobs/${jobId}`, {
+      raw: '{"target":{"url":"http://127.0.0.1:9/","body":{"amount":1e999}}}',
+    }),
+    ['target.body.amount'],
+    'patch',
+  );
+  assert.equal(await tableState(), before);
+  // The largest finite numbers are kept as sent.
+  const created = await api.call('POST', '/api/v1/jobs', { raw: raw('[1.7976931348623157e308,-5e-324]') });
+  assert.equal(created.status, 201, created.text);
+  assert.deepEqual(
+    (created.body as { target: { body: unknown } }).target.body,
+    [1.7976931348623157e308, -5e-324],
+  );
+});
