@@ -97,3 +97,11 @@ test('a number in target.body beyond what JSON numbers can hold here is a 400 na
     [1.7976931348623157e308, -5e-324],
   );
 });
+
+test('a QUERY request without a content type is a 400 naming the header, on any path', async () => {
+  // Fastify refuses it before routing (RFC 10008: a QUERY must say what its content is); the
+  // answer said only that "the request was rejected", for a body.
+  for (const path of ['/api/v1/jobs', `/api/v1/jobs/${jobId}`, '/healthz', '/nowhere']) {
+    assertFields(await api.call('QUERY', path), ['headers.content-type'], `QUERY ${path}`);
+  }
+});
