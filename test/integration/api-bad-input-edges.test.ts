@@ -105,3 +105,17 @@ test('a QUERY request without a content type is a 400 naming the header, on any 
     assertFields(await api.call('QUERY', path), ['headers.content-type'], `QUERY ${path}`);
   }
 });
+
+test('a page size that is not written as a whole number is a 400 naming limit, not read as one', async () => {
+  // The query string is converted before it is checked, and the conversion read 1.5 as 1,
+  // `true` as 1 and 0x10 as 16: a page of another size than asked, answered 200.
+  for (const limit of ['1.5', '1.9999999999999999', 'true', '0x10', '0b11', '1e1', '%205']) {
+    for (const list of ['/api/v1/jobs', `/api/v1/jobs/${jobId}/runs`, '/api/v1/dead-letters']) {
+      assertFields(await api.call('GET', `${list}?limit=${limit}`), ['limit'], `${list} limit=${limit}`);
+    }
+  }
+  for (const limit of ['1', '007', '500']) {
+    const response = await api.call('GET', `/api/v1/jobs?limit=${limit}`);
+    assert.equal(response.status, 200, `limit=${limit}: ${response.text.slice(0, 300)}`);
+  }
+});
