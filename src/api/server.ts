@@ -4,8 +4,13 @@ import { toError } from '../errors.js';
 import type { Logger } from '../observability/logger.js';
 import type { Registry } from 'prom-client';
 import { registerHealthRoutes, type Dependency, type Probe } from './health.js';
-import { clientErrorHandler, MAX_PARAM_LENGTH, routerProblem } from './framework-errors.js';
-import { notFound, sendProblem } from './problems.js';
+import {
+  answerNodeRefusals,
+  clientErrorHandler,
+  MAX_PARAM_LENGTH,
+  routerProblem,
+} from './framework-errors.js';
+import { badRequest, notFound, sendProblem } from './problems.js';
 
 export interface ApiServerOptions {
   readonly logger: Logger;
@@ -36,6 +41,17 @@ export async function buildApiServer(options: ApiServerOptions): Promise<Fastify
     // Requests Node's HTTP parser refuses (a bad Content-Length, headers too large) never reach
     // Fastify's routing at all.
     clientErrorHandler: clientErrorHandler(logger),
+    // Node answers an HTTP/1.1 request without Host with an empty 400 of its own; the hook below
+    // refuses it as a problem.
+    http: { requireHostHeader: false },
+  });
+  answerNodeRefusals(app.server);
+  // RFC 9112 §3.2: an HTTP/1.1 request must carry Host (the open API's checks read it too).
+  app.addHook('onRequest', async (request) => {
+    const { httpVersionMajor, httpVersionMinor } = request.raw;
+    if (httpVersionMajor === 1 && httpVersionMinor === 1 && request.headers.host === undefined) {
+      throw badRequest([{ field: 'headers.host', message: 'is required in HTTP/1.1' }]);
+    }
   });
   // Every error outside /api/v1 is a problem too (the v1 scope sets its own, behind its token check).
   app.setErrorHandler((error, request, reply) => sendProblem(reply, request, error, logger));

@@ -1,4 +1,5 @@
 import assert from 'node:assert/strict';
+import { connect } from 'node:net';
 import { after, before, test } from 'node:test';
 import { jobBody, startTestApi, type TestApi } from '../support/api.js';
 
@@ -118,4 +119,68 @@ test('a page size that is not written as a whole number is a 400 naming limit, n
     const response = await api.call('GET', `/api/v1/jobs?limit=${limit}`);
     assert.equal(response.status, 200, `limit=${limit}: ${response.text.slice(0, 300)}`);
   }
+});
+
+/** Sends `text` as a request's raw bytes and reads the answer until the server closes. */
+async function rawRequest(text: string): Promise<{ status: number; contentType: string; body: unknown }> {
+  const socket = connect(Number(new URL(api.url).port), '127.0.0.1');
+  socket.on('error', () => undefined); // the server may reset the connection after answering
+  // Not end(): a request whose sender has half-closed is dropped before its answer is written.
+  socket.write(text);
+  const timer = setTimeout(() => socket.destroy(), 5000);
+  const chunks: Buffer[] = [];
+  try {
+    for await (const chunk of socket) chunks.push(chunk as Buffer);
+  } finally {
+    clearTimeout(timer);
+  }
+  const [head = '', body = ''] = Buffer.concat(chunks).toString('utf8').split('\r\n\r\n');
+  let parsed: unknown = body;
+  try {
+    parsed = JSON.parse(body);
+  } catch {
+    // not JSON: kept as text for the assertion message
+  }
+  return {
+    status: Number(/^HTTP\/1\.1 (\d{3})/.exec(head)?.[1]),
+    contentType: /^content-type: *(.*)$/im.exec(head)?.[1] ?? '',
+    body: parsed,
+  };
+}
+
+test('requests Node.js refuses before Fastify sees them get a problem naming what is wrong', async () => {
+  // Node answered these itself: a 400 and a 417 with empty bodies, and CONNECT with no answer at all.
+  const job = JSON.stringify(jobBody('edges-expect'));
+  const cases = [
+    ['GET /api/v1/jobs HTTP/1.1\r\nConnection: close\r\n\r\n', 400, 'headers.host'],
+    ['GET /healthz HTTP/1.1\r\nConnection: close\r\n\r\n', 400, 'headers.host'],
+    [
+      'POST /api/v1/jobs HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nExpect: 200-ok\r\n' +
+        `Content-Type: application/json\r\nContent-Length: ${Buffer.byteLength(job)}\r\n\r\n${job}`,
+      417,
+      'headers.expect',
+    ],
+    ['CONNECT 127.0.0.1:9 HTTP/1.1\r\nHost: 127.0.0.1:9\r\n\r\n', 400, 'method'],
+  ] as const;
+  const before = await tableState();
+  for (const [request, status, field] of cases) {
+    const what = request.slice(0, 40);
+    const answer = await rawRequest(request);
+    assert.equal(answer.status, status, `${what}: ${JSON.stringify(answer.body)}`);
+    assert.match(answer.contentType, /^application\/problem\+json/, what);
+    const problem = answer.body as { status: number; errors?: { field: string }[] };
+    assert.equal(problem.status, status, what);
+    assert.deepEqual(
+      problem.errors?.map((e) => e.field),
+      [field],
+      what,
+    );
+  }
+  assert.equal(await tableState(), before);
+  // HTTP/1.0 has no Host requirement, and Expect: 100-continue is answered as before.
+  assert.equal((await rawRequest('GET /healthz HTTP/1.0\r\n\r\n')).status, 200);
+  const continued = await rawRequest(
+    'GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nExpect: 100-continue\r\n\r\n',
+  );
+  assert.equal(continued.status, 100);
 });
