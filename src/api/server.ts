@@ -10,6 +10,7 @@ import {
   MAX_PARAM_LENGTH,
   routerProblem,
 } from './framework-errors.js';
+import { registerJsonParser } from './json-body.js';
 import { badRequest, notFound, sendProblem } from './problems.js';
 
 export interface ApiServerOptions {
@@ -46,6 +47,7 @@ export async function buildApiServer(options: ApiServerOptions): Promise<Fastify
     http: { requireHostHeader: false },
   });
   answerNodeRefusals(app.server);
+  registerJsonParser(app);
   // RFC 9112 §3.2: an HTTP/1.1 request must carry Host (the open API's checks read it too).
   app.addHook('onRequest', async (request) => {
     const { httpVersionMajor, httpVersionMinor } = request.raw;

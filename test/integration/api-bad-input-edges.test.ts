@@ -184,3 +184,70 @@ test('requests Node.js refuses before Fastify sees them get a problem naming wha
   );
   assert.equal(continued.status, 100);
 });
+
+test('a body that is not UTF-8, or says it is in another charset, is refused, not stored with U+FFFD in it', async () => {
+  // The body was decoded as UTF-8 with replacement: café sent in latin-1 (or any invalid byte)
+  // was saved as "caf\uFFFD", 201. JSON between systems is UTF-8 (RFC 8259 §8.1).
+  const job = (name: string, text: Buffer) =>
+    Buffer.concat([
+      Buffer.from(`{"name":"${name}","schedule":"* * * * *","target":{"url":"http://127.0.0.1:9/","body":"`),
+      text,
+      Buffer.from('"}}'),
+    ]);
+  const patch = (text: Buffer) =>
+    Buffer.concat([Buffer.from('{"target":{"url":"http://127.0.0.1:9/","body":"'), text, Buffer.from('"}}')]);
+  const send = async (method: string, path: string, body: Buffer, contentType = 'application/json') => {
+    const response = await fetch(`${api.url}${path}`, {
+      method,
+      headers: { 'content-type': contentType, 'x-helios-client': 'test' },
+      body,
+    });
+    const text = await response.text();
+    return { status: response.status, headers: response.headers, text, body: JSON.parse(text) as unknown };
+  };
+  const before = await tableState();
+  const latin1 = Buffer.from('caf\xe9', 'latin1');
+  for (const bytes of [
+    latin1,
+    Buffer.from([0x63, 0xc3, 0x28]),
+    Buffer.from([0xc0, 0xaf]),
+    Buffer.from([0xed, 0xa0, 0x80]),
+  ]) {
+    assertFields(
+      await send('POST', '/api/v1/jobs', job('edges-bytes', bytes)),
+      ['body'],
+      `create ${bytes.toString('hex')}`,
+    );
+    assertFields(
+      await send('PATCH', `/api/v1/jobs/${jobId}`, patch(bytes)),
+      ['body'],
+      `patch ${bytes.toString('hex')}`,
+    );
+  }
+  // Valid UTF-8 that means something else in the charset the client names.
+  for (const contentType of ['application/json; charset=latin1', 'application/json; charset="UTF-16"']) {
+    const response = await send(
+      'POST',
+      '/api/v1/jobs',
+      job('edges-charset', Buffer.from('café')),
+      contentType,
+    );
+    assert.equal(response.status, 415, contentType);
+    assert.match(response.headers.get('content-type') ?? '', /^application\/problem\+json/);
+    assert.deepEqual(
+      (response.body as { errors?: { field: string }[] }).errors?.map((e) => e.field),
+      ['headers.content-type'],
+    );
+  }
+  assert.equal(await tableState(), before);
+  for (const contentType of [
+    'application/json',
+    'application/json; charset=utf-8',
+    'application/json;charset="UTF-8"',
+  ]) {
+    const name = `edges-utf8-${contentType.length}`;
+    const created = await send('POST', '/api/v1/jobs', job(name, Buffer.from('café ☕ 😀')), contentType);
+    assert.equal(created.status, 201, `${contentType}: ${created.text}`);
+    assert.equal((created.body as { target: { body: unknown } }).target.body, 'café ☕ 😀');
+  }
+});
