@@ -61,6 +61,8 @@ function* issuesOfErrors(
   errors: Iterable<TLocalizedValidationError>,
   onBranch: (error: TLocalizedValidationError) => void,
 ): Generator<Issue> {
+  // Unknown properties already reported, by path: each comes twice (see below).
+  const unknown = new Set<string>();
   for (const error of errors) {
     const { keyword, instancePath, schemaPath } = error;
     // A branch of a union that did not match: the union's own error says it for the field.
@@ -80,11 +82,17 @@ function* issuesOfErrors(
     } else if (error.keyword === 'additionalProperties') {
       for (const name of error.params.additionalProperties) {
         const path = `${instancePath}/${escapePointer(name)}`;
+        if (unknown.has(path)) continue;
+        unknown.add(path);
         yield { keyword, schemaPath, instancePath: path, message: 'is not a known field' };
       }
     } else if (keyword === 'boolean' && schemaPath.endsWith('/additionalProperties')) {
-      // The same unknown property again, as `additionalProperties: false` failing for it.
-      continue;
+      // An unknown property as `additionalProperties: false` failing for it. TypeBox reports
+      // these before the one error listing them all, which 64 of them (maxErrors) keep out: a body
+      // or query with that many unknown fields was a 400 naming none.
+      if (unknown.has(instancePath)) continue;
+      unknown.add(instancePath);
+      yield { keyword: 'additionalProperties', schemaPath, instancePath, message: 'is not a known field' };
     } else if (keyword === 'anyOf') {
       const options = (schemaAt(schema, schemaPath) as { anyOf?: { const?: unknown }[] } | undefined)?.anyOf;
       const literals = options?.length && options.every((o) => typeof o.const === 'string');
