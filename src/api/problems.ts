@@ -115,7 +115,7 @@ export function toProblem(error: unknown): ProblemError {
       { field: known.field ?? 'body', message: detail ?? known.title },
     ]);
   }
-  // Other client errors Fastify raises before routing (e.g. prototype poisoning is a 400).
+  // Other client errors Fastify raises before routing.
   if (typeof e.statusCode === 'number' && e.statusCode >= 400 && e.statusCode < 500) {
     return new ProblemError(e.statusCode, 'bad-request', 'Bad request', 'the request was rejected', [
       { field: 'body', message: 'the request was rejected' },

@@ -288,3 +288,28 @@ test('64 or more unknown fields are a 400 naming them, as fewer are', async () =
   }
   assert.equal(await tableState(), before);
 });
+
+test('a key JavaScript gives a meaning to (__proto__, constructor.prototype) is a 400 naming where it is', async () => {
+  // Refused before validation, as it must be, but answered "the body is not valid JSON", naming
+  // `body`, for JSON that is valid: a webhook payload with such a key could not be told apart
+  // from a syntax error.
+  const raw = (target: string) => `{"name":"edges-proto","schedule":"* * * * *","target":${target}}`;
+  const cases = [
+    [raw('{"url":"http://127.0.0.1:9/","body":{"__proto__":{"admin":true}}}'), 'target.body.__proto__'],
+    [raw('{"url":"http://127.0.0.1:9/","body":[1,{"a":{"__proto__":1}}]}'), 'target.body.1.a.__proto__'],
+    [raw('{"url":"http://127.0.0.1:9/","headers":{"__proto__":"x"}}'), 'target.headers.__proto__'],
+    [
+      raw('{"url":"http://127.0.0.1:9/","body":{"constructor":{"prototype":{}}}}'),
+      'target.body.constructor.prototype',
+    ],
+    ['{"__proto__":{"admin":true}}', '__proto__'],
+  ] as const;
+  const before = await tableState();
+  for (const [body, field] of cases) {
+    const response = await api.call('POST', '/api/v1/jobs', { raw: body });
+    assertFields(response, [field], body);
+    assert.doesNotMatch(JSON.stringify(response.body), /not valid JSON/, body);
+  }
+  assertFields(await api.call('POST', '/api/v1/jobs', { raw: '{"a":' }), ['body'], 'a syntax error still');
+  assert.equal(await tableState(), before);
+});
