@@ -48,12 +48,16 @@ export async function buildApiServer(options: ApiServerOptions): Promise<Fastify
   });
   answerNodeRefusals(app.server);
   registerJsonParser(app);
-  // RFC 9112 §3.2: an HTTP/1.1 request must carry Host (the open API's checks read it too).
+  // RFC 9112 §3.2: an HTTP/1.1 request carries Host, once (the open API's checks read it; Node
+  // keeps the first of several and drops the rest).
   app.addHook('onRequest', async (request) => {
-    const { httpVersionMajor, httpVersionMinor } = request.raw;
+    const { httpVersionMajor, httpVersionMinor, rawHeaders } = request.raw;
     if (httpVersionMajor === 1 && httpVersionMinor === 1 && request.headers.host === undefined) {
       throw badRequest([{ field: 'headers.host', message: 'is required in HTTP/1.1' }]);
     }
+    // rawHeaders alternates names and values.
+    const hosts = rawHeaders.filter((text, i) => i % 2 === 0 && text.toLowerCase() === 'host').length;
+    if (hosts > 1) throw badRequest([{ field: 'headers.host', message: 'is given more than once' }]);
   });
   // Every error outside /api/v1 is a problem too (the v1 scope sets its own, behind its token check).
   app.setErrorHandler((error, request, reply) => sendProblem(reply, request, error, logger));

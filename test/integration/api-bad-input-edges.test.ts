@@ -149,11 +149,18 @@ async function rawRequest(text: string): Promise<{ status: number; contentType: 
 }
 
 test('requests Node.js refuses before Fastify sees them get a problem naming what is wrong', async () => {
-  // Node answered these itself: a 400 and a 417 with empty bodies, and CONNECT with no answer at all.
+  // Node answered these itself (a 400 and a 417 with empty bodies, CONNECT with no answer at all)
+  // or served them (two Hosts).
   const job = JSON.stringify(jobBody('edges-expect'));
   const cases = [
     ['GET /api/v1/jobs HTTP/1.1\r\nConnection: close\r\n\r\n', 400, 'headers.host'],
     ['GET /healthz HTTP/1.1\r\nConnection: close\r\n\r\n', 400, 'headers.host'],
+    // Node keeps the first Host and drops the others; RFC 9112 §3.2 asks for a 400.
+    [
+      'GET /api/v1/jobs HTTP/1.1\r\nHost: 127.0.0.1\r\nHost: evil.example\r\nConnection: close\r\n\r\n',
+      400,
+      'headers.host',
+    ],
     [
       'POST /api/v1/jobs HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nExpect: 200-ok\r\n' +
         `Content-Type: application/json\r\nContent-Length: ${Buffer.byteLength(job)}\r\n\r\n${job}`,
