@@ -93,6 +93,25 @@ function checkBody(body: unknown, method: string, errors: FieldError[]): void {
   }
 }
 
+/**
+ * `value` as PostgreSQL shows it once stored in a `real` (float4), the type of
+ * backoff_multiplier: the shortest decimal that reads back as the same float4.
+ */
+function shownAsReal(value: number): number {
+  const stored = Math.fround(value);
+  for (let digits = 1; digits < 9; digits++) {
+    const shown = Number(stored.toPrecision(digits));
+    if (Math.fround(shown) === stored) return shown;
+  }
+  return Number(stored.toPrecision(9));
+}
+
+/**
+ * True when a `real` column gives `value` back as sent: 1.23456789 came back as 1.2345679 (and
+ * `helios apply` of it found the job changed on every run).
+ */
+const keptAsReal = (value: number) => shownAsReal(value) === value;
+
 /** Adds the problem of a time zone, if it has one (with an expression that has none). */
 function zoneProblem(timezone: string, errors: FieldError[]): void {
   try {
@@ -213,9 +232,15 @@ export function compileJob(
       });
     }
   }
+  const retry = { ...JOB_DEFAULTS.retry, ...input.retry };
+  if (!keptAsReal(retry.backoffMultiplier)) {
+    errors.push({
+      field: 'retry.backoffMultiplier',
+      message: `has more digits than are kept (about 7 significant: ${shownAsReal(retry.backoffMultiplier)} would be stored)`,
+    });
+  }
   if (errors.length > 0 || !schedule) throw badRequest(errors);
 
-  const retry = { ...JOB_DEFAULTS.retry, ...input.retry };
   const fields = {
     name: input.name,
     schedule: input.schedule,

@@ -320,3 +320,36 @@ test('a key JavaScript gives a meaning to (__proto__, constructor.prototype) is 
   assertFields(await api.call('POST', '/api/v1/jobs', { raw: '{"a":' }), ['body'], 'a syntax error still');
   assert.equal(await tableState(), before);
 });
+
+test('a backoffMultiplier finer than PostgreSQL keeps it (a real) is a 400 naming it, not stored rounded', async () => {
+  // 1.23456789 was saved and shown as 1.2345679, 9.999999999 as 10: and `helios apply` of such a
+  // file found the job changed every time, withdrawing its runs created ahead on each apply.
+  const retry = (backoffMultiplier: number) => ({
+    retry: { maxAttempts: 3, backoffMs: 1000, backoffMultiplier },
+  });
+  const before = await tableState();
+  for (const multiplier of [1.23456789, 9.999999999, 3.14159265358979, 1.00000001]) {
+    assertFields(
+      await api.call('POST', '/api/v1/jobs', { body: jobBody('edges-real', retry(multiplier)) }),
+      ['retry.backoffMultiplier'],
+      `create ${multiplier}`,
+    );
+    assertFields(
+      await api.call('PATCH', `/api/v1/jobs/${jobId}`, { body: retry(multiplier) }),
+      ['retry.backoffMultiplier'],
+      `patch ${multiplier}`,
+    );
+  }
+  assert.equal(await tableState(), before);
+  for (const multiplier of [1, 1.1, 1.5, 2.5, 1.0000001, 7.123456, 3.1415927, 10]) {
+    const created = await api.call('POST', '/api/v1/jobs', {
+      body: jobBody(`edges-real-${String(multiplier).replace('.', '-')}`, retry(multiplier)),
+    });
+    assert.equal(created.status, 201, `${multiplier}: ${created.text}`);
+    const id = (created.body as { id: string }).id;
+    const read = (await api.call('GET', `/api/v1/jobs/${id}`)).body as {
+      retry: { backoffMultiplier: number };
+    };
+    assert.equal(read.retry.backoffMultiplier, multiplier);
+  }
+});
