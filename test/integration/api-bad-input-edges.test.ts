@@ -353,3 +353,36 @@ test('a backoffMultiplier finer than PostgreSQL keeps it (a real) is a 400 namin
     assert.equal(read.retry.backoffMultiplier, multiplier);
   }
 });
+
+test('a JSON number with more digits than a double keeps is a 400 naming it, not stored changed', async () => {
+  // JSON.parse rounds to the nearest double: a 64-bit id in a webhook payload was stored (and
+  // sent) as another number, and timeoutMs 100.0000000000000001 passed as the integer 100.
+  const raw = (fields: string) =>
+    `{"name":"edges-digits","schedule":"* * * * *","target":{"url":"http://127.0.0.1:9/"${fields}}}`;
+  const cases = [
+    [raw(',"body":{"id":12345678901234567890}'), 'target.body.id'],
+    [raw(',"body":[1,0.1000000000000000055511151231257827]'), 'target.body.1'],
+    [raw(',"body":9007199254740993'), 'target.body'],
+    [
+      '{"name":"edges-digits","schedule":"* * * * *","target":{"url":"http://127.0.0.1:9/"},"timeoutMs":100.0000000000000001}',
+      'timeoutMs',
+    ],
+  ] as const;
+  const before = await tableState();
+  for (const [body, field] of cases) {
+    assertFields(await api.call('POST', '/api/v1/jobs', { raw: body }), [field], body);
+  }
+  assertFields(
+    await api.call('PATCH', `/api/v1/jobs/${jobId}`, {
+      raw: '{"target":{"url":"http://127.0.0.1:9/","body":{"id":-98765432109876543210}}}',
+    }),
+    ['target.body.id'],
+    'patch',
+  );
+  assert.equal(await tableState(), before);
+  // Numbers a double keeps, however they are written, are stored.
+  const kept = '[9007199254740991,1.0,1e2,100.000000000000000000,0.1,123456789012345.6,2.5e-300]';
+  const created = await api.call('POST', '/api/v1/jobs', { raw: raw(`,"body":${kept}`) });
+  assert.equal(created.status, 201, created.text);
+  assert.deepEqual((created.body as { target: { body: unknown } }).target.body, JSON.parse(kept));
+});
