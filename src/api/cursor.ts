@@ -10,7 +10,38 @@ export interface CursorPosition {
 /** Default page size when `limit` is not given. */
 export const DEFAULT_LIMIT = 50;
 
-const PG_TIMESTAMP = /^\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}(\.\d{1,6})?[+-]\d{2}(:\d{2})?$/;
+const PG_TIMESTAMP =
+  /^(\d{4})-(\d{2})-(\d{2}) (\d{2}):(\d{2}):(\d{2})(?:\.\d{1,6})?[+-](\d{2})(?::(\d{2}))?$/;
+
+/** PostgreSQL's widest UTC offset is 15:59 (MAX_TZDISP_HOUR); the pool's own is +00. */
+const MAX_OFFSET_HOURS = 15;
+
+/**
+ * True when `ts` is PostgreSQL timestamptz text naming a real instant. The shape alone let
+ * 2026-02-30 or 25:00 through to PostgreSQL, whose data exception was then a 400 naming no
+ * query parameter.
+ */
+function isInstant(ts: string): boolean {
+  const match = PG_TIMESTAMP.exec(ts);
+  if (!match) return false;
+  const [year, month, day, hour, minute, second, offsetHours, offsetMinutes] = match
+    .slice(1)
+    .map((part) => Number(part ?? 0)) as [number, number, number, number, number, number, number, number];
+  // setUTCFullYear, not Date.UTC: Date.UTC reads years 0-99 as 1900-1999. Year 0 is no year to
+  // PostgreSQL (1 BC is written with BC).
+  const date = new Date(0);
+  date.setUTCFullYear(year, month - 1, day);
+  return (
+    year >= 1 &&
+    date.getUTCMonth() === month - 1 &&
+    date.getUTCDate() === day &&
+    hour < 24 &&
+    minute < 60 &&
+    second < 60 &&
+    offsetHours <= MAX_OFFSET_HOURS &&
+    offsetMinutes < 60
+  );
+}
 
 /**
  * Cursors are opaque to clients (base64url of a JSON pair) so their contents may change. Keyset
@@ -35,7 +66,7 @@ export function decodeCursor(text: string | undefined): CursorPosition | null {
     pair.length === 2 &&
     typeof pair[0] === 'string' &&
     typeof pair[1] === 'string' &&
-    PG_TIMESTAMP.test(pair[0]) &&
+    isInstant(pair[0]) &&
     isUuid(pair[1])
   ) {
     return { ts: pair[0], id: pair[1] };

@@ -1,5 +1,6 @@
-import { STATUS_CODES } from 'node:http';
+import { STATUS_CODES, type IncomingMessage, type Server, type ServerResponse } from 'node:http';
 import type { Socket } from 'node:net';
+import type { Duplex } from 'node:stream';
 import type { FastifyError, FastifyInstance, HTTPMethods } from 'fastify';
 import type { Logger } from '../observability/logger.js';
 import { badRequest, problemBody, ProblemError, toProblem } from './problems.js';
@@ -121,15 +122,51 @@ export function clientErrorHandler(logger: Logger) {
     );
     // Node's own rule: no answer into a response already under way on this connection.
     const underway = (socket as { _httpMessage?: { headersSent?: boolean } })._httpMessage?.headersSent;
-    if (socket.writable && !underway) {
-      const problem = parserProblem(error.code);
-      const body = JSON.stringify(problemBody(problem));
-      socket.write(
-        `HTTP/1.1 ${problem.status} ${STATUS_CODES[problem.status]}\r\n` +
-          `Content-Type: application/problem+json\r\nContent-Length: ${Buffer.byteLength(body)}\r\n` +
-          `Connection: close\r\n\r\n${body}`,
-      );
-    }
+    if (socket.writable && !underway) writeProblem(socket, parserProblem(error.code));
     socket.destroy(error);
   };
+}
+
+/** Writes `problem` as a whole HTTP/1.1 answer straight to a socket HTTP has let go of. */
+function writeProblem(socket: Duplex, problem: ProblemError): void {
+  const body = JSON.stringify(problemBody(problem));
+  socket.write(
+    `HTTP/1.1 ${problem.status} ${STATUS_CODES[problem.status]}\r\n` +
+      `Content-Type: application/problem+json\r\nContent-Length: ${Buffer.byteLength(body)}\r\n` +
+      `Connection: close\r\n\r\n${body}`,
+  );
+}
+
+/**
+ * Answers what Node's HTTP server settles itself, before Fastify sees a request, with problems
+ * where Node wrote empty bodies or nothing: an Expect other than 100-continue (Node's own 417),
+ * and CONNECT (Node drops the connection unanswered; this is no proxy). An HTTP/1.1 request
+ * without Host is refused in an onRequest hook instead (buildApiServer turns Node's check off).
+ */
+export function answerNodeRefusals(server: Server): void {
+  server.on('checkExpectation', (request: IncomingMessage, response: ServerResponse) => {
+    const problem = new ProblemError(
+      417,
+      'expectation-failed',
+      'Expectation failed',
+      'only "Expect: 100-continue" is supported',
+      [{ field: 'headers.expect', message: 'only 100-continue is supported' }],
+    );
+    const body = JSON.stringify(problemBody(problem, request.url?.split('?')[0]));
+    response
+      .writeHead(417, {
+        'content-type': 'application/problem+json',
+        'content-length': Buffer.byteLength(body),
+        connection: 'close',
+      })
+      .end(body);
+  });
+  server.on('connect', (_request: IncomingMessage, socket: Duplex) => {
+    socket.on('error', () => undefined); // a client gone before the answer is nobody's failure
+    writeProblem(
+      socket,
+      badRequest([{ field: 'method', message: 'CONNECT is not served: this is no proxy' }]),
+    );
+    socket.end();
+  });
 }

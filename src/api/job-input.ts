@@ -54,18 +54,27 @@ function depthExceeds(value: unknown, max: number): boolean {
 }
 
 /**
- * Strings (and object keys) PostgreSQL cannot store: NUL, and lone UTF-16 surrogates (not valid
- * UTF-8). Only called on values whose depth is bounded.
+ * Values that cannot be stored as sent: strings (and object keys) PostgreSQL refuses (NUL, and
+ * lone UTF-16 surrogates, not valid UTF-8), and numbers JSON.parse read as ±Infinity (past
+ * ±1.8e308), which JSON.stringify would have written as null. Only called on values whose depth
+ * is bounded.
  */
-function unstorableStrings(value: unknown, path: string[], out: FieldError[]): void {
+function unstorableValues(value: unknown, path: string[], out: FieldError[]): void {
   if (typeof value === 'string') {
     if (unstorable(value)) {
       out.push({ field: path.join('.'), message: 'must not contain NUL or unpaired surrogate characters' });
     }
+  } else if (typeof value === 'number') {
+    if (!Number.isFinite(value)) {
+      out.push({
+        field: path.join('.'),
+        message: 'must be a finite number (a JSON number past ±1.8e308 cannot be kept)',
+      });
+    }
   } else if (value !== null && typeof value === 'object') {
     for (const [key, inner] of Object.entries(value)) {
       if (unstorable(key)) out.push({ field: path.join('.'), message: 'has a key that cannot be stored' });
-      unstorableStrings(inner, [...path, key], out);
+      unstorableValues(inner, [...path, key], out);
     }
   }
 }
@@ -80,9 +89,28 @@ function checkBody(body: unknown, method: string, errors: FieldError[]): void {
   } else if (Buffer.byteLength(JSON.stringify(body)) > MAX_BODY_BYTES) {
     errors.push({ field, message: `must be at most ${MAX_BODY_BYTES} bytes as JSON` });
   } else {
-    unstorableStrings(body, [field], errors);
+    unstorableValues(body, [field], errors);
   }
 }
+
+/**
+ * `value` as PostgreSQL shows it once stored in a `real` (float4), the type of
+ * backoff_multiplier: the shortest decimal that reads back as the same float4.
+ */
+function shownAsReal(value: number): number {
+  const stored = Math.fround(value);
+  for (let digits = 1; digits < 9; digits++) {
+    const shown = Number(stored.toPrecision(digits));
+    if (Math.fround(shown) === stored) return shown;
+  }
+  return Number(stored.toPrecision(9));
+}
+
+/**
+ * True when a `real` column gives `value` back as sent: 1.23456789 came back as 1.2345679 (and
+ * `helios apply` of it found the job changed on every run).
+ */
+const keptAsReal = (value: number) => shownAsReal(value) === value;
 
 /** Adds the problem of a time zone, if it has one (with an expression that has none). */
 function zoneProblem(timezone: string, errors: FieldError[]): void {
@@ -160,7 +188,7 @@ export function compileJob(
   // The body is checked on its own (bounded depth first); everything else has a fixed shape.
   const { body: rawBody, ...targetRest } = input.target;
   const body = rawBody === null ? undefined : rawBody;
-  unstorableStrings({ ...input, target: targetRest }, [], errors);
+  unstorableValues({ ...input, target: targetRest }, [], errors);
   if (isUuid(input.name)) errors.push({ field: 'name', message: 'must not look like a job id (a UUID)' });
   const timezone = input.timezone ?? JOB_DEFAULTS.timezone;
   let schedule: CronSchedule | undefined;
@@ -204,9 +232,15 @@ export function compileJob(
       });
     }
   }
+  const retry = { ...JOB_DEFAULTS.retry, ...input.retry };
+  if (!keptAsReal(retry.backoffMultiplier)) {
+    errors.push({
+      field: 'retry.backoffMultiplier',
+      message: `has more digits than are kept (about 7 significant: ${shownAsReal(retry.backoffMultiplier)} would be stored)`,
+    });
+  }
   if (errors.length > 0 || !schedule) throw badRequest(errors);
 
-  const retry = { ...JOB_DEFAULTS.retry, ...input.retry };
   const fields = {
     name: input.name,
     schedule: input.schedule,

@@ -61,8 +61,11 @@ interface ValidationIssue {
   message?: string;
 }
 
-/** Fastify's own errors before a handler runs (content type, body size, JSON syntax). */
-const FASTIFY_ERRORS: Record<string, { status: number; slug: string; title: string }> = {
+/**
+ * Fastify's own errors before a handler runs (content type, body size, JSON syntax), and the
+ * field each is about (default `body`).
+ */
+const FASTIFY_ERRORS: Record<string, { status: number; slug: string; title: string; field?: string }> = {
   FST_ERR_CTP_BODY_TOO_LARGE: { status: 413, slug: 'body-too-large', title: 'Request body too large' },
   FST_ERR_CTP_INVALID_MEDIA_TYPE: {
     status: 415,
@@ -72,6 +75,13 @@ const FASTIFY_ERRORS: Record<string, { status: number; slug: string; title: stri
   FST_ERR_CTP_EMPTY_JSON_BODY: { status: 400, slug: 'validation', title: 'Invalid request' },
   FST_ERR_CTP_INVALID_JSON_BODY: { status: 400, slug: 'malformed-json', title: 'Malformed JSON' },
   FST_ERR_CTP_INVALID_CONTENT_LENGTH: { status: 400, slug: 'validation', title: 'Invalid request' },
+  // A QUERY request (RFC 10008) must say what its content is; refused before routing, on any path.
+  FST_ERR_ROUTE_MISSING_CONTENT_TYPE: {
+    status: 400,
+    slug: 'validation',
+    title: 'Invalid request',
+    field: 'headers.content-type',
+  },
 };
 
 /** Maps anything thrown while serving a request to a problem; unknown errors are a 500. */
@@ -102,10 +112,10 @@ export function toProblem(error: unknown): ProblemError {
     // A JSON syntax error's message quotes the input; it is only a fragment, but never echo input.
     const detail = known.slug === 'malformed-json' ? 'the body is not valid JSON' : e.message;
     return new ProblemError(known.status, known.slug, known.title, detail, [
-      { field: 'body', message: detail ?? known.title },
+      { field: known.field ?? 'body', message: detail ?? known.title },
     ]);
   }
-  // Other client errors Fastify raises before routing (e.g. prototype poisoning is a 400).
+  // Other client errors Fastify raises before routing.
   if (typeof e.statusCode === 'number' && e.statusCode >= 400 && e.statusCode < 500) {
     return new ProblemError(e.statusCode, 'bad-request', 'Bad request', 'the request was rejected', [
       { field: 'body', message: 'the request was rejected' },

@@ -68,7 +68,13 @@ const RetryInput = Type.Object(
   {
     maxAttempts: Type.Integer({ minimum: 1, maximum: 100 }),
     backoffMs: Type.Integer({ minimum: 0, maximum: 86_400_000 }),
-    backoffMultiplier: Type.Optional(Type.Number({ minimum: 1, maximum: 10, description: 'default 2' })),
+    backoffMultiplier: Type.Optional(
+      Type.Number({
+        minimum: 1,
+        maximum: 10,
+        description: 'default 2; stored as a real, so at most about 7 significant digits (more is a 400)',
+      }),
+    ),
   },
   closed,
 );

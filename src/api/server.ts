@@ -4,8 +4,14 @@ import { toError } from '../errors.js';
 import type { Logger } from '../observability/logger.js';
 import type { Registry } from 'prom-client';
 import { registerHealthRoutes, type Dependency, type Probe } from './health.js';
-import { clientErrorHandler, MAX_PARAM_LENGTH, routerProblem } from './framework-errors.js';
-import { notFound, sendProblem } from './problems.js';
+import {
+  answerNodeRefusals,
+  clientErrorHandler,
+  MAX_PARAM_LENGTH,
+  routerProblem,
+} from './framework-errors.js';
+import { registerJsonParser } from './json-body.js';
+import { badRequest, notFound, sendProblem } from './problems.js';
 
 export interface ApiServerOptions {
   readonly logger: Logger;
@@ -36,6 +42,22 @@ export async function buildApiServer(options: ApiServerOptions): Promise<Fastify
     // Requests Node's HTTP parser refuses (a bad Content-Length, headers too large) never reach
     // Fastify's routing at all.
     clientErrorHandler: clientErrorHandler(logger),
+    // Node answers an HTTP/1.1 request without Host with an empty 400 of its own; the hook below
+    // refuses it as a problem.
+    http: { requireHostHeader: false },
+  });
+  answerNodeRefusals(app.server);
+  registerJsonParser(app);
+  // RFC 9112 §3.2: an HTTP/1.1 request carries Host, once (the open API's checks read it; Node
+  // keeps the first of several and drops the rest).
+  app.addHook('onRequest', async (request) => {
+    const { httpVersionMajor, httpVersionMinor, rawHeaders } = request.raw;
+    if (httpVersionMajor === 1 && httpVersionMinor === 1 && request.headers.host === undefined) {
+      throw badRequest([{ field: 'headers.host', message: 'is required in HTTP/1.1' }]);
+    }
+    // rawHeaders alternates names and values.
+    const hosts = rawHeaders.filter((text, i) => i % 2 === 0 && text.toLowerCase() === 'host').length;
+    if (hosts > 1) throw badRequest([{ field: 'headers.host', message: 'is given more than once' }]);
   });
   // Every error outside /api/v1 is a problem too (the v1 scope sets its own, behind its token check).
   app.setErrorHandler((error, request, reply) => sendProblem(reply, request, error, logger));

@@ -61,6 +61,8 @@ function* issuesOfErrors(
   errors: Iterable<TLocalizedValidationError>,
   onBranch: (error: TLocalizedValidationError) => void,
 ): Generator<Issue> {
+  // Unknown properties already reported, by path: each comes twice (see below).
+  const unknown = new Set<string>();
   for (const error of errors) {
     const { keyword, instancePath, schemaPath } = error;
     // A branch of a union that did not match: the union's own error says it for the field.
@@ -80,11 +82,17 @@ function* issuesOfErrors(
     } else if (error.keyword === 'additionalProperties') {
       for (const name of error.params.additionalProperties) {
         const path = `${instancePath}/${escapePointer(name)}`;
+        if (unknown.has(path)) continue;
+        unknown.add(path);
         yield { keyword, schemaPath, instancePath: path, message: 'is not a known field' };
       }
     } else if (keyword === 'boolean' && schemaPath.endsWith('/additionalProperties')) {
-      // The same unknown property again, as `additionalProperties: false` failing for it.
-      continue;
+      // An unknown property as `additionalProperties: false` failing for it. TypeBox reports
+      // these before the one error listing them all, which 64 of them (maxErrors) keep out: a body
+      // or query with that many unknown fields was a 400 naming none.
+      if (unknown.has(instancePath)) continue;
+      unknown.add(instancePath);
+      yield { keyword: 'additionalProperties', schemaPath, instancePath, message: 'is not a known field' };
     } else if (keyword === 'anyOf') {
       const options = (schemaAt(schema, schemaPath) as { anyOf?: { const?: unknown }[] } | undefined)?.anyOf;
       const literals = options?.length && options.every((o) => typeof o.const === 'string');
@@ -98,15 +106,38 @@ function* issuesOfErrors(
   }
 }
 
+/** How an integer is written in a query string or path: decimal digits. */
+const DECIMAL_INTEGER = /^[+-]?\d+$/;
+
+/**
+ * `input` (a query string's or path's strings) converted to `schema`'s types, except integers not
+ * written as decimal digits, left as the string they were so the check fails naming them: TypeBox's
+ * Convert reads 1.5 as 1, `true` as 1 and 0x10 as 16, and `?limit=1.5` was a page of 1.
+ */
+function convertStrings(schema: TSchema, validator: ReturnType<typeof Compile>, input: unknown): unknown {
+  if (typeof input !== 'object' || input === null) return validator.Convert(input);
+  const raw = Object.entries(input);
+  const value = validator.Convert(input);
+  if (typeof value !== 'object' || value === null) return value;
+  const properties = (schema as { properties?: Record<string, { type?: unknown }> }).properties ?? {};
+  for (const [name, text] of raw) {
+    if (properties[name]?.type === 'integer' && typeof text === 'string' && !DECIMAL_INTEGER.test(text)) {
+      (value as Record<string, unknown>)[name] = text;
+    }
+  }
+  return value;
+}
+
 /**
  * Validates requests with TypeBox's compiler instead of Fastify's default Ajv setup, which
  * silently drops unknown properties and coerces body types ("5" → 5). Bodies are checked as
- * sent; query strings and path parameters are converted from strings first.
+ * sent; query strings and path parameters are converted from strings first (integers only from
+ * decimal digits).
  */
 export const validatorCompiler: FastifySchemaCompiler<TSchema> = ({ schema, httpPart }) => {
   const validator = Compile(schema);
   return (input: unknown) => {
-    const value = httpPart === 'body' ? input : validator.Convert(input);
+    const value = httpPart === 'body' ? input : convertStrings(schema, validator, input);
     if (validator.Check(value)) return { value };
     const error: FastifySchemaValidationError[] = [];
     for (const issue of issuesOf(schema, validator.Errors(value))) {
