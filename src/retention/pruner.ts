@@ -194,7 +194,9 @@ export class Pruner {
       // triggers, ten a second) grew for ever.
       if (batch.lastJob === null && !batch.full) break;
       afterJob = batch.lastJob;
-      jobs = Math.min(JOBS_PER_BATCH, jobs * 2);
+      // Grown again only past a full job: grown after each of its batches, the next took in again
+      // a job whose batch was refused (now and then halved down to one), refused again each time.
+      if (!batch.full) jobs = Math.min(JOBS_PER_BATCH, jobs * 2);
       // A sweep that takes long (the first ones after the retention was shortened: every job full)
       // would hold back the outbox passes the loop makes between sweeps, and the outbox grows by
       // every run dispatched meanwhile. A failed pass is counted; the loop's next one logs it. On
