@@ -3,7 +3,7 @@ import { setTimeout as sleep } from 'node:timers/promises';
 import { toError } from '../errors.js';
 import type { Logger } from '../observability/logger.js';
 import type { Metrics } from '../observability/metrics.js';
-import type { Database, DbClient } from '../store/db.js';
+import type { Database, DbClient, Queryable } from '../store/db.js';
 import type { RetentionConfig } from '../config/index.js';
 import { isDatabaseUnavailable, isServerError, withClient } from '../store/db.js';
 import { databaseCutoff, nextJobAfter, pruneOutbox, pruneRuns } from '../store/retention.js';
@@ -89,8 +89,13 @@ export class Pruner {
    * Counted in helios_prune_passes_total{table="outbox"}.
    */
   async pruneOutbox(): Promise<number> {
+    return this.pruneOutboxOn(this.options.pool);
+  }
+
+  /** An outbox pass on `db`: the pool, or a sweep's own session (see sweepJobsOn). */
+  private async pruneOutboxOn(db: Queryable): Promise<number> {
     this.outboxPassAt = performance.now();
-    return this.counted('outbox', async () => ({ pruned: await this.deleteOutbox(), skipped: 0 }));
+    return this.counted('outbox', async () => ({ pruned: await this.deleteOutbox(db), skipped: 0 }));
   }
 
   /**
@@ -117,11 +122,11 @@ export class Pruner {
     }
   }
 
-  private async deleteOutbox(): Promise<number> {
-    const { pool, signal, metrics, retention } = this.options;
+  private async deleteOutbox(db: Queryable): Promise<number> {
+    const { signal, metrics, retention } = this.options;
     let total = 0;
     while (!signal.aborted) {
-      const deleted = await pruneOutbox(pool, retention.outboxMs, OUTBOX_BATCH);
+      const deleted = await pruneOutbox(db, retention.outboxMs, OUTBOX_BATCH);
       total += deleted;
       if (deleted > 0) metrics.pruned.inc({ table: 'outbox' }, deleted);
       if (deleted < OUTBOX_BATCH) break;
@@ -189,12 +194,20 @@ export class Pruner {
       // triggers, ten a second) grew for ever.
       if (batch.lastJob === null && !batch.full) break;
       afterJob = batch.lastJob;
-      jobs = Math.min(JOBS_PER_BATCH, jobs * 2);
+      // Grown again only past a full job: grown after each of its batches, the next took in again
+      // a job whose batch was refused (now and then halved down to one), refused again each time.
+      if (!batch.full) jobs = Math.min(JOBS_PER_BATCH, jobs * 2);
       // A sweep that takes long (the first ones after the retention was shortened: every job full)
       // would hold back the outbox passes the loop makes between sweeps, and the outbox grows by
-      // every run dispatched meanwhile. A failed pass is counted; the loop's next one logs it.
+      // every run dispatched meanwhile. A failed pass is counted; the loop's next one logs it. On
+      // the sweep's session, idle between its statements: from the pool it waited for a second
+      // connection, and on a leader pool of one (the sweep holding it) every batch waited out the
+      // pool's connect timeout (5 s) and the pass failed. An outage ends the sweep as its own
+      // statements' would: the session may be gone, or still waiting for the unanswered statement.
       if (performance.now() - this.outboxPassAt >= (this.options.intervalMs ?? 5000))
-        await this.pruneOutbox().catch(() => undefined);
+        await this.pruneOutboxOn(session).catch((err: unknown) => {
+          if (signal.aborted || isOutage(err)) throw err;
+        });
     }
     if (total > 0 || skipped > 0)
       logger.info({ runs: total, cutoff, jobsSkipped: skipped }, 'pruned finished runs');

@@ -1,9 +1,11 @@
 import assert from 'node:assert/strict';
+import { performance } from 'node:perf_hooks';
 import { after, before, test } from 'node:test';
 import pg from 'pg';
 import { silentLogger } from '../../src/observability/logger.js';
 import { createMetrics } from '../../src/observability/metrics.js';
 import { Pruner } from '../../src/retention/pruner.js';
+import { createPool } from '../../src/store/db.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
 import { insertJob } from '../support/execution.js';
 import { parseMetrics } from '../support/metrics.js';
@@ -334,3 +336,89 @@ async function passCounts(metrics: ReturnType<typeof createMetrics>): Promise<Re
     scrape.find('helios_prune_passes_total').map((s) => [`${s.labels.table} ${s.labels.result}`, s.value]),
   );
 }
+
+test('a long sweep on a leader pool of one connection prunes the outbox on its own session', async (t) => {
+  // HELIOS_LEADER_POOL_SIZE may be 1. The sweep holds its connection for the whole pass, so an
+  // outbox pass taken from the pool meanwhile waited for a free connection until the pool's connect
+  // timeout (5 s) and failed, and the next batch tried again: every batch of the sweep waited 5 s
+  // (a shortened retention's first sweep, hundreds of batches, held the leader's only connection for
+  // an hour) and the outbox was not pruned after all. Here a job with 2,000 runs to prune: 4 batches.
+  const id = await job('one-connection');
+  await db.pool.query(
+    `INSERT INTO runs (job_id, scheduled_for, trigger, state, attempt, max_attempts, target, timeout_ms,
+                       backoff_ms, backoff_multiplier, not_before, finished_at)
+     SELECT $1, t, 'manual', 'succeeded', 1, 3, '{"url":"http://127.0.0.1:9/"}', 1000, 0, 2, t, t + interval '1 second'
+     FROM (SELECT now() - interval '40 days' + i * interval '1 second' AS t FROM generate_series(0, 2002) i) s`,
+    [id],
+  );
+  await db.pool.query(
+    `INSERT INTO outbox (topic, key, payload, published_at)
+     SELECT 't', 'old-one-connection', '{}', now() - interval '11 minutes' FROM generate_series(1, 100)`,
+  );
+  const pool = createPool({
+    connectionString: db.url,
+    max: 1,
+    logger: silentLogger,
+    applicationName: 'prune-one',
+  });
+  t.after(() => pool.end());
+  const metrics = createMetrics('retention-test');
+  const sweeper = new Pruner({
+    pool,
+    signal: new AbortController().signal,
+    retention: { runsMs: 30 * DAY, keepPerJob: 3, outboxMs: 600_000 },
+    intervalMs: 0,
+    logger: silentLogger,
+    metrics,
+  });
+  const started = performance.now();
+  await sweeper.sweepRuns();
+  const tookMs = performance.now() - started;
+  assert.equal((await runsOfJob(id)).n, 3, 'the sweep pruned the job to its newest 3');
+  const { rows } = await db.pool.query<{ n: number }>(
+    `SELECT count(*)::int AS n FROM outbox WHERE key = 'old-one-connection'`,
+  );
+  assert.equal(rows[0]!.n, 0, 'published outbox rows past their retention left while the sweep ran');
+  assert.equal((await passCounts(metrics))['outbox failed'], 0, 'no outbox pass failed');
+  assert.ok(tookMs < 4000, `the sweep took ${Math.round(tookMs)} ms`);
+});
+
+test('a job whose runs cannot be pruned is tried once a sweep, not again for every batch of a full job before it', async (t) => {
+  // A batch PostgreSQL refuses is tried on fewer jobs, down to one. A full job is pruned again
+  // before the sweep moves on, and the batch size doubled after each of its batches: so the batch
+  // after each 500 runs of the full job took in the refused job again, and was refused again (each
+  // refusal a statement timeout, 30 s, when that is why). Here the full job has 5,000 runs to prune.
+  const full = '00000000-0000-4000-8000-000000000001';
+  const refused = '00000000-0000-4000-8000-000000000002';
+  for (const [name, id] of [
+    ['full-before-refused', full],
+    ['refused-after-full', refused],
+  ]) {
+    await db.pool.query(`UPDATE jobs SET id = $2 WHERE id = $1`, [await job(name!), id]);
+  }
+  await db.pool.query(
+    `INSERT INTO runs (job_id, scheduled_for, trigger, state, attempt, max_attempts, target, timeout_ms,
+                       backoff_ms, backoff_multiplier, not_before, finished_at)
+     SELECT $1, t, 'manual', 'succeeded', 1, 3, '{"url":"http://127.0.0.1:9/"}', 1000, 0, 2, t, t + interval '1 second'
+     FROM (SELECT now() - interval '40 days' + i * interval '1 second' AS t FROM generate_series(0, 5002) i) s`,
+    [full],
+  );
+  await history(refused, 10, 100);
+  // The refusals are counted by a sequence, which a rolled-back statement does not take back.
+  await db.pool.query(`
+    CREATE SEQUENCE prune_refusals;
+    CREATE FUNCTION refuse_counted() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN PERFORM nextval('prune_refusals'); RAISE EXCEPTION 'refused'; END $$;
+    CREATE TRIGGER refuse_counted BEFORE DELETE ON runs FOR EACH ROW
+    WHEN (OLD.job_id = '${refused}') EXECUTE FUNCTION refuse_counted()`);
+  t.after(() =>
+    db.pool.query(
+      'DROP TRIGGER refuse_counted ON runs; DROP FUNCTION refuse_counted(); DROP SEQUENCE prune_refusals',
+    ),
+  );
+  await pruner().sweepRuns();
+  assert.equal((await runsOfJob(full)).n, 3, 'the full job was pruned to its newest 3');
+  const { rows } = await db.pool.query<{ n: string }>(`SELECT last_value AS n FROM prune_refusals`);
+  // Halving from 200 jobs to 1 meets it 8 times, and once the full job is done, twice more.
+  assert.ok(Number(rows[0]!.n) <= 10, `the refused job was tried ${rows[0]!.n} times`);
+});
