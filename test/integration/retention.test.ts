@@ -4,7 +4,7 @@ import { after, before, test } from 'node:test';
 import pg from 'pg';
 import { silentLogger } from '../../src/observability/logger.js';
 import { createMetrics } from '../../src/observability/metrics.js';
-import { Pruner } from '../../src/retention/pruner.js';
+import { Pruner, type PrunerOptions } from '../../src/retention/pruner.js';
 import { createPool } from '../../src/store/db.js';
 import { createTestDatabase, type TestDatabase } from '../support/database.js';
 import { insertJob } from '../support/execution.js';
@@ -20,14 +20,40 @@ after(() => db.drop());
 
 const DAY = 86_400_000;
 
-function pruner() {
+/** A pruner keeping 30 days and each job's newest 3, on the test database unless `options` say otherwise. */
+function pruner(options: Partial<PrunerOptions> = {}) {
   return new Pruner({
     pool: db.pool,
     signal: new AbortController().signal,
     retention: { runsMs: 30 * DAY, keepPerJob: 3, outboxMs: 600_000 },
     logger: silentLogger,
     metrics: createMetrics('retention-test'),
+    ...options,
   });
+}
+
+/**
+ * `count` succeeded manual runs of job `jobId` finished past the retention: the first due 40 days
+ * ago plus `first` steps, one every `stepMs`.
+ */
+async function finishedManualRuns(jobId: string, count: number, { first = 0, stepMs = 1000 } = {}) {
+  await db.pool.query(
+    `INSERT INTO runs (job_id, scheduled_for, trigger, state, attempt, max_attempts, target, timeout_ms,
+                       backoff_ms, backoff_multiplier, not_before, finished_at)
+     SELECT $1, t, 'manual', 'succeeded', 1, 3, '{"url":"http://127.0.0.1:9/"}', 1000, 0, 2, t, t + interval '1 second'
+     FROM (SELECT now() - interval '40 days' + ($3 + i) * ($4 * interval '1 millisecond') AS t
+           FROM generate_series(0, $2 - 1) i) s`,
+    [jobId, count, first, stepMs],
+  );
+}
+
+/** `count` outbox rows keyed `key`, published 11 minutes ago: past the 10 minutes kept. */
+async function publishedOutboxRows(key: string, count: number) {
+  await db.pool.query(
+    `INSERT INTO outbox (topic, key, payload, published_at)
+     SELECT 't', $1, '{}', now() - interval '11 minutes' FROM generate_series(1, $2)`,
+    [key, count],
+  );
 }
 
 /** `count` finished runs of a job, one a day, the newest `newestDaysAgo` days ago. */
@@ -107,10 +133,7 @@ test('unfinished runs and dead runs with an open dead letter are never pruned', 
 });
 
 test('published outbox rows past their retention are deleted however many there are; pending ones stay', async () => {
-  await db.pool.query(
-    `INSERT INTO outbox (topic, key, payload, published_at)
-     SELECT 't', 'k', '{}', now() - interval '11 minutes' FROM generate_series(1, 25000)`,
-  );
+  await publishedOutboxRows('k', 25_000);
   await db.pool.query(
     `INSERT INTO outbox (topic, key, payload, published_at) VALUES ('t', 'recent', '{}', now()), ('t', 'pending', '{}', NULL)`,
   );
@@ -159,15 +182,7 @@ test("a job whose runs cannot be pruned keeps neither the other jobs' history no
   );
   const stop = new AbortController();
   const metrics = createMetrics('retention-loop-test');
-  const loop = new Pruner({
-    pool: db.pool,
-    signal: stop.signal,
-    retention: { runsMs: 30 * DAY, keepPerJob: 3, outboxMs: 600_000 },
-    intervalMs: 50,
-    runSweepMs: 50,
-    logger: silentLogger,
-    metrics,
-  }).run();
+  const loop = pruner({ signal: stop.signal, intervalMs: 50, runSweepMs: 50, metrics }).run();
   const deadline = Date.now() + 10_000;
   // Until the job is swept and a whole sweep has been counted (one stopped halfway is not).
   const swept = async () =>
@@ -210,13 +225,7 @@ test('a batch PostgreSQL refused does not hide the runs it had locked from the s
   );
   t.after(() => db.pool.query('DROP FUNCTION refuse_some CASCADE'));
   const metrics = createMetrics('retention-locks-test');
-  const sweeper = new Pruner({
-    pool,
-    signal: new AbortController().signal,
-    retention: { runsMs: 30 * DAY, keepPerJob: 3, outboxMs: 600_000 },
-    logger: silentLogger,
-    metrics,
-  });
+  const sweeper = pruner({ pool, metrics });
   for (let round = 0; round < 5; round += 1) {
     for (const id of others) await history(id, 10, 100 + 20 * round);
     await Promise.all(Array.from({ length: 8 }, () => pool.query('SELECT pg_sleep(0.02)')));
@@ -235,15 +244,9 @@ test('passes that cannot reach PostgreSQL are counted as failed', async (t) => {
   const unreachable = new pg.Pool({ connectionString: 'postgres://helios@127.0.0.1:1/none', max: 1 });
   t.after(() => unreachable.end());
   const metrics = createMetrics('retention-outage-test');
-  const pruner = new Pruner({
-    pool: unreachable,
-    signal: new AbortController().signal,
-    retention: { runsMs: 30 * DAY, keepPerJob: 3, outboxMs: 600_000 },
-    logger: silentLogger,
-    metrics,
-  });
-  await assert.rejects(pruner.pruneOutbox(), /ECONNREFUSED/);
-  await assert.rejects(pruner.sweepRuns(), /ECONNREFUSED/);
+  const refused = pruner({ pool: unreachable, metrics });
+  await assert.rejects(refused.pruneOutbox(), /ECONNREFUSED/);
+  await assert.rejects(refused.sweepRuns(), /ECONNREFUSED/);
   assert.deepEqual(await passCounts(metrics), {
     'outbox succeeded': 0,
     'outbox failed': 1,
@@ -259,29 +262,13 @@ test('a long sweep of runs keeps pruning the outbox meanwhile', async (t) => {
   // sweeps waited for it, and the outbox grew by every run dispatched meanwhile. Here each delete of
   // runs takes 200 ms (a statement trigger), the sweep three batches of one job.
   const id = await job('long-sweep');
-  await db.pool.query(
-    `INSERT INTO runs (job_id, scheduled_for, trigger, state, attempt, max_attempts, target, timeout_ms,
-                       backoff_ms, backoff_multiplier, not_before, finished_at)
-     SELECT $1, t, 'manual', 'succeeded', 1, 3, '{"url":"http://127.0.0.1:9/"}', 1000, 0, 2, t, t + interval '1 second'
-     FROM (SELECT now() - interval '40 days' + i * interval '1 second' AS t FROM generate_series(0, 1199) i) s`,
-    [id],
-  );
-  await db.pool.query(
-    `INSERT INTO outbox (topic, key, payload, published_at)
-     SELECT 't', 'old', '{}', now() - interval '11 minutes' FROM generate_series(1, 100)`,
-  );
+  await finishedManualRuns(id, 1200);
+  await publishedOutboxRows('old', 100);
   await db.pool.query(`CREATE FUNCTION slow_prune() RETURNS trigger LANGUAGE plpgsql AS $$
       BEGIN PERFORM pg_sleep(0.2); RETURN NULL; END $$;
     CREATE TRIGGER slow_prune AFTER DELETE ON runs FOR EACH STATEMENT EXECUTE FUNCTION slow_prune()`);
   t.after(() => db.pool.query('DROP TRIGGER slow_prune ON runs; DROP FUNCTION slow_prune()'));
-  const sweeper = new Pruner({
-    pool: db.pool,
-    signal: new AbortController().signal,
-    retention: { runsMs: 30 * DAY, keepPerJob: 3, outboxMs: 600_000 },
-    intervalMs: 100,
-    logger: silentLogger,
-    metrics: createMetrics('retention-test'),
-  });
+  const sweeper = pruner({ intervalMs: 100 });
   await sweeper.sweepRuns();
   assert.equal((await runsOfJob(id)).n, 3, 'the sweep pruned the job to its newest 3');
   const { rows } = await db.pool.query<{ n: number }>(
@@ -309,15 +296,7 @@ test('a sweep prunes a busy job down to its newest N, so a job making runs faste
   const quiet = [await job('beside-1'), await job('beside-2'), await job('beside-3')];
   const left: number[][] = [];
   for (let round = 0; round < 3; round += 1) {
-    for (const id of busy)
-      await db.pool.query(
-        `INSERT INTO runs (job_id, scheduled_for, trigger, state, attempt, max_attempts, target, timeout_ms,
-                         backoff_ms, backoff_multiplier, not_before, finished_at)
-       SELECT $1, t, 'manual', 'succeeded', 1, 3, '{"url":"http://127.0.0.1:9/"}', 1000, 0, 2, t, t + interval '1 second'
-       FROM (SELECT now() - interval '40 days' + ($2 * 1200 + i) * interval '100 milliseconds' AS t
-             FROM generate_series(0, 1199) i) s`,
-        [id, round],
-      );
+    for (const id of busy) await finishedManualRuns(id, 1200, { first: round * 1200, stepMs: 100 });
     for (const id of quiet) await history(id, 10, 100 + 20 * round);
     await pruner().sweepRuns();
     left.push(await Promise.all([...busy, ...quiet].map(async (id) => (await runsOfJob(id)).n)));
@@ -344,17 +323,8 @@ test('a long sweep on a leader pool of one connection prunes the outbox on its o
   // (a shortened retention's first sweep, hundreds of batches, held the leader's only connection for
   // an hour) and the outbox was not pruned after all. Here a job with 2,000 runs to prune: 4 batches.
   const id = await job('one-connection');
-  await db.pool.query(
-    `INSERT INTO runs (job_id, scheduled_for, trigger, state, attempt, max_attempts, target, timeout_ms,
-                       backoff_ms, backoff_multiplier, not_before, finished_at)
-     SELECT $1, t, 'manual', 'succeeded', 1, 3, '{"url":"http://127.0.0.1:9/"}', 1000, 0, 2, t, t + interval '1 second'
-     FROM (SELECT now() - interval '40 days' + i * interval '1 second' AS t FROM generate_series(0, 2002) i) s`,
-    [id],
-  );
-  await db.pool.query(
-    `INSERT INTO outbox (topic, key, payload, published_at)
-     SELECT 't', 'old-one-connection', '{}', now() - interval '11 minutes' FROM generate_series(1, 100)`,
-  );
+  await finishedManualRuns(id, 2003);
+  await publishedOutboxRows('old-one-connection', 100);
   const pool = createPool({
     connectionString: db.url,
     max: 1,
@@ -363,14 +333,7 @@ test('a long sweep on a leader pool of one connection prunes the outbox on its o
   });
   t.after(() => pool.end());
   const metrics = createMetrics('retention-test');
-  const sweeper = new Pruner({
-    pool,
-    signal: new AbortController().signal,
-    retention: { runsMs: 30 * DAY, keepPerJob: 3, outboxMs: 600_000 },
-    intervalMs: 0,
-    logger: silentLogger,
-    metrics,
-  });
+  const sweeper = pruner({ pool, intervalMs: 0, metrics });
   const started = performance.now();
   await sweeper.sweepRuns();
   const tookMs = performance.now() - started;
@@ -396,13 +359,7 @@ test('a job whose runs cannot be pruned is tried once a sweep, not again for eve
   ]) {
     await db.pool.query(`UPDATE jobs SET id = $2 WHERE id = $1`, [await job(name!), id]);
   }
-  await db.pool.query(
-    `INSERT INTO runs (job_id, scheduled_for, trigger, state, attempt, max_attempts, target, timeout_ms,
-                       backoff_ms, backoff_multiplier, not_before, finished_at)
-     SELECT $1, t, 'manual', 'succeeded', 1, 3, '{"url":"http://127.0.0.1:9/"}', 1000, 0, 2, t, t + interval '1 second'
-     FROM (SELECT now() - interval '40 days' + i * interval '1 second' AS t FROM generate_series(0, 5002) i) s`,
-    [full],
-  );
+  await finishedManualRuns(full, 5003);
   await history(refused, 10, 100);
   // The refusals are counted by a sequence, which a rolled-back statement does not take back.
   await db.pool.query(`
