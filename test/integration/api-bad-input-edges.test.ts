@@ -1,7 +1,6 @@
 import assert from 'node:assert/strict';
-import { connect } from 'node:net';
 import { after, before, test } from 'node:test';
-import { jobBody, startTestApi, type TestApi } from '../support/api.js';
+import { jobBody, rawRequest, startTestApi, tableState, type TestApi } from '../support/api.js';
 
 // Inputs that passed every check the API makes of its own and failed (or changed) later: in
 // PostgreSQL, answered for the wrong field, or in JSON.parse, stored as something else.
@@ -14,14 +13,6 @@ before(async () => {
   jobId = (created.body as { id: string }).id;
 });
 after(() => api.close());
-
-async function tableState(): Promise<string> {
-  const { rows } = await api.db.pool.query<{ jobs: string; runs: number; outbox: number }>(
-    `SELECT (SELECT md5(coalesce(string_agg(j::text, ',' ORDER BY j.id), '')) FROM jobs j) AS jobs,
-            (SELECT count(*)::int FROM runs) AS runs, (SELECT count(*)::int FROM outbox) AS outbox`,
-  );
-  return JSON.stringify(rows[0]);
-}
 
 function assertFields(response: Awaited<ReturnType<TestApi['call']>>, fields: string[], what: string) {
   assert.equal(response.status, 400, `${what}: ${response.text.slice(0, 300)}`);
@@ -51,7 +42,7 @@ test('a cursor whose timestamp has the right shape but is no instant is a 400 na
     '2026-02-28 23:00:00+16',
     '2026-02-28 23:00:00+05:60',
   ];
-  const before = await tableState();
+  const before = await tableState(api);
   for (const ts of timestamps) {
     for (const list of ['/api/v1/jobs', `/api/v1/jobs/${jobId}/runs`, '/api/v1/dead-letters']) {
       assertFields(await api.call('GET', `${list}?cursor=${cursorOf(ts)}`), ['cursor'], `${list} ${ts}`);
@@ -62,13 +53,13 @@ test('a cursor whose timestamp has the right shape but is no instant is a 400 na
     const response = await api.call('GET', `/api/v1/jobs?cursor=${cursorOf(ts)}`);
     assert.equal(response.status, 200, `${ts}: ${response.text.slice(0, 300)}`);
   }
-  assert.equal(await tableState(), before);
+  assert.equal(await tableState(api), before);
 });
 
 test('a number in target.body beyond what JSON numbers can hold here is a 400 naming it, not stored as null', async () => {
   // JSON.parse reads 1e999 as Infinity, which JSON.stringify writes as null: the job was saved
   // with a body other than the one sent.
-  const before = await tableState();
+  const before = await tableState(api);
   const raw = (body: string) =>
     `{"name":"edges-huge","schedule":"* * * * *","target":{"url":"http://127.0.0.1:9/","body":${body}}}`;
   assertFields(
@@ -89,7 +80,7 @@ test('a number in target.body beyond what JSON numbers can hold here is a 400 na
     ['target.body.amount'],
     'patch',
   );
-  assert.equal(await tableState(), before);
+  assert.equal(await tableState(api), before);
   // The largest finite numbers are kept as sent.
   const created = await api.call('POST', '/api/v1/jobs', { raw: raw('[1.7976931348623157e308,-5e-324]') });
   assert.equal(created.status, 201, created.text);
@@ -121,33 +112,6 @@ test('a page size that is not written as a whole number is a 400 naming limit, n
   }
 });
 
-/** Sends `text` as a request's raw bytes and reads the answer until the server closes. */
-async function rawRequest(text: string): Promise<{ status: number; contentType: string; body: unknown }> {
-  const socket = connect(Number(new URL(api.url).port), '127.0.0.1');
-  socket.on('error', () => undefined); // the server may reset the connection after answering
-  // Not end(): a request whose sender has half-closed is dropped before its answer is written.
-  socket.write(text);
-  const timer = setTimeout(() => socket.destroy(), 5000);
-  const chunks: Buffer[] = [];
-  try {
-    for await (const chunk of socket) chunks.push(chunk as Buffer);
-  } finally {
-    clearTimeout(timer);
-  }
-  const [head = '', body = ''] = Buffer.concat(chunks).toString('utf8').split('\r\n\r\n');
-  let parsed: unknown = body;
-  try {
-    parsed = JSON.parse(body);
-  } catch {
-    // not JSON: kept as text for the assertion message
-  }
-  return {
-    status: Number(/^HTTP\/1\.1 (\d{3})/.exec(head)?.[1]),
-    contentType: /^content-type: *(.*)$/im.exec(head)?.[1] ?? '',
-    body: parsed,
-  };
-}
-
 test('requests Node.js refuses before Fastify sees them get a problem naming what is wrong', async () => {
   // Node answered these itself (a 400 and a 417 with empty bodies, CONNECT with no answer at all)
   // or served them (two Hosts).
@@ -169,10 +133,10 @@ test('requests Node.js refuses before Fastify sees them get a problem naming wha
     ],
     ['CONNECT 127.0.0.1:9 HTTP/1.1\r\nHost: 127.0.0.1:9\r\n\r\n', 400, 'method'],
   ] as const;
-  const before = await tableState();
+  const before = await tableState(api);
   for (const [request, status, field] of cases) {
     const what = request.slice(0, 40);
-    const answer = await rawRequest(request);
+    const answer = await rawRequest(api, request);
     assert.equal(answer.status, status, `${what}: ${JSON.stringify(answer.body)}`);
     assert.match(answer.contentType, /^application\/problem\+json/, what);
     const problem = answer.body as { status: number; errors?: { field: string }[] };
@@ -183,10 +147,11 @@ test('requests Node.js refuses before Fastify sees them get a problem naming wha
       what,
     );
   }
-  assert.equal(await tableState(), before);
+  assert.equal(await tableState(api), before);
   // HTTP/1.0 has no Host requirement, and Expect: 100-continue is answered as before.
-  assert.equal((await rawRequest('GET /healthz HTTP/1.0\r\n\r\n')).status, 200);
+  assert.equal((await rawRequest(api, 'GET /healthz HTTP/1.0\r\n\r\n')).status, 200);
   const continued = await rawRequest(
+    api,
     'GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nExpect: 100-continue\r\n\r\n',
   );
   assert.equal(continued.status, 100);
@@ -212,7 +177,7 @@ test('a body that is not UTF-8, or says it is in another charset, is refused, no
     const text = await response.text();
     return { status: response.status, headers: response.headers, text, body: JSON.parse(text) as unknown };
   };
-  const before = await tableState();
+  const before = await tableState(api);
   const latin1 = Buffer.from('caf\xe9', 'latin1');
   for (const bytes of [
     latin1,
@@ -246,7 +211,7 @@ test('a body that is not UTF-8, or says it is in another charset, is refused, no
       ['headers.content-type'],
     );
   }
-  assert.equal(await tableState(), before);
+  assert.equal(await tableState(api), before);
   for (const contentType of [
     'application/json',
     'application/json; charset=utf-8',
@@ -266,7 +231,7 @@ test('64 or more unknown fields are a 400 naming them, as fewer are', async () =
   const unknown = (n: number, prefix: string) =>
     Object.fromEntries(Array.from({ length: n }, (_, i) => [`${prefix}${i}`, 'v']));
   const expected = (prefix: string) => Array.from({ length: 20 }, (_, i) => `${prefix}${i}`);
-  const before = await tableState();
+  const before = await tableState(api);
   for (const n of [64, 200]) {
     assertFields(
       await api.call('POST', '/api/v1/jobs', { body: { ...jobBody('edges-many'), ...unknown(n, 'x') } }),
@@ -293,7 +258,7 @@ test('64 or more unknown fields are a 400 naming them, as fewer are', async () =
       assertFields(await api.call('GET', `${list}?${query}`), expected('k'), `${list}, ${n} unknown`);
     }
   }
-  assert.equal(await tableState(), before);
+  assert.equal(await tableState(api), before);
 });
 
 test('a key JavaScript gives a meaning to (__proto__, constructor.prototype) is a 400 naming where it is', async () => {
@@ -311,14 +276,14 @@ test('a key JavaScript gives a meaning to (__proto__, constructor.prototype) is 
     ],
     ['{"__proto__":{"admin":true}}', '__proto__'],
   ] as const;
-  const before = await tableState();
+  const before = await tableState(api);
   for (const [body, field] of cases) {
     const response = await api.call('POST', '/api/v1/jobs', { raw: body });
     assertFields(response, [field], body);
     assert.doesNotMatch(JSON.stringify(response.body), /not valid JSON/, body);
   }
   assertFields(await api.call('POST', '/api/v1/jobs', { raw: '{"a":' }), ['body'], 'a syntax error still');
-  assert.equal(await tableState(), before);
+  assert.equal(await tableState(api), before);
 });
 
 test('a backoffMultiplier finer than PostgreSQL keeps it (a real) is a 400 naming it, not stored rounded', async () => {
@@ -327,7 +292,7 @@ test('a backoffMultiplier finer than PostgreSQL keeps it (a real) is a 400 namin
   const retry = (backoffMultiplier: number) => ({
     retry: { maxAttempts: 3, backoffMs: 1000, backoffMultiplier },
   });
-  const before = await tableState();
+  const before = await tableState(api);
   for (const multiplier of [1.23456789, 9.999999999, 3.14159265358979, 1.00000001]) {
     assertFields(
       await api.call('POST', '/api/v1/jobs', { body: jobBody('edges-real', retry(multiplier)) }),
@@ -340,7 +305,7 @@ test('a backoffMultiplier finer than PostgreSQL keeps it (a real) is a 400 namin
       `patch ${multiplier}`,
     );
   }
-  assert.equal(await tableState(), before);
+  assert.equal(await tableState(api), before);
   for (const multiplier of [1, 1.1, 1.5, 2.5, 1.0000001, 7.123456, 3.1415927, 10]) {
     const created = await api.call('POST', '/api/v1/jobs', {
       body: jobBody(`edges-real-${String(multiplier).replace('.', '-')}`, retry(multiplier)),
@@ -368,7 +333,7 @@ test('a JSON number with more digits than a double keeps is a 400 naming it, not
       'timeoutMs',
     ],
   ] as const;
-  const before = await tableState();
+  const before = await tableState(api);
   for (const [body, field] of cases) {
     assertFields(await api.call('POST', '/api/v1/jobs', { raw: body }), [field], body);
   }
@@ -379,7 +344,7 @@ test('a JSON number with more digits than a double keeps is a 400 naming it, not
     ['target.body.id'],
     'patch',
   );
-  assert.equal(await tableState(), before);
+  assert.equal(await tableState(api), before);
   // Numbers a double keeps, however they are written, are stored.
   const kept = '[9007199254740991,1.0,1e2,100.000000000000000000,0.1,123456789012345.6,2.5e-300]';
   const created = await api.call('POST', '/api/v1/jobs', { raw: raw(`,"body":${kept}`) });

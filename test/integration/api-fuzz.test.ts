@@ -1,11 +1,10 @@
 import assert from 'node:assert/strict';
-import { connect } from 'node:net';
 import { after, before, test } from 'node:test';
 import fc from 'fast-check';
 import { MAX_PARAM_LENGTH } from '../../src/api/framework-errors.js';
 import { isValidTimezone, parseCron } from '../../src/scheduling/cron.js';
 import { checkTargetUrl, compileTargetPolicy } from '../../src/security/target-policy.js';
-import { jobBody, startTestApi, type TestApi } from '../support/api.js';
+import { jobBody, rawRequest, startTestApi, tableState, type TestApi } from '../support/api.js';
 
 // Property: whatever malformed body arrives, the answer is a 4xx problem+json and the jobs
 // table is exactly as it was (nothing half-written).
@@ -18,14 +17,6 @@ before(async () => {
   existingId = (created.body as { id: string }).id;
 });
 after(() => api.close());
-
-async function tableState(): Promise<string> {
-  const { rows } = await api.db.pool.query<{ jobs: string; runs: number; outbox: number }>(
-    `SELECT (SELECT md5(coalesce(string_agg(j::text, ',' ORDER BY j.id), '')) FROM jobs j) AS jobs,
-            (SELECT count(*)::int FROM runs) AS runs, (SELECT count(*)::int FROM outbox) AS outbox`,
-  );
-  return JSON.stringify(rows[0]);
-}
 
 const policy = compileTargetPolicy();
 const KNOWN = new Set([
@@ -313,7 +304,7 @@ const malformed: fc.Arbitrary<Malformed> = fc.oneof(
 );
 
 test('at least 500 malformed bodies each get a 4xx problem+json and leave the jobs table unchanged', async () => {
-  const before = await tableState();
+  const before = await tableState(api);
   let sent = 0;
   await fc.assert(
     fc.asyncProperty(malformed, async ({ raw, contentType, patch }) => {
@@ -341,7 +332,7 @@ test('at least 500 malformed bodies each get a 4xx problem+json and leave the jo
       }
       if (response.status === 400)
         assert.ok(problem.errors?.length, `a 400 names a field: ${raw.slice(0, 200)}`);
-      assert.equal(await tableState(), before, `the jobs table changed after ${raw.slice(0, 200)}`);
+      assert.equal(await tableState(api), before, `the jobs table changed after ${raw.slice(0, 200)}`);
     }),
     { numRuns: 600 },
   );
@@ -375,7 +366,7 @@ test('a path parameter that is not valid percent-encoding is a 400 problem namin
     path.includes('{id}') ? Object.keys(item).map((method) => ({ method: method.toUpperCase(), path })) : [],
   );
   assert.ok(routes.length >= 9, `only ${routes.length} routes with an {id}`);
-  const before = await tableState();
+  const before = await tableState(api);
   await fc.assert(
     fc.asyncProperty(fc.constantFrom(...routes), undecodableSegment, async ({ method, path }, segment) => {
       const url = path.replace('{id}', segment);
@@ -389,7 +380,7 @@ test('a path parameter that is not valid percent-encoding is a 400 problem namin
     }),
     { numRuns: 100 },
   );
-  assert.equal(await tableState(), before);
+  assert.equal(await tableState(api), before);
 });
 
 test('an undecodable path outside a route parameter is a 400 problem naming the path', async () => {
@@ -453,22 +444,6 @@ test('errors outside /api/v1 are problems too: an unknown path, a body the serve
   );
 });
 
-/** Sends `text` as the raw bytes of a request; resolves with the answer once the server closes. */
-async function rawRequest(text: string): Promise<{ status: number; contentType: string; body: unknown }> {
-  const socket = connect(Number(new URL(api.url).port), '127.0.0.1');
-  socket.on('error', () => undefined); // the server may reset the connection after answering
-  socket.end(text);
-  const chunks: Buffer[] = [];
-  for await (const chunk of socket) chunks.push(chunk as Buffer);
-  const answer = Buffer.concat(chunks).toString('utf8');
-  const [head = '', body = ''] = answer.split('\r\n\r\n');
-  return {
-    status: Number(/^HTTP\/1\.1 (\d{3})/.exec(head)?.[1]),
-    contentType: /^content-type: *(.*)$/im.exec(head)?.[1] ?? '',
-    body: body ? JSON.parse(body) : null,
-  };
-}
-
 test('requests the HTTP parser refuses get a problem+json naming what is malformed', async () => {
   const start = 'POST /api/v1/jobs HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n';
   const cases = [
@@ -480,7 +455,7 @@ test('requests the HTTP parser refuses get a problem+json naming what is malform
   ] as const;
   for (const [request, status, field] of cases) {
     const what = request.slice(start.length, start.length + 60);
-    const answer = await rawRequest(request);
+    const answer = await rawRequest(api, request);
     assert.equal(answer.status, status, what);
     assert.match(answer.contentType, /^application\/problem\+json/, what);
     const problem = answer.body as { status: number; errors?: { field: string }[] };

@@ -1,3 +1,4 @@
+import { connect } from 'node:net';
 import { Writable } from 'node:stream';
 import type { FastifyInstance } from 'fastify';
 import { Registry } from 'prom-client';
@@ -124,5 +125,50 @@ export function jobBody(name: string, overrides: Record<string, unknown> = {}): 
     schedule: '*/5 * * * *',
     target: { url: 'http://127.0.0.1:9/hook', method: 'POST', body: { hello: 'world' } },
     ...overrides,
+  };
+}
+
+/**
+ * The jobs table (as a hash of its rows) and the counts of runs and outbox rows: equal before and
+ * after a refused request when nothing was half-written.
+ */
+export async function tableState(api: TestApi): Promise<string> {
+  const { rows } = await api.db.pool.query<{ jobs: string; runs: number; outbox: number }>(
+    `SELECT (SELECT md5(coalesce(string_agg(j::text, ',' ORDER BY j.id), '')) FROM jobs j) AS jobs,
+            (SELECT count(*)::int FROM runs) AS runs, (SELECT count(*)::int FROM outbox) AS outbox`,
+  );
+  return JSON.stringify(rows[0]);
+}
+
+/**
+ * Sends `text` as a request's raw bytes to `api` and reads the answer until the server closes (5 s
+ * at most); a body that is not JSON is kept as text for assertion messages.
+ */
+export async function rawRequest(
+  api: TestApi,
+  text: string,
+): Promise<{ status: number; contentType: string; body: unknown }> {
+  const socket = connect(Number(new URL(api.url).port), '127.0.0.1');
+  socket.on('error', () => undefined); // the server may reset the connection after answering
+  // Not end(): a request whose sender has half-closed is dropped before its answer is written.
+  socket.write(text);
+  const timer = setTimeout(() => socket.destroy(), 5000);
+  const chunks: Buffer[] = [];
+  try {
+    for await (const chunk of socket) chunks.push(chunk as Buffer);
+  } finally {
+    clearTimeout(timer);
+  }
+  const [head = '', body = ''] = Buffer.concat(chunks).toString('utf8').split('\r\n\r\n');
+  let parsed: unknown = body;
+  try {
+    parsed = JSON.parse(body);
+  } catch {
+    // not JSON: kept as text for the assertion message
+  }
+  return {
+    status: Number(/^HTTP\/1\.1 (\d{3})/.exec(head)?.[1]),
+    contentType: /^content-type: *(.*)$/im.exec(head)?.[1] ?? '',
+    body: parsed,
   };
 }
